@@ -1,0 +1,1 @@
+"""miles: post-training for DeepSeek-V4-architecture models."""

@@ -1,0 +1,1 @@
+"""Model plugins: one folder per model family (deepseek_v4)."""

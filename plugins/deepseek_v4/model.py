@@ -1,0 +1,679 @@
+"""DeepSeek-V4 in PyTorch: one definition for training, Megatron workers and the engine.
+
+Module and parameter names equal DeepSeek's checkpoint tensor names (embed.weight,
+layers.N.attn.wq_a.weight, layers.N.ffn.experts.E.w1.weight, mtp.0.e_proj.weight, ...),
+so the HF bridge needs no name table. Shapes: B batch, S tokens, H heads, D head_dim
+(512 in V4), n mHC streams, d hidden, G compressed entries, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import DeepSeekV4Config
+from .layout import Blocks, SequenceLayout
+from .parallel import ParallelContext
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class Rope:
+    """cos/sin [B, S, rd/2] at token positions for one rotation kind, plus its inv_freq."""
+
+    inv_freq: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_cos_sin(positions, self.inv_freq)
+
+
+@dataclass
+class Fwd:
+    """Per-forward facts shared by all layers."""
+
+    layout: SequenceLayout
+    input_ids: torch.Tensor
+    ropes: dict[str, Rope]
+    indexer_loss: bool = False
+    indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
+    indexer_rows: list[torch.Tensor] = field(default_factory=list)
+    balance_terms: list[torch.Tensor] = field(default_factory=list)
+    states: list | None = None  # filled by prefill
+
+
+# =========================================================================== state
+@dataclass
+class CompressorState:
+    """Decode state of one compressor: projections of the current partial block and of
+    the last complete block (CSA overlap), and the entries emitted so far."""
+
+    c: torch.Tensor  # [B, t, coff*D] fp32, t < ratio
+    z: torch.Tensor
+    prev_c: torch.Tensor | None  # [B, ratio, coff*D] fp32
+    prev_z: torch.Tensor | None
+    entries: torch.Tensor  # [B, G, D]
+
+
+@dataclass
+class AttnState:
+    kv: torch.Tensor  # [B, <= window, D] rotated kv of the last `window` tokens
+    comp: CompressorState | None
+    idx: CompressorState | None
+
+
+@dataclass
+class DecodeState:
+    """Incremental decoding state of the whole model; `pos` is the next token's position."""
+
+    layers: list[AttnState]
+    pos: int
+
+
+# =========================================================================== attention parts
+class Compressor(nn.Module):
+    """Pools each complete block of `ratio` tokens into one entry of width `dim` (all fp32).
+    CSA (ratio 4) overlaps: the previous block's tokens feed the first channel half, the
+    current block's the second; absent previous tokens are C = 0, Z = -inf."""
+
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, dim: int, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        self.dim, self.ratio = dim, ratio
+        self.overlap = cfg.is_csa(ratio)
+        coff = 2 if self.overlap else 1
+        self.wkv = ctx.replicated_linear(cfg.hidden_size, coff * dim, dtype)
+        self.wgate = ctx.replicated_linear(cfg.hidden_size, coff * dim, dtype)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * dim, dtype=torch.float32))
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d] -> C, Z [B, S, coff*D] in fp32."""
+        xf = x.float()
+        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+
+    def pool(self, cur_c: torch.Tensor, cur_z: torch.Tensor, prev_c: torch.Tensor | None,
+             prev_z: torch.Tensor | None, has_prev: torch.Tensor | None) -> torch.Tensor:
+        """Block projections [B, G, r, coff*D] -> normalised entries [B, G, D] (fp32, no RoPE)."""
+        ape = self.ape.float()
+        if self.overlap:
+            d = self.dim
+            hp = has_prev[..., None, None]
+            c = torch.cat((torch.where(hp, prev_c[..., :d], 0.0), cur_c[..., d:]), dim=-2)  # [B, G, 2r, D]
+            z = torch.cat((torch.where(hp, prev_z[..., :d] + ape[:, :d], float("-inf")),
+                           cur_z[..., d:] + ape[:, d:]), dim=-2)
+        else:
+            c, z = cur_c, cur_z + ape
+        return ops.rms_norm(ops.compress_pool(c, z), self.norm.weight, self.norm.eps)
+
+    def forward(self, x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        """All complete blocks of the sequence: x [B, S, d] -> [B, G, D] fp32."""
+        c, z = self.project(x)
+        rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
+        cur = blocks.token_index(0)  # [B, G, r]
+        prev = blocks.token_index(-1)
+        return self.pool(c[rows, cur], z[rows, cur], c[rows, prev], z[rows, prev], blocks.has_prev)
+
+    # ---- incremental decoding
+    def init_state(self, x: torch.Tensor, entries: torch.Tensor) -> CompressorState:
+        """State after a prefill of x [B, S, d] (one document per row, no padding)."""
+        c, z = self.project(x)
+        r, s = self.ratio, x.shape[1]
+        n = s // r
+        prev = (c[:, (n - 1) * r: n * r], z[:, (n - 1) * r: n * r]) if n else (None, None)
+        return CompressorState(c[:, n * r:], z[:, n * r:], prev[0], prev[1], entries)
+
+    def step(self, x: torch.Tensor, st: CompressorState, pos: int, rope_fn) -> CompressorState:
+        """Feed token at position `pos` (x [B, 1, d]); emit an entry when its block completes."""
+        c, z = self.project(x)
+        st.c, st.z = torch.cat((st.c, c), 1), torch.cat((st.z, z), 1)
+        if st.c.shape[1] == self.ratio:
+            b = x.shape[0]
+            has_prev = torch.full((b, 1), st.prev_c is not None, device=x.device)
+            pc = st.prev_c if st.prev_c is not None else torch.zeros_like(st.c)
+            pz = st.prev_z if st.prev_z is not None else torch.zeros_like(st.z)
+            entry = self.pool(st.c[:, None], st.z[:, None], pc[:, None], pz[:, None], has_prev)  # [B, 1, D]
+            entry = rope_fn(entry, torch.full((b, 1), pos - self.ratio + 1, device=x.device))
+            st.entries = torch.cat((st.entries, entry.to(st.entries.dtype)), 1)
+            st.prev_c, st.prev_z = st.c, st.z
+            st.c, st.z = st.c[:, :0], st.z[:, :0]
+        return st
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (CSA only): scores compressed entries per query, top-k picks."""
+
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = ctx.replicated_linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = ctx.replicated_linear(cfg.hidden_size, self.n_heads, dtype)
+        self.compressor = Compressor(ctx, cfg, self.head_dim, ratio, dtype)
+
+    def queries(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> q [B, S, h, dI] (RoPE then Hadamard) and head weights w [B, S, h] (fp32)."""
+        q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))
+        q = ops.hadamard(ops.apply_rope(q, cos[:, :, None], sin[:, :, None]))
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, w
+
+    @staticmethod
+    def keys(entries: torch.Tensor) -> torch.Tensor:
+        return ops.hadamard(entries)
+
+
+class Attention(nn.Module):
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.ratio = cfg.layer_ratio(layer)
+        self.n_heads = cfg.num_attention_heads // ctx.tp_size
+        self.groups = cfg.o_groups // ctx.tp_size
+        self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
+        self.rope_kind = "compressed" if self.ratio else "swa"
+        d, h, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = ctx.replicated_linear(d, cfg.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+        self.wq_b = ctx.column_linear(cfg.q_lora_rank, h * D, dtype)
+        self.wkv = ctx.replicated_linear(d, D, dtype)
+        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.wo_a = ctx.column_linear(h * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = ctx.row_linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.compressor = Compressor(ctx, cfg, D, self.ratio, dtype) if self.ratio else None
+        self.indexer = Indexer(ctx, cfg, self.ratio, dtype) if cfg.is_csa(self.ratio) else None
+
+    # ---- shared pieces of the full and the incremental path
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        c_q = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
+        q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, D]
+        q = ops.apply_rope(ops.rms_norm(q, None, self.cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
+        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, S, D]
+        return c_q, q, kv
+
+    def _rope_entries(self, rope: Rope):
+        def fn(entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            cos, sin = rope.at(positions)
+            return ops.apply_rope(entries, cos, sin)
+        return fn
+
+    def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        o = ops.apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+        return self.wo_b(ops.grouped_out_proj(o, self.wo_a.weight, self.groups))
+
+    def forward(self, x: torch.Tensor, fwd: Fwd) -> torch.Tensor:
+        """x [B, S, d] (attn_norm applied) -> [B, S, d]."""
+        rope = fwd.ropes[self.rope_kind]
+        c_q, q, kv = self._qkv(x, rope.cos, rope.sin)
+        keys, mask = kv, fwd.layout.window_mask(self.window)
+        state = None
+        if self.compressor is not None:
+            blocks = fwd.layout.blocks(self.ratio)
+            rope_e = self._rope_entries(rope)
+            comp = rope_e(self.compressor(x, blocks), blocks.pos).to(kv.dtype)  # [B, G, D]
+            visible = fwd.layout.visible(blocks)  # [B, S, G]
+            chosen = visible
+            if self.indexer is not None:
+                # The indexer sees detached inputs: only its auxiliary loss trains it.
+                xd, cqd = x.detach(), c_q.detach()
+                qi, wi = self.indexer.queries(xd, cqd, rope.cos, rope.sin)
+                ki_entries = rope_e(self.indexer.compressor(xd, blocks), blocks.pos)
+                scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
+                chosen = ops.topk_select(scores, visible, self.indexer.topk)
+            keys = torch.cat((kv, comp), 1)
+            mask = torch.cat((mask, chosen), -1)
+            if fwd.states is not None:
+                state = (self.compressor.init_state(x, comp),
+                         self.indexer.compressor.init_state(xd, ki_entries)
+                         if self.indexer is not None else None)
+        want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
+        o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, self.head_dim ** -0.5, return_probs=want_kl)
+        if want_kl:
+            self._indexer_kl(probs[..., kv.shape[1]:], scores, chosen, fwd)
+        if fwd.states is not None:
+            fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
+        return self._out(o, rope.cos, rope.sin)
+
+    @staticmethod
+    def _indexer_kl(probs_c: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:
+        """KL(main-attention mass over the chosen entries, summed over heads and renormalised
+        || softmax of the indexer scores over the same entries), summed over query rows."""
+        target = probs_c.detach().sum(1)  # [B, S, G]
+        total = target.sum(-1, keepdim=True)
+        rows = chosen.any(-1) & (total[..., 0] > 0)
+        target = torch.where(chosen, target / total.clamp_min(1e-30), 0.0)
+        # A finite fill keeps rows without picks finite (an all -inf row gives NaN grads).
+        logp = torch.log_softmax(scores.masked_fill(~chosen, -1e30), -1)
+        kl = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - logp), 0.0).sum(-1)
+        fwd.indexer_terms.append(torch.where(rows, kl, 0.0).sum())
+        fwd.indexer_rows.append(rows.sum())
+
+    def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope]) -> torch.Tensor:
+        """One token per row at position `pos`: x [B, 1, d] -> [B, 1, d]; updates st."""
+        rope = ropes[self.rope_kind]
+        b = x.shape[0]
+        cos, sin = rope.at(torch.full((b, 1), pos, device=x.device))
+        c_q, q, kv = self._qkv(x, cos, sin)
+        st.kv = torch.cat((st.kv, kv), 1)[:, -self.window:]
+        keys = st.kv
+        mask = torch.ones(b, 1, keys.shape[1], dtype=torch.bool, device=x.device)
+        if self.compressor is not None:
+            rope_e = self._rope_entries(rope)
+            st.comp = self.compressor.step(x, st.comp, pos, rope_e)
+            chosen = torch.ones(b, 1, st.comp.entries.shape[1], dtype=torch.bool, device=x.device)
+            if self.indexer is not None:
+                st.idx = self.indexer.compressor.step(x, st.idx, pos, rope_e)
+                qi, wi = self.indexer.queries(x, c_q, cos, sin)
+                scores = ops.indexer_scores(qi, self.indexer.keys(st.idx.entries), wi)
+                chosen = ops.topk_select(scores, chosen, self.indexer.topk)
+            keys = torch.cat((keys, st.comp.entries), 1)
+            mask = torch.cat((mask, chosen), -1)
+        o, _ = ops.sparse_attention(q, keys, mask, self.attn_sink, self.head_dim ** -0.5)
+        return self._out(o, cos, sin)
+
+
+# =========================================================================== MoE
+class Expert(nn.Module):
+    def __init__(self, ctx: ParallelContext, d: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.limit = limit
+        self.w1 = ctx.column_linear(d, inter, dtype)
+        self.w2 = ctx.row_linear(inter, d, dtype)
+        self.w3 = ctx.column_linear(d, inter, dtype)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, d]; weight [N] (routing weight, applied before w2) -> [N, d]."""
+        h = ops.clamped_swiglu(self.w1(x), self.w3(x), self.limit)  # fp32 [N, inter]
+        if weight is not None:
+            h = h * weight[:, None].float()
+        return self.w2(h.to(x.dtype))
+
+
+def balanced_hash_table(vocab: int, n_experts: int, k: int, layer: int) -> torch.Tensor:
+    """Deterministic, balanced token -> experts table for hash layers, [vocab, k] int64.
+
+    Token t gets the k consecutive experts (pi(t)*k + j) mod E, j < k, where
+    pi(t) = (a*t + layer) mod vocab is a permutation (a coprime to vocab), so the k
+    experts of a token are distinct and every expert serves floor or ceil(vocab*k/E)
+    vocabulary entries. Independent of torch's RNG and version; loaded checkpoints keep
+    their own table."""
+    a = 2654435761 % vocab or 1
+    while math.gcd(a, vocab) != 1:
+        a += 1
+    t = torch.arange(vocab, dtype=torch.long)
+    pi = (a * t + layer) % vocab
+    return (pi[:, None] * k + torch.arange(k)) % n_experts
+
+
+class Gate(nn.Module):
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, is_hash: bool, dtype):
+        super().__init__()
+        self.topk, self.is_hash = cfg.num_experts_per_tok, is_hash
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        if is_hash:
+            self.register_buffer("tid2eid", balanced_hash_table(
+                cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok, layer))
+        else:
+            # fp32 selection bias, updated aux-loss-free (not by the optimizer).
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+            self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, d], ids [N] -> experts [N, k], weights [N, k] fp32, scores [N, E] fp32."""
+        s = ops.sqrtsoftplus(F.linear(x.float(), self.weight.float()))  # [N, E]
+        if self.is_hash:
+            idx = self.tid2eid[ids]
+        else:
+            idx = torch.topk(s + self.bias, self.topk, dim=-1, sorted=False).indices
+        w = s.gather(-1, idx)
+        return idx, w / w.sum(-1, keepdim=True) * self.scaling, s
+
+
+class MoE(nn.Module):
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, is_hash: bool, dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Gate(ctx, cfg, layer, is_hash, dtype)
+        self.local = ctx.local_experts(cfg.n_routed_experts)
+        lim = cfg.swiglu_limit
+        self.experts = nn.ModuleDict({str(e): Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, lim, dtype)
+                                      for e in self.local})
+        self.shared_experts = (Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, lim, dtype)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, fwd: Fwd | None, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """x [B, S, d]; ids, valid [B, S] -> [B, S, d]."""
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        idx, w, s = self.gate(xf, ids.reshape(-1))
+        out = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
+        for e in self.local:  # token dispatch; index_add_ is deterministic on CPU
+            rows, slot = torch.nonzero(idx == e, as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, self.experts[str(e)](xf[rows], w[rows, slot]).float())
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(xf).float()
+        if not self.gate.is_hash:
+            v = valid.reshape(-1)
+            if self.training and torch.is_grad_enabled():
+                with torch.no_grad():
+                    self.gate.expert_load += torch.bincount(idx[v].flatten(), minlength=s.shape[-1]).float()
+            if fwd is not None and self.cfg.balance_loss_coef > 0 and torch.is_grad_enabled():
+                fwd.balance_terms.append(self._balance(idx, s, valid))
+        return out.to(x.dtype).reshape(shape)
+
+    def _balance(self, idx: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Sequence-level balance loss sum_e f_e * P_e, averaged over rows (V3 form)."""
+        b, t = valid.shape
+        e, k = s.shape[-1], idx.shape[-1]
+        v = valid.float()
+        n = v.sum(1).clamp_min(1)  # [B]
+        counts = F.one_hot(idx, e).sum(-2).view(b, t, e).float() * v[..., None]
+        f = counts.sum(1) * e / (k * n[:, None])
+        p = ((s / s.sum(-1, keepdim=True)).view(b, t, e) * v[..., None]).sum(1) / n[:, None]
+        return (f * p).sum(-1).mean()
+
+
+# =========================================================================== blocks
+class Block(nn.Module):
+    """One transformer block; attention and MoE each wrapped in mHC."""
+
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, dtype: torch.dtype,
+                 is_hash: bool):
+        super().__init__()
+        self.cfg = cfg
+        n, d = cfg.hc_mult, cfg.hidden_size
+        m = n * (n + 2)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(ctx, cfg, layer, dtype)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.ffn = MoE(ctx, cfg, layer, is_hash, dtype)
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(m, n * d, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(m, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def _hc(self, site: str, x: torch.Tensor):
+        c = self.cfg
+        return ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                          getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
+        """x [B, S, n, d] -> [B, S, n, d]."""
+        u, post, comb = self._hc("attn", x)
+        x = ops.hc_post(self.attn(self.attn_norm(u), fwd), x, post, comb)
+        u, post, comb = self._hc("ffn", x)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc >= 0), x, post, comb)
+
+    def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope], ids: torch.Tensor):
+        u, post, comb = self._hc("attn", x)
+        x = ops.hc_post(self.attn.step(self.attn_norm(u), st, pos, ropes), x, post, comb)
+        u, post, comb = self._hc("ffn", x)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool)),
+                           x, post, comb)
+
+
+def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype) -> None:
+    """Register hc_head_{fn,base,scale} and the final `norm` on `mod` (DeepSeek's names sit
+    at the model top level and on each MTP block)."""
+    n, d = cfg.hc_mult, cfg.hidden_size
+    mod.hc_head_fn = nn.Parameter(torch.empty(n, n * d, dtype=torch.float32))
+    mod.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+    mod.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+    mod.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+
+
+def head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, x: torch.Tensor) -> torch.Tensor:
+    """Streams [B, S, n, d] -> normed hidden [B, S, d] for the LM head."""
+    y = ops.hc_head(x, mod.hc_head_fn, mod.hc_head_base, mod.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
+    return mod.norm(y)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction: x = e_proj(enorm(embed(t_j))) + h_proj(hnorm(X_{j-1})) per
+    stream, one block (learned routing), own head collapse; predicts t_{j+1} at index j."""
+
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, dtype: torch.dtype):
+        super().__init__(ctx, cfg, layer, dtype, is_hash=False)
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.e_proj = ctx.replicated_linear(d, d, dtype)
+        self.h_proj = ctx.replicated_linear(d, d, dtype)
+        add_head_collapse(self, cfg, dtype)
+
+
+# =========================================================================== model
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, S, V] fp32
+    mtp_logits: torch.Tensor | None = None  # [B, S, V] fp32; index j predicts t_{j+1} from (X_{j-1}, t_j)
+    losses: dict[str, torch.Tensor] | None = None
+
+
+class DeepSeekV4ForCausalLM(nn.Module):
+    """DeepSeek-V4 causal LM.
+
+    `model(input_ids, labels=None, loss_mask=None, attention_mask=None, doc_ids=None)`.
+    labels[b, t] is the token logits[b, t] must predict (normally input_ids[b, t+1]);
+    IGNORE_INDEX (-100) or loss_mask 0 skips a position. Returns CausalLMOutput with
+    losses {lm, mtp, indexer, balance, total} when labels are given.
+    """
+
+    def __init__(self, config: DeepSeekV4Config, dtype: torch.dtype = torch.float32,
+                 ctx: ParallelContext | None = None, seed: int | None = 0):
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        ctx = ctx or ParallelContext()
+        self.embed = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(Block(ctx, cfg, i, dtype, is_hash=i < cfg.num_hash_layers)
+                                    for i in range(cfg.num_hidden_layers))
+        add_head_collapse(self, cfg, dtype)
+        self.head = ctx.column_linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.mtp = nn.ModuleList(MTPBlock(ctx, cfg, cfg.num_hidden_layers + k, dtype)
+                                 for k in range(cfg.num_nextn_predict_layers))
+        rd = cfg.qk_rope_head_dim
+        self.register_buffer("inv_freq_swa", ops.rope_inv_freq(rd, cfg.rope_theta, None), persistent=False)
+        self.register_buffer("inv_freq_compressed", ops.rope_inv_freq(rd, cfg.compress_rope_theta,
+                                                                      cfg.rope_scaling), persistent=False)
+        if seed is not None:
+            self.init_weights(seed)
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded init, one generator per tensor name: independent of construction order,
+        device and sharding (a sharded rank can draw the full tensor and keep its slice)."""
+        c = self.config
+        for name, p in self.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                val = torch.ones(p.shape)
+            elif leaf in ("attn_sink", "ape") or leaf.endswith("_base"):
+                val = torch.zeros(p.shape)
+            elif leaf.endswith("_scale"):
+                val = torch.ones(p.shape)
+            elif leaf.endswith("_fn"):
+                val = torch.randn(p.shape, generator=g) * c.hc_init_std
+            else:
+                val = torch.randn(p.shape, generator=g) * c.initializer_range
+            p.copy_(val.to(p.dtype))
+        for mod in self.modules():
+            if isinstance(mod, Gate) and not mod.is_hash:
+                mod.bias.zero_()
+
+    # ------------------------------------------------------------------ forward
+    def _ropes(self, pos: torch.Tensor) -> dict[str, Rope]:
+        out = {}
+        for kind, inv in (("swa", self.inv_freq_swa), ("compressed", self.inv_freq_compressed)):
+            cos, sin = ops.rope_cos_sin(pos, inv)
+            out[kind] = Rope(inv, cos, sin)
+        return out
+
+    def _streams(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, :, None, :].expand(*h.shape[:2], self.config.hc_mult, h.shape[-1]).contiguous()
+
+    def _logits(self, y: torch.Tensor) -> torch.Tensor:
+        return F.linear(y.float(), self.head.weight.float())
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, loss_normalizer: float | torch.Tensor | None = None,
+                _states: list | None = None) -> CausalLMOutput:
+        """input_ids [B, S]. loss_normalizer: divide summed token losses by this (e.g. the
+        global batch's supervised-token count) instead of the local count."""
+        b, s = input_ids.shape
+        layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
+        fwd = Fwd(layout, input_ids, self._ropes(layout.pos), states=_states,
+                  indexer_loss=labels is not None and self.config.indexer_loss)
+        x = self._streams(self.embed(input_ids))  # [B, S, n, d]
+        for layer in self.layers:
+            x = layer(x, fwd, input_ids)
+        logits = self._logits(head_collapse(self, self.config, x))  # [B, S, V]
+        mtp_logits = None
+        if self.mtp and _states is None:
+            mtp_logits = self._mtp(x, input_ids, layout, fwd)
+        losses = None if labels is None else self._losses(logits, mtp_logits, labels, loss_mask, layout, fwd,
+                                                          loss_normalizer)
+        return CausalLMOutput(logits, mtp_logits, losses)
+
+    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd) -> torch.Tensor:
+        # Index j combines X_{j-1} (same document) with embed(t_j): the MTP sequence of a
+        # document starts at its second token, at position pos - 1; first tokens are dead.
+        alive = (layout.pos >= 1) & (layout.doc >= 0)
+        mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0))
+        mfwd = Fwd(mlayout, ids, self._ropes(mlayout.pos), indexer_loss=fwd.indexer_loss)
+        x_prev = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), 1)
+        blk = self.mtp[0]
+        h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, S, n, d]
+        h = blk(h, mfwd, ids)
+        fwd.indexer_terms += mfwd.indexer_terms
+        fwd.indexer_rows += mfwd.indexer_rows
+        fwd.balance_terms += mfwd.balance_terms
+        return self._logits(head_collapse(blk, self.config, h))
+
+    def _losses(self, logits, mtp_logits, labels, loss_mask, layout, fwd, normalizer) -> dict[str, torch.Tensor]:
+        c = self.config
+        mask = (labels != IGNORE_INDEX) & (layout.doc >= 0)
+        if loss_mask is not None:
+            mask = mask & loss_mask.bool()
+        tgt = labels.clamp_min(0)
+        denom = mask.sum().clamp_min(1) if normalizer is None else normalizer
+        ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
+        losses = {"lm": (ce * mask).sum() / denom}
+        zero = logits.new_zeros(())
+        total = losses["lm"]
+        if mtp_logits is not None:
+            mmask = mask & (layout.pos >= 1)
+            mdenom = mmask.sum().clamp_min(1) if normalizer is None else normalizer
+            mce = F.cross_entropy(mtp_logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
+            losses["mtp"] = (mce * mmask).sum() / mdenom
+            total = total + c.mtp_loss_coef * losses["mtp"]
+        else:
+            losses["mtp"] = zero
+        if fwd.indexer_terms:
+            kl = torch.stack(fwd.indexer_terms).sum() / len(fwd.indexer_terms)
+            rows = torch.stack(fwd.indexer_rows).sum() / len(fwd.indexer_rows)
+            losses["indexer"] = kl / (rows.clamp_min(1) if normalizer is None else normalizer)
+            total = total + c.indexer_loss_coef * losses["indexer"]
+        else:
+            losses["indexer"] = zero
+        if fwd.balance_terms:
+            losses["balance"] = torch.stack(fwd.balance_terms).mean()
+            total = total + c.balance_loss_coef * losses["balance"]
+        else:
+            losses["balance"] = zero
+        losses["total"] = total
+        return losses
+
+    # ------------------------------------------------------------------ router bias
+    @torch.no_grad()
+    def update_router_bias(self, rate: float | None = None) -> None:
+        """Aux-loss-free balancing: bias_e += rate * sign(mean_load - load_e) from the expert
+        loads counted since the last call (training forwards only), then reset the counts."""
+        rate = self.config.router_bias_update_rate if rate is None else rate
+        for mod in self.modules():
+            if isinstance(mod, Gate) and not mod.is_hash:
+                load = mod.expert_load
+                if load.sum() > 0:
+                    mod.bias += rate * torch.sign(load.mean() - load)
+                load.zero_()
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+        """Full forward over prompts [B, S] (equal lengths, no padding) that also builds
+        the decoding state. Returns logits [B, S, V] and the state."""
+        states: list[AttnState] = []
+        out = self.forward(input_ids, _states=states)
+        return out.logits, DecodeState(states, input_ids.shape[1])
+
+    @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Next token of each row: input_ids [B] or [B, 1] at position state.pos -> logits
+        [B, V]; state advances by one token."""
+        ids = input_ids.reshape(-1, 1)
+        pos = state.pos
+        ropes = {"swa": Rope(self.inv_freq_swa, None, None),
+                 "compressed": Rope(self.inv_freq_compressed, None, None)}
+        x = self._streams(self.embed(ids))
+        for layer, st in zip(self.layers, state.layers, strict=True):
+            x = layer.step(x, st, pos, ropes, ids)
+        state.pos += 1
+        return self._logits(head_collapse(self, self.config, x))[:, 0]
+
+    # ------------------------------------------------------------------ HF layout
+    def save_pretrained(self, directory: str | Path, max_shard_bytes: int = 2 ** 30) -> None:
+        """config.json + model-XXXXX-of-YYYYY.safetensors + index, DeepSeek's tensor names."""
+        from .hf_io import save_safetensors_shards
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(directory)
+        sd = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        save_safetensors_shards(sd, directory, max_shard_bytes=max_shard_bytes)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+                        ctx: ParallelContext | None = None) -> DeepSeekV4ForCausalLM:
+        """Load an HF-layout checkpoint (FP8 block / FP4 expert weights dequantized)."""
+        from .hf_io import load_safetensors_dir
+
+        cfg = DeepSeekV4Config.from_pretrained(directory)
+        model = cls(cfg, dtype=dtype, ctx=ctx, seed=None)
+        tensors = load_safetensors_dir(directory)
+        own = model.state_dict()
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"{directory}: checkpoint does not match the config: missing {missing[:5]}"
+                             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                             f"{'...' if len(unexpected) > 5 else ''}")
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise ValueError(f"{directory}: tensor '{name}' has shape {list(t.shape)}, "
+                                 f"the config needs {list(own[name].shape)}")
+        with torch.no_grad():
+            for name, t in own.items():
+                t.copy_(tensors[name].to(t.dtype))
+        return model

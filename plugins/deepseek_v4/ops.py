@@ -1,0 +1,197 @@
+"""DeepSeek-V4's numerical building blocks as pure functions (the PyTorch reference).
+
+Each function returns a new tensor in its input's dtype (never writes into an input),
+does its sensitive math in fp32 as DSV4.md prescribes, and is tested against float64
+gradcheck. These are the CPU path and the oracle for GPU kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .config import YarnScaling
+
+
+# --------------------------------------------------------------------------- norms
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32; `weight=None` is the weightless variant."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- RoPE
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
+    """Inverse frequencies [rope_dim/2], fp32. YaRN only blends frequencies between the
+    fast/slow correction dims (no mscale in V4); it is used on compressed layers only."""
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+    if yarn is not None and yarn.factor > 1:
+        def corr_dim(rotations: float) -> float:
+            return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low = max(math.floor(corr_dim(yarn.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(yarn.beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1 = high-frequency dims kept, 0 = interpolated by `factor`
+        inv = inv / yarn.factor * (1 - keep) + inv * keep
+    return inv.float()
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] (int) -> cos, sin [..., rope_dim/2] in fp32."""
+    ang = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the LAST 2*cos.shape[-1] dims of x in interleaved pairs (x[2i], x[2i+1]).
+
+    x [..., D]; cos/sin broadcast against x[..., :rd/2] with the head dims inserted by the
+    caller. `inverse` rotates by the negative angle (the conjugate), used on attention
+    outputs because V carries rotated dims. Builds a new tensor (no in-place on views).
+    """
+    rd = 2 * cos.shape[-1]
+    nope, rot = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd:]
+    pairs = rot.float().unflatten(-1, (rd // 2, 2))  # [..., rd/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    s = -sin if inverse else sin
+    out = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
+    return torch.cat((nope, out.to(x.dtype)), dim=-1)
+
+
+# --------------------------------------------------------------------------- Hadamard
+@lru_cache(maxsize=16)
+def _hadamard_matrix(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard rotation of the last dim (a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard: last dim {n} is not a power of two")
+    h = _hadamard_matrix(n).to(device=x.device, dtype=torch.float32)
+    return (x.float() @ h).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- mHC
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., n, n] -> doubly stochastic: row softmax + eps, column normalisation, then
+    (iters - 1) x (row, column) normalisations, each dividing by sum + eps. fp32."""
+    m = torch.softmax(logits.float(), dim=-1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """x [B, S, n, d] -> mixes [B, S, m] = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + eps), fp32."""
+    flat = x.flatten(-2).float()  # [B, S, n*d]
+    return (flat @ fn.float().t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+           hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
+    Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32)."""
+    n = x.shape[-2]
+    mix = hc_mixes(x, fn, norm_eps)
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = sinkhorn((mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
+    u = torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
+    return u, post, comb
+
+
+def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_j = post_j * F(u) + sum_i comb[i, j] * X_i (comb TRANSPOSED onto the streams).
+    f [B, S, d]; x [B, S, n, d] -> [B, S, n, d] in x.dtype."""
+    out = post[..., None] * f.float()[..., None, :] + torch.einsum("bsij,bsid->bsjd", comb, x.float())
+    return out.to(x.dtype)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i."""
+    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps) * scale.float()[0] + base.float()) + hc_eps
+    return torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- compressor
+def compress_pool(c: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Gated pooling of one compression window per entry: c, z [B, G, slots, D] (z = gate
+    logits incl. the learned position bias; -inf marks an absent slot) -> [B, G, D] fp32,
+    out = sum_j softmax_j(z)[j] * c[j] per channel."""
+    return (torch.softmax(z.float(), dim=-2) * c.float()).sum(-2)
+
+
+# --------------------------------------------------------------------------- attention
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
+                     scale: float, return_probs: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MQA with shared K = V and an attention sink, over an explicit key set.
+
+    q [B, S, H, D]; kv [B, T, D]; mask [B, S, T] (True = query attends key); sink [H] fp32
+    in scaled-logit space. o_h = sum_j e^{s_hj} kv_j / (sum_j e^{s_hj} + e^{sink_h}), with
+    s = q.kv * scale in fp32. A row with no key gives zeros (the sink absorbs it), never NaN.
+    Returns o [B, S, H, D] in q.dtype and, if asked, probs [B, H, S, T] (fp32).
+    """
+    b, s, h, _ = q.shape
+    logits = torch.einsum("bshd,btd->bhst", q.float(), kv.float()) * scale
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    sink_col = sink.float().view(1, h, 1, 1).expand(b, h, s, 1)
+    probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :-1]
+    o = torch.einsum("bhst,btd->bshd", probs, kv.float()).to(q.dtype)
+    return o, (probs if return_probs else None)
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores in fp32: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
+    [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g])."""
+    return torch.einsum("bshg,bsh->bsg", F.relu(torch.einsum("bshd,bgd->bshg", q.float(), k.float())), w.float())
+
+
+def topk_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k visible entries per query as a bool mask [B, S, G]. Ties go to the lower index
+    (stable sort), so a full forward and token-by-token decoding select the same set."""
+    masked = scores.masked_fill(~visible, float("-inf"))
+    kk = min(k, scores.shape[-1])
+    if kk == 0:
+        return torch.zeros_like(visible)
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]
+    picked = torch.zeros_like(visible).scatter(-1, order, True)
+    return picked & visible
+
+
+# --------------------------------------------------------------------------- MoE
+def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(F.softplus(logits.float()))
+
+
+def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) * clamp(u, -limit, limit) in fp32 (V4 clamps routed AND shared experts)."""
+    return F.silu(g.float().clamp(max=limit)) * u.float().clamp(-limit, limit)
+
+
+def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped low-rank output projection, first stage. o [B, S, H, D] -> [B, S, G*R]:
+    o viewed [B, S, G, H*D/G], group g multiplied by rows g*R..(g+1)*R of wo_a [G*R, H*D/G]."""
+    b, s = o.shape[:2]
+    og = o.reshape(b, s, groups, -1)  # [B, S, G, H*D/G]
+    w = wo_a.view(groups, -1, og.shape[-1])  # [G, R, H*D/G]
+    return torch.einsum("bsgk,grk->bsgr", og, w.to(og.dtype)).flatten(-2)
