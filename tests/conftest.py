@@ -1,0 +1,59 @@
+"""Shared test helpers: fresh seeds, finiteness-first comparisons, randomised models."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test, printed so a failure can be replayed."""
+    s = secrets.randbits(31)
+    print(f"[{request.node.name}] seed={s}")
+    return s
+
+
+def assert_finite(*tensors: torch.Tensor, what: str = "") -> None:
+    for t in tensors:
+        assert torch.isfinite(t).all(), f"non-finite values {what}"
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float = 0.0, what: str = "") -> None:
+    """Finiteness first: a NaN must never pass as 'close'."""
+    assert_finite(a, b, what=what)
+    assert a.shape == b.shape, f"shape {a.shape} != {b.shape} {what}"
+    err = (a.double() - b.double()).abs()
+    bound = atol + rtol * b.double().abs()
+    assert (err <= bound).all(), f"max abs err {err.max().item():.3e} {what}"
+
+
+@torch.no_grad()
+def randomize(model: DeepSeekV4ForCausalLM, seed: int, scale: float = 0.3) -> DeepSeekV4ForCausalLM:
+    """Move every parameter (and router bias) off its init so zero/one inits (sink, ape,
+    mHC base/scale, norms) cannot hide a bug."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        if name.endswith(("attn_sink", "ape", "_base", "_scale", "norm.weight")):
+            p.add_((noise * scale).to(p.dtype))
+        else:
+            p.add_((noise * 0.5 * p.float().std().clamp_min(0.02)).to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("gate.bias"):
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return model
+
+
+def tiny_model(seed: int, dtype: torch.dtype = torch.float32, **overrides) -> DeepSeekV4ForCausalLM:
+    cfg = DeepSeekV4Config.tiny(**overrides)
+    return randomize(DeepSeekV4ForCausalLM(cfg, dtype=dtype, seed=seed), seed + 1)
+
+
+def random_ids(seed: int, batch: int, seq: int, vocab: int = 320) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 7)
+    return torch.randint(0, vocab, (batch, seq), generator=g)

@@ -1,0 +1,344 @@
+"""Whole-model properties of the DeepSeek-V4 plugin on the tiny all-features config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close, assert_finite, random_ids, tiny_model
+
+from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+from plugins.deepseek_v4.model import IGNORE_INDEX, Gate, balanced_hash_table
+
+SEQ = 70  # > 4 HCA blocks (ratio 16), > 17 CSA blocks (ratio 4), > 4 windows (16)
+
+
+def labels_of(ids: torch.Tensor) -> torch.Tensor:
+    lab = torch.roll(ids, -1, 1)
+    lab[:, -1] = IGNORE_INDEX
+    return lab
+
+
+def test_tiny_config_has_every_structural_feature():
+    """Guards a tiny preset that silently drops a feature the tests then never exercise."""
+    cfg = DeepSeekV4Config.tiny()
+    kinds = set(cfg.compress_ratios[: cfg.num_hidden_layers])
+    assert {0, 4} <= kinds and any(r > 4 for r in kinds)
+    assert cfg.num_hash_layers >= 1 and cfg.num_nextn_predict_layers == 1 and cfg.hc_mult == 4
+    assert cfg.index_topk < SEQ // 4, "top-k must actually drop entries in the tests"
+
+
+def test_forward_backward_all_features_finite(seed):
+    """No NaN anywhere: a full forward+backward with every feature on gives finite losses
+    and a finite, non-zero gradient for every parameter (a routed expert exactly when it
+    received tokens)."""
+    model = tiny_model(seed).train()
+    routed = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Gate):
+            mod.register_forward_hook(lambda m, a, o, name=name[: -len(".gate")]: routed.setdefault(name, set())
+                                      .update(o[0].flatten().tolist()))
+    ids = random_ids(seed, 3, SEQ)
+    out = model(ids, labels=labels_of(ids))
+    for k in ("lm", "mtp", "indexer", "total"):
+        assert_finite(out.losses[k], what=k)
+        assert out.losses[k] > 0, k
+    out.losses["total"].backward()
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            moe, e = name.split(".experts.")[0], int(name.split(".experts.")[1].split(".")[0])
+            if e not in routed[moe]:
+                assert p.grad is None, f"{name} got a gradient without tokens"
+                continue
+        assert p.grad is not None, f"{name} got no gradient (seed {seed})"
+        assert_finite(p.grad, what=name)
+        assert p.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
+
+
+def test_empty_index_sets_give_finite_results(seed):
+    """Pitfall 1: rows with no visible compressed block (p < ratio), a window of 1, a row
+    that is all padding: outputs and gradients stay finite."""
+    model = tiny_model(seed, sliding_window=1).train()
+    ids = random_ids(seed, 3, 6)
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[2] = 0  # a row of padding only
+    out = model(ids, labels=labels_of(ids), attention_mask=mask)
+    out.losses["total"].backward()
+    assert_finite(out.logits, out.mtp_logits, out.losses["total"])
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert_finite(p.grad, what=name)
+
+
+@pytest.mark.parametrize("t", [1, 3, 4, 15, 16, 17, 31, 47, 64])
+def test_causality(seed, t):
+    """Changing token t never changes logits or MTP logits at positions < t (window,
+    compressor blocks incl. the one containing t, indexer, MTP shift), and does change
+    them at t (so the test can fail)."""
+    model = tiny_model(seed).eval()
+    ids = random_ids(seed, 2, SEQ)
+    ids2 = ids.clone()
+    ids2[:, t] = (ids[:, t] + 1 + seed % 300) % 320
+    with torch.no_grad():
+        a, b = model(ids), model(ids2)
+    # 1e-6: BLAS blocking may reorder sums by a few ulps; a real leak moves logits by >1e-3.
+    assert_close(a.logits[:, :t], b.logits[:, :t], atol=1e-6, what=f"logits before {t}")
+    assert_close(a.mtp_logits[:, :t], b.mtp_logits[:, :t], atol=1e-6, what=f"mtp logits before {t}")
+    assert (a.logits[:, t] - b.logits[:, t]).abs().max() > 1e-4
+    assert (a.mtp_logits[:, t] - b.mtp_logits[:, t]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("prompt", [1, 5, 16, 33])
+def test_decode_matches_full_forward(seed, prompt):
+    """Incremental decoding (window KV, compressor partial blocks and overlap state,
+    compressed KV, indexer keys) gives the full forward's logits within 1e-5 (fp32),
+    across several compression blocks and windows."""
+    model = tiny_model(seed).eval()
+    ids = random_ids(seed, 2, SEQ)
+    with torch.no_grad():
+        full = model(ids).logits
+    logits, state = model.prefill(ids[:, :prompt])
+    assert_close(logits, full[:, :prompt], atol=1e-5, what="prefill")
+    for t in range(prompt, SEQ):
+        step = model.decode_step(ids[:, t], state)
+        assert_close(step, full[:, t], atol=1e-5, what=f"decode position {t}")
+    assert state.pos == SEQ
+
+
+def test_batched_equals_unbatched_with_padding_and_packing(seed):
+    """Padded rows (left and right) and packed documents give the same per-token logits,
+    MTP logits and token losses as each sequence alone: padding never attends or pools,
+    documents never see each other."""
+    model = tiny_model(seed).eval()
+    lens = [SEQ, 41, 23]
+    seqs = [random_ids(seed + i, 1, n)[0] for i, n in enumerate(lens)]
+    with torch.no_grad():
+        alone = [model(s[None]) for s in seqs]
+        # batch: row 1 left-padded, row 2 right-padded
+        ids = torch.full((3, SEQ), 5)
+        mask = torch.zeros(3, SEQ, dtype=torch.long)
+        ids[0], mask[0] = seqs[0], 1
+        ids[1, SEQ - 41:], mask[1, SEQ - 41:] = seqs[1], 1
+        ids[2, :23], mask[2, :23] = seqs[2], 1
+        out = model(ids, attention_mask=mask)
+        got = [out.logits[0], out.logits[1, SEQ - 41:], out.logits[2, :23]]
+        got_mtp = [out.mtp_logits[0], out.mtp_logits[1, SEQ - 41:], out.mtp_logits[2, :23]]
+        for i in range(3):
+            assert_close(got[i], alone[i].logits[0], atol=1e-5, what=f"row {i}")
+            assert_close(got_mtp[i][1:], alone[i].mtp_logits[0, 1:], atol=1e-5, what=f"mtp row {i}")
+        # packing: documents 1 and 2 in one row, then padding
+        packed = torch.cat((seqs[1], seqs[2], torch.full((6,), 9)))[None]
+        docs = torch.tensor([0] * 41 + [1] * 23 + [-1] * 6)[None]
+        p = model(packed, doc_ids=docs)
+        assert_close(p.logits[0, :41], alone[1].logits[0], atol=1e-5, what="packed doc 1")
+        assert_close(p.logits[0, 41:64], alone[2].logits[0], atol=1e-5, what="packed doc 2")
+        assert_close(p.mtp_logits[0, 42:64], alone[2].mtp_logits[0, 1:], atol=1e-5, what="packed mtp")
+
+
+def test_packed_loss_equals_separate_losses(seed):
+    """Token losses of packed documents equal the separate runs (summed, same normaliser),
+    including the MTP loss, whose first token of each document has no prediction."""
+    model = tiny_model(seed).eval()
+    a, b = random_ids(seed, 1, 37), random_ids(seed + 1, 1, 29)
+    with torch.no_grad():
+        la, lb = model(a, labels=labels_of(a), loss_normalizer=1.0), model(b, labels=labels_of(b), loss_normalizer=1.0)
+        ids = torch.cat((a, b), 1)
+        lab = torch.cat((labels_of(a), labels_of(b)), 1)
+        docs = torch.tensor([[0] * 37 + [1] * 29])
+        lp = model(ids, labels=lab, doc_ids=docs, loss_normalizer=1.0)
+    for k in ("lm", "mtp"):
+        assert_close(lp.losses[k], la.losses[k] + lb.losses[k], atol=1e-4, what=k)
+
+
+def test_loss_values_and_mask(seed):
+    """lm / mtp losses are token means of cross-entropy over supervised tokens only:
+    loss_mask and IGNORE_INDEX positions contribute nothing."""
+    model = tiny_model(seed).eval()
+    ids = random_ids(seed, 2, 30)
+    lab = labels_of(ids)
+    lm = torch.zeros_like(ids)
+    lm[:, 10:25] = 1
+    with torch.no_grad():
+        out = model(ids, labels=lab, loss_mask=lm)
+    ce = torch.nn.functional.cross_entropy(out.logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
+    mce = torch.nn.functional.cross_entropy(out.mtp_logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
+    assert_close(out.losses["lm"], ce, atol=1e-5)
+    assert_close(out.losses["mtp"], mce, atol=1e-5)
+    c = model.config
+    expect = out.losses["lm"] + c.mtp_loss_coef * out.losses["mtp"] + c.indexer_loss_coef * out.losses["indexer"]
+    assert_close(out.losses["total"], expect, atol=1e-6)
+
+
+def test_micro_batches_sum_to_full_batch_gradients(seed):
+    """With a global token normaliser, 1 micro-batch of 4 equals 4 micro-batches of 1 in
+    every gradient, MTP and indexer auxiliary losses included."""
+    model = tiny_model(seed).train()
+    ids = random_ids(seed, 4, 40)
+    lab = labels_of(ids)
+    n = (lab != IGNORE_INDEX).sum()
+    model(ids, labels=lab, loss_normalizer=n).losses["total"].backward()
+    full = {k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    for i in range(4):
+        model(ids[i:i + 1], labels=lab[i:i + 1], loss_normalizer=n).losses["total"].backward()
+    for k, p in model.named_parameters():
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        # fp32 sums in a different order: ~1e-7 relative; 1e-6 + 1e-4 relative leaves margin.
+        assert_close(got, full[k], atol=1e-6, rtol=1e-4, what=k)
+
+
+def test_indexer_trained_only_by_its_aux_loss(seed):
+    """Top-k has no gradient: with the indexer loss off, indexer weights get no gradient and
+    every other gradient is unchanged when it is switched on (detached inputs)."""
+    ids = random_ids(seed, 2, SEQ)
+    grads = {}
+    for on in (False, True):
+        model = tiny_model(seed, indexer_loss=on).train()
+        out = model(ids, labels=labels_of(ids))
+        out.losses["total"].backward()
+        grads[on] = {k: p.grad for k, p in model.named_parameters()}
+        if not on:
+            assert out.losses["indexer"] == 0
+    idx = [k for k in grads[True] if ".indexer." in k]
+    assert idx
+    for k in idx:
+        g = grads[False][k]
+        assert g is None or g.abs().max() == 0, k
+        assert grads[True][k] is not None and grads[True][k].abs().max() > 0, k
+    for k in grads[True]:
+        if ".indexer." not in k:
+            assert (grads[True][k] is None) == (grads[False][k] is None), k
+            if grads[True][k] is not None:
+                assert_close(grads[True][k], grads[False][k], atol=0, what=k)
+
+
+def test_yarn_only_on_compressed_layers(seed):
+    """Pitfall 7: sliding-window layers use plain RoPE (theta 10000, no YaRN); changing the
+    compressed-layer frequencies changes compressed layers only."""
+    model = tiny_model(seed).eval()
+    ids = random_ids(seed, 1, 40)
+    outs = {}
+
+    def grab(i):
+        return lambda m, a, o: outs.__setitem__(i, o)
+
+    for i, layer in enumerate(model.layers):
+        layer.attn.register_forward_hook(grab(i))
+    with torch.no_grad():
+        model(ids)
+        before = dict(outs)
+        model.inv_freq_compressed.mul_(1.3)
+        model(ids)
+    ratios = model.config.compress_ratios
+    assert_close(outs[0], before[0], atol=0, what="first SWA layer")
+    for i, r in enumerate(ratios[: model.config.num_hidden_layers]):
+        if r and i > 0:
+            assert (outs[i] - before[i]).abs().max() > 1e-6, f"layer {i} ignores its compressed RoPE"
+    inv = model.inv_freq_swa
+    rd = model.config.qk_rope_head_dim
+    assert_close(inv, 1.0 / 10000 ** (torch.arange(0, rd, 2).float() / rd), atol=1e-7)
+
+
+def test_bf16_dtype_preserved(seed):
+    """Pitfall 3: a bf16 model keeps bf16 activations through attention and MoE (logits
+    are fp32 by design) and stays close to the fp32 model."""
+    ref = tiny_model(seed).eval()
+    model = DeepSeekV4ForCausalLM(ref.config, dtype=torch.bfloat16, seed=None).eval()
+    sd = ref.state_dict()
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in sd.items()})
+    seen = []
+    for layer in model.layers:
+        layer.attn.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+        layer.ffn.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    ids = random_ids(seed, 2, 40)
+    with torch.no_grad():
+        out, ref_out = model(ids), ref(ids)
+    assert seen and all(d == torch.bfloat16 for d in seen), seen
+    assert out.logits.dtype == torch.float32
+    assert model.layers[0].attn.attn_sink.dtype == torch.float32, "sink must stay fp32"
+    err = (out.logits - ref_out.logits).abs().max() / ref_out.logits.abs().max()
+    assert_finite(out.logits)
+    assert err < 0.1, f"bf16 relative error {err:.3f}"
+
+
+def test_anomaly_mode_forward_backward(seed):
+    """No in-place write into a tensor autograd saved (pitfall 2): forward+backward of the
+    whole model under anomaly detection."""
+    model = tiny_model(seed).train()
+    ids = random_ids(seed, 2, 36)
+    with torch.autograd.detect_anomaly():
+        model(ids, labels=labels_of(ids)).losses["total"].backward()
+
+
+def test_hash_table_balanced_and_deterministic():
+    """Hash routing table: k distinct experts per token, every expert serves floor or ceil
+    of vocab*k/E tokens, identical on every call, different per layer."""
+    for vocab, e, k in ((320, 8, 2), (129280, 256, 6), (1000, 7, 3)):
+        t = balanced_hash_table(vocab, e, k, layer=1)
+        assert t.shape == (vocab, k) and t.dtype == torch.long
+        assert (t.sort(1).values.diff(dim=1) > 0).all(), "experts of a token must differ"
+        counts = torch.bincount(t.flatten(), minlength=e)
+        assert counts.max() - counts.min() <= 1
+        assert torch.equal(t, balanced_hash_table(vocab, e, k, layer=1))
+        assert not torch.equal(t, balanced_hash_table(vocab, e, k, layer=2))
+
+
+def test_hash_layers_route_by_token_id(seed):
+    """Hash layers pick experts from tid2eid, never from scores or bias."""
+    model = tiny_model(seed)
+    gate = model.layers[0].ffn.gate
+    assert gate.is_hash and not hasattr(gate, "bias")
+    x = torch.randn(10, 64)
+    ids = torch.arange(10)
+    idx1, w1, _ = gate(x, ids)
+    with torch.no_grad():
+        gate.weight.mul_(-3)
+    idx2, w2, _ = gate(x, ids)
+    assert torch.equal(idx1, gate.tid2eid[ids]) and torch.equal(idx1, idx2)
+    assert_close(w1.sum(-1), torch.full((10,), model.config.routed_scaling_factor), atol=1e-5)
+
+
+def test_router_bias_moves_toward_underloaded_experts(seed):
+    """Aux-loss-free balancing: after training forwards, bias rises for experts below the
+    mean load and falls for those above; counts reset after the update."""
+    model = tiny_model(seed).train()
+    ids = random_ids(seed, 2, 40)
+    model(ids, labels=labels_of(ids))
+    gates = [m for m in model.modules() if isinstance(m, Gate) and not m.is_hash]
+    loads = [g.expert_load.clone() for g in gates]
+    before = [g.bias.clone() for g in gates]
+    model.update_router_bias(0.01)
+    for g, load, b in zip(gates, loads, before, strict=True):
+        assert load.sum() > 0
+        step = g.bias - b
+        assert_close(step, 0.01 * torch.sign(load.mean() - load), atol=1e-7)
+        assert g.expert_load.sum() == 0
+
+
+def test_parameter_names_and_shapes_follow_deepseek():
+    """Checkpoint compatibility: state_dict keys are DeepSeek's tensor names with its shapes
+    (compressor only on compressed layers, indexer only on CSA, tid2eid only on hash
+    layers, top-level hc_head_*, MTP block under mtp.0)."""
+    cfg = DeepSeekV4Config.tiny()
+    sd = DeepSeekV4ForCausalLM(cfg).state_dict()
+    d, h, D, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    assert sd["embed.weight"].shape == (cfg.vocab_size, d) and sd["head.weight"].shape == (cfg.vocab_size, d)
+    assert sd["hc_head_fn"].shape == (n, n * d) and "norm.weight" in sd
+    for i in range(cfg.num_hidden_layers):
+        r, p = cfg.compress_ratios[i], f"layers.{i}."
+        assert sd[p + "attn.wo_a.weight"].shape == (cfg.o_groups * cfg.o_lora_rank, h * D // cfg.o_groups)
+        assert sd[p + "attn.wq_b.weight"].shape == (h * D, cfg.q_lora_rank)
+        assert sd[p + "attn.attn_sink"].dtype == torch.float32
+        assert sd[p + "hc_attn_fn"].shape == (n * (n + 2), n * d)
+        assert (p + "attn.compressor.ape" in sd) == (r > 0)
+        assert (p + "attn.indexer.weights_proj.weight" in sd) == (r == 4)
+        if r:
+            coff = 2 if r == 4 else 1
+            assert sd[p + "attn.compressor.ape"].shape == (r, coff * D)
+        assert (p + "ffn.gate.tid2eid" in sd) == (i < cfg.num_hash_layers)
+        assert (p + "ffn.gate.bias" in sd) == (i >= cfg.num_hash_layers)
+        assert sd[p + f"ffn.experts.{cfg.n_routed_experts - 1}.w2.weight"].shape == (d, cfg.moe_intermediate_size)
+        assert p + "ffn.shared_experts.w1.weight" in sd
+    for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight", "hc_head_fn",
+              "ffn.gate.bias", "attn.wkv.weight"):
+        assert "mtp.0." + k in sd, k
+    assert not any(k.startswith("mtp.0.ffn.gate.tid2eid") for k in sd)
