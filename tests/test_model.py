@@ -33,10 +33,13 @@ def test_forward_backward_all_features_finite(seed):
     received tokens)."""
     model = tiny_model(seed).train()
     routed = {}
+
+    def record(moe_name):
+        return lambda m, a, o: routed.setdefault(moe_name, set()).update(o[0].flatten().tolist())
+
     for name, mod in model.named_modules():
         if isinstance(mod, Gate):
-            mod.register_forward_hook(lambda m, a, o, name=name[: -len(".gate")]: routed.setdefault(name, set())
-                                      .update(o[0].flatten().tolist()))
+            mod.register_forward_hook(record(name.removesuffix(".gate")))
     ids = random_ids(seed, 3, SEQ)
     out = model(ids, labels=labels_of(ids))
     for k in ("lm", "mtp", "indexer", "total"):
