@@ -169,6 +169,9 @@ class DeepSeekV4Config:
             if not (isinstance(r, int) and not isinstance(r, bool) and (r == 0 or r >= 2)):
                 raise ConfigError(f"{source}: field 'compress_ratios[{i}]' must be 0 or an integer >= 2 "
                                   f"(got {r!r})")
+        if self.num_nextn_predict_layers and self.compress_ratios[-1] != 0:
+            raise ConfigError(f"{source}: field 'compress_ratios[{len(self.compress_ratios) - 1}]' (the MTP block) "
+                              f"must be 0: the MTP block is sliding-window attention (got {self.compress_ratios[-1]})")
         if self.rope_scaling is not None:
             y = self.rope_scaling
             if not (y.factor >= 1 and y.original_max_position_embeddings > 0 and y.beta_fast > y.beta_slow > 0):
@@ -234,7 +237,7 @@ _TINY: dict[str, Any] = dict(
     num_key_value_heads=1, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32,
     o_groups=2, o_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
     num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.5,
-    index_n_heads=4, index_head_dim=16, index_topk=4,
+    index_n_heads=4, index_head_dim=32, index_topk=4,
     compress_ratios=[0, 4, 16, 4, 0, 0], num_hash_layers=2, sliding_window=16,
     hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
     num_nextn_predict_layers=1, rope_theta=10000.0, compress_rope_theta=160000.0,

@@ -180,7 +180,9 @@ def topk_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
 
 # --------------------------------------------------------------------------- MoE
 def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
-    return torch.sqrt(F.softplus(logits.float()))
+    """Router scores sqrt(softplus(logits)) in fp32. The floor keeps the gradient finite
+    where fp32 softplus underflows to 0 (logits below about -104: sqrt'(0) = inf)."""
+    return torch.sqrt(F.softplus(logits.float()).clamp_min(1e-30))
 
 
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
