@@ -32,7 +32,7 @@ def run(steps: int, out: Path, seed: int) -> dict:
     enable_deterministic(seed)
     cfg = DeepSeekV4Config.tiny()
     model = DeepSeekV4ForCausalLM(cfg, seed=seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=0.01, betas=(0.9, 0.95))
     batch, seq = 8, 64
     print(f"miles demo: tiny DeepSeek-V4 ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"layers {cfg.compress_ratios}), {steps} steps of {batch}x{seq} tokens")
@@ -43,7 +43,7 @@ def run(steps: int, out: Path, seed: int) -> dict:
         inputs, labels = ids[:, :-1], ids[:, 1:].clone()
         labels[:, :2] = IGNORE_INDEX  # the step size is unknowable before two tokens
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, 3e-3, warmup=10)
+            group["lr"] = lr_at(step, steps, 6e-3, warmup=10)
         losses = model(inputs, labels=labels).losses
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
