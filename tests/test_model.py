@@ -258,9 +258,11 @@ def test_bf16_dtype_preserved(seed):
     assert seen and all(d == torch.bfloat16 for d in seen), seen
     assert out.logits.dtype == torch.float32
     assert model.layers[0].attn.attn_sink.dtype == torch.float32, "sink must stay fp32"
-    err = (out.logits - ref_out.logits).abs().max() / ref_out.logits.abs().max()
-    assert_finite(out.logits)
-    assert err < 0.1, f"bf16 relative error {err:.3f}"
+    assert_finite(out.logits, ref_out.logits)
+    # bf16 rounding (2^-8) through 6 blocks plus occasional top-k routing flips measured
+    # 0.013-0.025 relative norm error over random seeds; 0.06 is a dtype bug's floor, not noise.
+    err = (out.logits - ref_out.logits).norm() / ref_out.logits.norm()
+    assert err < 0.06, f"bf16 relative error {err:.3f}"
 
 
 def test_anomaly_mode_forward_backward(seed):

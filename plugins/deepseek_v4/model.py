@@ -245,12 +245,41 @@ class Attention(nn.Module):
                          self.indexer.compressor.init_state(xd, ki_entries)
                          if self.indexer is not None else None)
         want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
-        o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, self.head_dim ** -0.5, return_probs=want_kl)
+        o, probs_c = self._attend(q, keys, mask, kv.shape[1], want_kl)
         if want_kl:
-            self._indexer_kl(probs[..., kv.shape[1]:], scores, chosen, fwd)
+            self._indexer_kl(probs_c, scores, chosen, fwd)
         if fwd.states is not None:
             fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
         return self._out(o, rope.cos, rope.sin)
+
+    def _use_kernels(self, q: torch.Tensor) -> bool:
+        backend = self.cfg.attention_backend
+        if backend == "auto":
+            from . import kernels
+
+            return q.is_cuda and kernels.available()
+        return backend == "triton"
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, n_raw: int, want_probs: bool):
+        """Attention core over [window keys ; compressed entries]. Returns o [B, S, H, D] and,
+        if asked, the probabilities of the compressed entries [B, H, S, G] (detached use)."""
+        scale = self.head_dim ** -0.5
+        if not self._use_kernels(q):
+            o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, scale, return_probs=want_probs)
+            return o, (probs[..., n_raw:] if want_probs else None)
+        from .kernels.sparse_attention import sparse_attention as kernel
+
+        b, s, h, d = q.shape
+        idx = ops.mask_to_index(mask)  # [B*S, K] into the flattened key pool
+        o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx, self.attn_sink, scale,
+                        deterministic=torch.are_deterministic_algorithms_enabled())
+        probs_c = None
+        if want_probs:  # recomputed from lse for the compressed entries only
+            with torch.no_grad():
+                logit = torch.einsum("bshd,bgd->bhsg", q.float(), keys[:, n_raw:].float()) * scale
+                lse_b = lse.view(b, s, h).permute(0, 2, 1)[..., None]
+                probs_c = torch.exp(logit - lse_b).masked_fill(~mask[:, None, :, n_raw:], 0.0)
+        return o.view(b, s, h, d), probs_c
 
     @staticmethod
     def _indexer_kl(probs_c: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:

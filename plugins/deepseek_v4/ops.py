@@ -197,3 +197,34 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
     og = o.reshape(b, s, groups, -1)  # [B, S, G, H*D/G]
     w = wo_a.view(groups, -1, og.shape[-1])  # [G, R, H*D/G]
     return torch.einsum("bsgk,grk->bsgr", og, w.to(og.dtype)).flatten(-2)
+
+
+# --------------------------------------------------------------------------- index-set form
+def mask_to_index(mask: torch.Tensor) -> torch.Tensor:
+    """Key mask [B, S, T] -> per-query index sets [B*S, K] into the flattened key pool
+    [B*T] (K = the largest set; -1 = empty slot), in ascending key order."""
+    b, s, t = mask.shape
+    ar = torch.arange(t, device=mask.device)
+    k = int(mask.sum(-1).max().item()) if mask.numel() else 0
+    order = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :k]  # [B, S, K]
+    picked = mask.gather(-1, order)
+    flat = order + (torch.arange(b, device=mask.device) * t)[:, None, None]
+    return torch.where(picked, flat, -1).reshape(b * s, k).to(torch.int32)
+
+
+def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather reference of the sparse attention core in index-set form (the kernels' oracle).
+
+    q [T, H, D]; kv [N, D] key pool; idx [T, K] int (-1 = empty); sink [H] fp32.
+    Returns o [T, H, D] in q.dtype and lse [T, H] fp32 (log of the softmax denominator,
+    sink included). Memory O(T*K*D): for tests and the CPU path only.
+    """
+    valid = idx >= 0
+    keys = kv.float()[idx.clamp_min(0).long()]  # [T, K, D]
+    s = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    logits = torch.cat((s, sink.float()[None, :, None].expand(s.shape[0], -1, 1)), -1)
+    lse = torch.logsumexp(logits, -1)  # [T, H]
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("thk,tkd->thd", p, keys).to(q.dtype), lse

@@ -1,0 +1,248 @@
+"""Triton sparse attention core of DeepSeek-V4: MQA with shared K = V and an attention sink,
+over per-query index sets into a key pool.
+
+Shapes: q [T, H, D] (T query tokens, H heads, D head dim, a power of two), kv [N, D] key
+pool, idx [T, K] int32 (-1 = empty slot), sink [H] fp32 in scaled-logit space.
+
+Forward: one program per (token, block of heads); all heads of a token share the gathered
+kv rows, so heads are the M dimension of the matmuls. Online softmax in fp32; the sink joins
+the denominator at the end; a row with no key gives o = 0 and lse = sink.
+
+Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)):
+  * `_bwd_dq`: per (token, head block): dq, and per-(token, head) sink-gradient terms.
+  * `_bwd_dkv`: per (token, key block), looping over head blocks: the [BK, D] kv gradient
+    of that token's keys. Fast mode scatters it with fp32 atomics (order-dependent rounding);
+    deterministic mode stores it per (token, slot) and `_segment_sum` reduces the slots of
+    each key row in a fixed order (no atomics: bit-identical across runs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_h,
+         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
+        valid = ids >= 0
+        kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, kv.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m = m_new
+    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
+    m_fin = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_fin)
+    l = l * alpha + tl.exp(sink - m_fin)
+    o = acc * (alpha / l)[:, None]
+    tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty), mask=hmask[:, None])
+    tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
+
+
+@triton.jit
+def _bwd_dq(Q, KV, IDX, SINK, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h, skv, si_t,
+            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)
+    do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
+    lse = tl.load(LSE + t * H + offs_h, mask=hmask, other=0.0)
+    delta = tl.load(DELTA + t * H + offs_h, mask=hmask, other=0.0)
+    dq = tl.zeros([BLOCK_H, D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
+        valid = ids >= 0
+        kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+            dp = tl.dot(do, tl.trans(kv))
+        p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            dq += tl.dot(ds, kv.to(tl.float32), input_precision="ieee")
+        else:
+            dq += tl.dot(ds.to(kv.dtype), kv)
+    tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
+    # d lse / d sink = p_sink; the sink's logit gradient is p_sink * (0 - delta).
+    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
+    tl.store(DSINK + t * H + offs_h, -tl.exp(sink - lse) * delta, mask=hmask)
+
+
+@triton.jit
+def _bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV, BUF, scale, H, K, sq_t, sq_h, skv, si_t,
+             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+             DETERMINISTIC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, D)
+    ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
+    valid = ids >= 0
+    kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + offs_d[None, :], mask=valid[:, None], other=0.0)
+    dkv = tl.zeros([BLOCK_K, D], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
+        q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)
+        do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
+        lse = tl.load(LSE + t * H + offs_h, mask=hmask, other=0.0)
+        delta = tl.load(DELTA + t * H + offs_h, mask=hmask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+            dp = tl.dot(do, tl.trans(kv))
+        p = tl.where(valid[None, :] & hmask[:, None], tl.exp(s * scale - lse[:, None]), 0.0)  # [BH, BK]
+        ds = p * (dp - delta[:, None]) * scale
+        if IEEE:
+            dkv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
+            dkv += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
+        else:
+            dkv += tl.dot(tl.trans(p).to(do.dtype), do)
+            dkv += tl.dot(tl.trans(ds).to(q.dtype), q)
+    if DETERMINISTIC:
+        tl.store(BUF + (t * K + offs_k)[:, None] * D + offs_d[None, :], dkv, mask=(offs_k < K)[:, None])
+    else:
+        tl.atomic_add(DKV + ids.to(tl.int64)[:, None] * D + offs_d[None, :], dkv, mask=valid[:, None])
+
+
+@triton.jit
+def _segment_sum(BUF, ORDER, START, OUT, D: tl.constexpr, BLOCK_J: tl.constexpr):
+    """OUT[n] = sum of BUF rows ORDER[START[n]:START[n+1]], in that order (deterministic)."""
+    n = tl.program_id(0).to(tl.int64)
+    lo = tl.load(START + n)
+    hi = tl.load(START + n + 1)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for j0 in range(lo, hi, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        rows = tl.load(ORDER + offs_j, mask=offs_j < hi, other=0)
+        acc += tl.sum(tl.load(BUF + rows[:, None] * D + offs_d[None, :], mask=(offs_j < hi)[:, None], other=0.0), 0)
+    tl.store(OUT + n * D + offs_d, acc)
+
+
+POISON_OUTPUTS = False  # tests: allocate outputs filled with NaN to prove every element is written
+
+
+def _new(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+def _blocks(h: int, d: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_K, num_warps): heads are the matmul M dim (>= 16 for tl.dot); the
+    [BLOCK_H, D] fp32 accumulator bounds BLOCK_H * D."""
+    block_h = 16 if d >= 256 else min(64, max(16, triton.next_power_of_2(h)))
+    return block_h, 32 if d <= 256 else 16, 4 if d <= 128 else 8
+
+
+def _check(q, kv, idx, sink):
+    t, h, d = q.shape
+    if d & (d - 1):
+        raise ValueError(f"sparse attention kernel: head dim {d} must be a power of two")
+    if kv.shape[-1] != d or idx.shape[0] != t or sink.shape != (h,):
+        raise ValueError(f"sparse attention kernel: shapes q {list(q.shape)}, kv {list(kv.shape)}, "
+                         f"idx {list(idx.shape)}, sink {list(sink.shape)} do not fit")
+
+
+def sparse_attn_fwd(q, kv, idx, sink, scale):
+    _check(q, kv, idx, sink)
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
+    t, h, d = q.shape
+    k = idx.shape[1]
+    o = _new(q.shape, q, q.dtype)
+    lse = _new((t, h), q, torch.float32)
+    bh, bk, warps = _blocks(h, d)
+    if t:
+        _fwd[(t, triton.cdiv(h, bh))](q, kv, idx, sink.float().contiguous(), o, lse, scale, h, k,
+                                      q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0),
+                                      o.stride(1), D=d, BLOCK_H=bh, BLOCK_K=bk, IEEE=q.dtype == torch.float32,
+                                      num_warps=warps)
+    return o, lse
+
+
+def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
+    q, kv, idx, do = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous(), do.contiguous()
+    t, h, d = q.shape
+    n, k = kv.shape[0], idx.shape[1]
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # [T, H]
+    dq = _new(q.shape, q, q.dtype)
+    dsink_terms = _new((t, h), q, torch.float32)
+    dkv = torch.zeros(n, d, device=q.device, dtype=torch.float32)
+    bh, bk, warps = _blocks(h, d)
+    ieee = q.dtype == torch.float32
+    sinkf = sink.float().contiguous()
+    if t and k:
+        _bwd_dq[(t, triton.cdiv(h, bh))](q, kv, idx, sinkf, do, lse, delta, dq, dsink_terms, scale, h, k,
+                                         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+                                         D=d, BLOCK_H=bh, BLOCK_K=bk, IEEE=ieee, num_warps=warps)
+        buf = torch.empty(t * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
+        _bwd_dkv[(t, triton.cdiv(k, bk))](q, kv, idx, do, lse, delta, dkv, buf, scale, h, k,
+                                          q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+                                          D=d, BLOCK_H=bh, BLOCK_K=bk, IEEE=ieee, DETERMINISTIC=deterministic,
+                                          num_warps=warps)
+        if deterministic:
+            flat = idx.reshape(-1).long()
+            flat = torch.where(flat >= 0, flat, n)  # empty slots sort last, into a dropped segment
+            order = torch.sort(flat, stable=True).indices
+            start = torch.searchsorted(flat[order], torch.arange(n + 1, device=q.device))
+            _segment_sum[(n,)](buf, order, start, dkv, D=d, BLOCK_J=16)
+    else:
+        dq.zero_()
+        dsink_terms = (-torch.exp(sinkf[None] - lse) * delta) if t else dsink_terms
+    return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
+
+
+class SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, idx, sink, scale, deterministic):
+        o, lse = sparse_attn_fwd(q, kv, idx, sink, scale)
+        ctx.save_for_backward(q, kv, idx, sink, o, lse)
+        ctx.scale, ctx.deterministic = scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, kv, idx, sink, o, lse = ctx.saved_tensors
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, idx, sink, ctx.scale, o, lse, do, ctx.deterministic)
+        return dq, dkv, None, dsink.to(sink.dtype), None, None
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [T, H, D] (q.dtype), lse [T, H] fp32; differentiable in q, kv and sink."""
+    return SparseAttention.apply(q, kv, idx, sink, scale, deterministic)

@@ -1,0 +1,129 @@
+"""Triton sparse attention kernel vs the float64 gather reference.
+
+Runs on CUDA (bf16, several shapes) and, without a GPU, under Triton's CPU interpreter
+(fp32, small shapes), so the kernel logic is checked in CI too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import assert_finite
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+triton = pytest.importorskip("triton")
+
+from plugins.deepseek_v4 import ops  # noqa: E402
+from plugins.deepseek_v4.kernels import sparse_attention as sa  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+# bf16 inputs: errors of a few bf16 ulps (2^-8) relative to the output scale; fp32 (ieee
+# dots in the interpreter): rounding only.
+TOL = 2e-2 if CUDA else 2e-5
+# (T, H, D, K, pool N): empty rows, T/K/H not multiples of the blocks, K < BLOCK_K
+SHAPES = ([(37, 24, 512, 640 + 3, 900), (300, 64, 512, 128 + 512, 1200), (64, 16, 128, 20, 80)] if CUDA
+          else [(9, 5, 64, 21, 40), (4, 16, 32, 7, 12)])
+
+
+def make(seed: int, t: int, h: int, d: int, k: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g)
+    kv = torch.randn(n, d, generator=g)
+    idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)]).int()
+    drop = torch.rand(t, k, generator=g) < 0.3
+    idx[drop] = -1
+    idx[0] = -1  # an empty row
+    sink = torch.randn(h, generator=g)
+    return q, kv, idx, sink
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert_finite(a, b)
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(sa, "POISON_OUTPUTS", True)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kernel_matches_float64_reference(seed, shape, deterministic):
+    """Forward o and lse, and gradients of q, kv and sink, against float64 autograd through
+    the gather reference; outputs start as NaN so an unwritten element fails; the empty row
+    gives exactly zero output."""
+    t, h, d, k, n = shape
+    q, kv, idx, sink = make(seed, *shape)
+    scale = d ** -0.5
+    ref_in = [x.double().requires_grad_() for x in (q, kv, sink)]
+    o_ref, lse_ref = ops.sparse_attention_indexed(ref_in[0], ref_in[1], idx, ref_in[2], scale)
+    do = torch.randn(t, h, d, generator=torch.Generator().manual_seed(seed + 1))
+    (o_ref * do.double()).sum().backward()
+    args = [x.to(DEV, DTYPE).requires_grad_() for x in (q, kv)]
+    sk = sink.to(DEV).requires_grad_()
+    o, lse = sa.sparse_attention(args[0], args[1], idx.to(DEV), sk, scale, deterministic=deterministic)
+    assert o.dtype == DTYPE and lse.dtype == torch.float32
+    (o.float() * do.to(DEV)).sum().backward()
+    assert rel(o.float().cpu(), o_ref) < TOL
+    assert rel(lse.cpu(), lse_ref) < TOL
+    assert torch.equal(o[0].float().cpu(), torch.zeros(h, d))
+    for got, ref, name in ((args[0].grad, ref_in[0].grad, "dq"), (args[1].grad, ref_in[1].grad, "dkv"),
+                           (sk.grad, ref_in[2].grad, "dsink")):
+        assert rel(got.float().cpu(), ref) < 2 * TOL, name
+
+
+def test_deterministic_backward_is_bitwise_repeatable(seed):
+    """Deterministic mode has no atomics: two backward passes give identical bits."""
+    q, kv, idx, sink = make(seed, *SHAPES[0])
+    grads = []
+    for _ in range(2):
+        a = [x.to(DEV, DTYPE).requires_grad_() for x in (q, kv)]
+        s = sink.to(DEV).requires_grad_()
+        o, _ = sa.sparse_attention(a[0], a[1], idx.to(DEV), s, q.shape[-1] ** -0.5, deterministic=True)
+        o.float().square().sum().backward()
+        grads.append([a[0].grad, a[1].grad, s.grad])
+    for g1, g2 in zip(*grads, strict=True):
+        assert torch.equal(g1, g2)
+
+
+def test_non_power_of_two_head_dim_is_refused():
+    """A head dim the kernel cannot tile is a clear error, not a wrong answer."""
+    q, kv, idx, sink = make(0, 4, 16, 48, 5, 10)
+    with pytest.raises(ValueError, match="power of two"):
+        sa.sparse_attention(q.to(DEV), kv.to(DEV), idx.to(DEV), sink.to(DEV), 0.1)
+
+
+def test_model_training_step_with_kernels_matches_reference(seed):
+    """A full tiny-model forward+backward (all features: SWA/CSA/HCA, indexer KL, MTP) with
+    the Triton attention core matches the PyTorch path: losses and every gradient."""
+    from conftest import random_ids, tiny_model
+
+    from plugins.deepseek_v4.model import IGNORE_INDEX
+
+    ids = random_ids(seed, 2, 40).to(DEV)
+    lab = torch.roll(ids, -1, 1)
+    lab[:, -1] = IGNORE_INDEX
+    runs = {}
+    for backend in ("torch", "triton"):
+        model = tiny_model(seed, dtype=DTYPE, attention_backend=backend).to(DEV).train()
+        out = model(ids, labels=lab)
+        out.losses["total"].backward()
+        runs[backend] = (out.losses, {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    (l_ref, g_ref), (l_k, g_k) = runs["torch"], runs["triton"]
+    for k in ("lm", "mtp", "indexer", "total"):
+        assert rel(l_k[k].float().cpu(), l_ref[k].float().cpu()) < TOL, k
+    assert g_ref.keys() == g_k.keys()
+    # Gradients that are sums of many cancelling terms (mHC head scale/base) have norms ~1e-6
+    # of the largest; judge each tensor against its norm plus 1e-3 of the largest norm.
+    ref = {k: g.double().cpu() for k, g in g_ref.items()}
+    for g in [*ref.values(), *g_k.values()]:
+        assert_finite(g)
+    floor = 1e-3 * max(g.norm() for g in ref.values())
+    errs = {k: ((g_k[k].double().cpu() - ref[k]).norm() / (ref[k].norm() + floor)).item() for k in ref}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < (5e-2 if CUDA else 1e-4), f"worst gradient error {errs[worst]:.2e} in {worst}"
