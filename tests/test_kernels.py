@@ -98,9 +98,14 @@ def test_non_power_of_two_head_dim_is_refused():
         sa.sparse_attention(q.to(DEV), kv.to(DEV), idx.to(DEV), sink.to(DEV), 0.1)
 
 
-def test_model_training_step_with_kernels_matches_reference(seed):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_training_step_with_kernels_matches_reference(seed, dtype):
     """A full tiny-model forward+backward (all features: SWA/CSA/HCA, indexer KL, MTP) with
-    the Triton attention core matches the PyTorch path: losses and every gradient."""
+    the Triton attention core matches the PyTorch path: losses and every gradient (fp32),
+    losses and the whole gradient vector (bf16: per-tensor comparison is ill-posed there,
+    as rounding differences flip discrete MoE/indexer top-k choices for a few tokens)."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("bf16 model parity runs on CUDA")
     from conftest import random_ids, tiny_model
 
     from plugins.deepseek_v4.model import IGNORE_INDEX
@@ -110,20 +115,26 @@ def test_model_training_step_with_kernels_matches_reference(seed):
     lab[:, -1] = IGNORE_INDEX
     runs = {}
     for backend in ("torch", "triton"):
-        model = tiny_model(seed, dtype=DTYPE, attention_backend=backend).to(DEV).train()
+        model = tiny_model(seed, dtype=dtype, attention_backend=backend).to(DEV).train()
         out = model(ids, labels=lab)
         out.losses["total"].backward()
         runs[backend] = (out.losses, {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
     (l_ref, g_ref), (l_k, g_k) = runs["torch"], runs["triton"]
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
     for k in ("lm", "mtp", "indexer", "total"):
-        assert rel(l_k[k].float().cpu(), l_ref[k].float().cpu()) < TOL, k
+        assert rel(l_k[k].float().cpu(), l_ref[k].float().cpu()) < tol, k
     assert g_ref.keys() == g_k.keys()
+    ref = {k: g.double().cpu() for k, g in g_ref.items()}
+    got = {k: g.double().cpu() for k, g in g_k.items()}
+    if dtype == torch.bfloat16:
+        flat = torch.cat([got[k].flatten() for k in ref]), torch.cat([ref[k].flatten() for k in ref])
+        assert rel(*flat) < 0.1
+        return
     # Gradients that are sums of many cancelling terms (mHC head scale/base) have norms ~1e-6
     # of the largest; judge each tensor against its norm plus 1e-3 of the largest norm.
-    ref = {k: g.double().cpu() for k, g in g_ref.items()}
-    for g in [*ref.values(), *g_k.values()]:
+    for g in [*ref.values(), *got.values()]:
         assert_finite(g)
     floor = 1e-3 * max(g.norm() for g in ref.values())
-    errs = {k: ((g_k[k].double().cpu() - ref[k]).norm() / (ref[k].norm() + floor)).item() for k in ref}
+    errs = {k: ((got[k] - ref[k]).norm() / (ref[k].norm() + floor)).item() for k in ref}
     worst = max(errs, key=errs.get)
-    assert errs[worst] < (5e-2 if CUDA else 1e-4), f"worst gradient error {errs[worst]:.2e} in {worst}"
+    assert errs[worst] < 1e-4, f"worst gradient error {errs[worst]:.2e} in {worst}"

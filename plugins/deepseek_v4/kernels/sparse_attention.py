@@ -18,11 +18,30 @@ Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_H, BLOCK_K, num_warps, num_stages) candidates; one under the CPU interpreter."""
+    if _INTERPRET:
+        shapes = shapes[:1]
+    return [triton.Config({"BLOCK_H": h, "BLOCK_K": k}, num_warps=w, num_stages=st) for h, k, w, st in shapes]
+
+
+# Heads are the matmul M dim (>= 16 for tl.dot); a [BLOCK_H, D] fp32 accumulator bounds BLOCK_H * D.
+_Q_CONFIGS = _configs([(16, 16, 4, 1), (16, 32, 4, 2), (16, 64, 8, 2), (32, 32, 8, 2), (32, 16, 8, 1),
+                       (64, 16, 8, 1), (64, 32, 8, 2), (64, 16, 16, 1)])
+_KV_CONFIGS = _configs([(16, 16, 4, 1), (16, 32, 8, 2), (32, 16, 8, 1), (32, 32, 8, 2), (64, 16, 8, 1),
+                        (64, 32, 8, 2), (16, 64, 8, 1)])
+
+
+@triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
 def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_h,
          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -63,6 +82,7 @@ def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_
     tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
 
 
+@triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
 def _bwd_dq(Q, KV, IDX, SINK, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h, skv, si_t,
             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -99,6 +119,7 @@ def _bwd_dq(Q, KV, IDX, SINK, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h
     tl.store(DSINK + t * H + offs_h, -tl.exp(sink - lse) * delta, mask=hmask)
 
 
+@triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"])
 @triton.jit
 def _bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV, BUF, scale, H, K, sq_t, sq_h, skv, si_t,
              D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
@@ -162,13 +183,6 @@ def _new(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, device=like.device, dtype=dtype)
 
 
-def _blocks(h: int, d: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_K, num_warps): heads are the matmul M dim (>= 16 for tl.dot); the
-    [BLOCK_H, D] fp32 accumulator bounds BLOCK_H * D."""
-    block_h = 16 if d >= 256 else min(64, max(16, triton.next_power_of_2(h)))
-    return block_h, 32 if d <= 256 else 16, 4 if d <= 128 else 8
-
-
 def _check(q, kv, idx, sink):
     t, h, d = q.shape
     if d & (d - 1):
@@ -185,12 +199,10 @@ def sparse_attn_fwd(q, kv, idx, sink, scale):
     k = idx.shape[1]
     o = _new(q.shape, q, q.dtype)
     lse = _new((t, h), q, torch.float32)
-    bh, bk, warps = _blocks(h, d)
     if t:
-        _fwd[(t, triton.cdiv(h, bh))](q, kv, idx, sink.float().contiguous(), o, lse, scale, h, k,
-                                      q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0),
-                                      o.stride(1), D=d, BLOCK_H=bh, BLOCK_K=bk, IEEE=q.dtype == torch.float32,
-                                      num_warps=warps)
+        _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
+            q, kv, idx, sink.float().contiguous(), o, lse, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
+            idx.stride(0), o.stride(0), o.stride(1), D=d, IEEE=q.dtype == torch.float32)
     return o, lse
 
 
@@ -202,18 +214,16 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
     dq = _new(q.shape, q, q.dtype)
     dsink_terms = _new((t, h), q, torch.float32)
     dkv = torch.zeros(n, d, device=q.device, dtype=torch.float32)
-    bh, bk, warps = _blocks(h, d)
     ieee = q.dtype == torch.float32
     sinkf = sink.float().contiguous()
     if t and k:
-        _bwd_dq[(t, triton.cdiv(h, bh))](q, kv, idx, sinkf, do, lse, delta, dq, dsink_terms, scale, h, k,
-                                         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-                                         D=d, BLOCK_H=bh, BLOCK_K=bk, IEEE=ieee, num_warps=warps)
+        _bwd_dq[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
+            q, kv, idx, sinkf, do, lse, delta, dq, dsink_terms, scale, h, k, q.stride(0), q.stride(1),
+            kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
         buf = torch.empty(t * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
-        _bwd_dkv[(t, triton.cdiv(k, bk))](q, kv, idx, do, lse, delta, dkv, buf, scale, h, k,
-                                          q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-                                          D=d, BLOCK_H=bh, BLOCK_K=bk, IEEE=ieee, DETERMINISTIC=deterministic,
-                                          num_warps=warps)
+        _bwd_dkv[lambda m: (t, triton.cdiv(k, m["BLOCK_K"]))](
+            q, kv, idx, do, lse, delta, dkv, buf, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
+            idx.stride(0), D=d, IEEE=ieee, DETERMINISTIC=deterministic)
         if deterministic:
             flat = idx.reshape(-1).long()
             flat = torch.where(flat >= 0, flat, n)  # empty slots sort last, into a dropped segment
