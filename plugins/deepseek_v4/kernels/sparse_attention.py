@@ -9,7 +9,7 @@ kv rows, so heads are the M dimension of the matmuls. Online softmax in fp32; th
 the denominator at the end; a row with no key gives o = 0 and lse = sink.
 
 Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)):
-  * `_bwd_dq`: per (token, head block): dq, and per-(token, head) sink-gradient terms.
+  * `_bwd_dq`: per (token, head block): delta, dq, and per-(token, head) sink-gradient terms.
   * `_bwd_dkv`: per (token, key block), looping over head blocks: the [BK, D] kv gradient
     of that token's keys. Fast mode scatters it with fp32 atomics (order-dependent rounding);
     deterministic mode stores it per (token, slot) and `_segment_sum` reduces the slots of
@@ -84,7 +84,7 @@ def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_
 
 @triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
-def _bwd_dq(Q, KV, IDX, SINK, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h, skv, si_t,
+def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h, skv, si_t,
             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -94,7 +94,9 @@ def _bwd_dq(Q, KV, IDX, SINK, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h
     q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)
     do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
     lse = tl.load(LSE + t * H + offs_h, mask=hmask, other=0.0)
-    delta = tl.load(DELTA + t * H + offs_h, mask=hmask, other=0.0)
+    o = tl.load(O + qo, mask=hmask[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), for _bwd_dkv too
+    tl.store(DELTA + t * H + offs_h, delta, mask=hmask)
     dq = tl.zeros([BLOCK_H, D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -210,7 +212,8 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
     q, kv, idx, do = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous(), do.contiguous()
     t, h, d = q.shape
     n, k = kv.shape[0], idx.shape[1]
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # [T, H]
+    o = o.contiguous()
+    delta = torch.empty(t, h, device=q.device, dtype=torch.float32)  # written by _bwd_dq
     dq = _new(q.shape, q, q.dtype)
     dsink_terms = _new((t, h), q, torch.float32)
     dkv = torch.zeros(n, d, device=q.device, dtype=torch.float32)
@@ -218,7 +221,7 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
     sinkf = sink.float().contiguous()
     if t and k:
         _bwd_dq[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
-            q, kv, idx, sinkf, do, lse, delta, dq, dsink_terms, scale, h, k, q.stride(0), q.stride(1),
+            q, kv, idx, sinkf, o, do, lse, delta, dq, dsink_terms, scale, h, k, q.stride(0), q.stride(1),
             kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
         buf = torch.empty(t * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
         _bwd_dkv[lambda m: (t, triton.cdiv(k, m["BLOCK_K"]))](
@@ -230,9 +233,9 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
             order = torch.sort(flat, stable=True).indices
             start = torch.searchsorted(flat[order], torch.arange(n + 1, device=q.device))
             _segment_sum[(n,)](buf, order, start, dkv, D=d, BLOCK_J=16)
-    else:
+    else:  # no keys at all: o = 0, so delta = 0 and every gradient is zero
         dq.zero_()
-        dsink_terms = (-torch.exp(sinkf[None] - lse) * delta) if t else dsink_terms
+        dsink_terms.zero_()
     return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
 
 
