@@ -120,16 +120,26 @@ def test_model_training_step_with_kernels_matches_reference(seed, dtype):
         out.losses["total"].backward()
         runs[backend] = (out.losses, {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
     (l_ref, g_ref), (l_k, g_k) = runs["torch"], runs["triton"]
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    bf16 = dtype == torch.bfloat16
     for k in ("lm", "mtp", "indexer", "total"):
+        # bf16 on H100, 8 seeds: lm/mtp/total within 1e-4; the indexer KL (a small divergence of
+        # two close distributions built from bf16 probabilities) within 1.7e-2.
+        tol = (0.05 if k == "indexer" else 2e-2) if bf16 else 2e-5
         assert rel(l_k[k].float().cpu(), l_ref[k].float().cpu()) < tol, k
+    if bf16:
+        # A routing flip can give an expert tokens in one run only: missing gradient = zero.
+        names = sorted(set(g_ref) | set(g_k))
+
+        def flat(g):
+            return torch.cat([g[n].double().cpu().flatten() if n in g else
+                              torch.zeros(g_ref.get(n, g_k.get(n)).numel(), dtype=torch.float64) for n in names])
+
+        # measured 0.018-0.043 over 8 seeds (bf16 rounding + routing flips); a kernel bug is O(1)
+        assert rel(flat(g_k), flat(g_ref)) < 0.1
+        return
     assert g_ref.keys() == g_k.keys()
     ref = {k: g.double().cpu() for k, g in g_ref.items()}
     got = {k: g.double().cpu() for k, g in g_k.items()}
-    if dtype == torch.bfloat16:
-        flat = torch.cat([got[k].flatten() for k in ref]), torch.cat([ref[k].flatten() for k in ref])
-        assert rel(*flat) < 0.1
-        return
     # Gradients that are sums of many cancelling terms (mHC head scale/base) have norms ~1e-6
     # of the largest; judge each tensor against its norm plus 1e-3 of the largest norm.
     for g in [*ref.values(), *got.values()]:
