@@ -1,0 +1,1 @@
+"""Megatron-core training backend (runs inside TrainWorker actors)."""

@@ -1,0 +1,206 @@
+"""The Megatron-core CPU bridge (miles/train/megatron_cpu.py): version pin, CUDA guard, and
+TP=2, DP=2 (DDP + DistributedOptimizer) and PP=2 (1F1B) over gloo in 2 real processes,
+each compared with the same computation in one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import assert_close
+
+megatron_core = pytest.importorskip("megatron.core")
+
+from miles.train import megatron_cpu  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, port: int, **parallel) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    assert megatron_cpu.apply()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(**parallel)
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(8, 12, generator=g)
+
+
+def _tp_worker(rank: int, port: int, seed: int, out: str) -> None:
+    _init(rank, port, tensor_model_parallel_size=2)
+    from megatron.core import tensor_parallel as tp
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    tp.model_parallel_cuda_manual_seed(seed)  # the RNG tracker works on CPU
+    cfg = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True,
+                              params_dtype=torch.float32)
+    x, w1, w2 = _inputs(seed)
+    col = tp.ColumnParallelLinear(8, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                                  gather_output=False)
+    row = tp.RowParallelLinear(12, 8, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                               input_is_parallel=True, skip_bias_add=True)
+    with torch.no_grad():
+        col.weight.copy_(w1.chunk(2, 0)[rank])
+        row.weight.copy_(w2.chunk(2, 1)[rank])
+    x = x.requires_grad_()
+    y, _ = row(col(x)[0])
+    (y * torch.arange(8.0)).sum().backward()
+    torch.save({"y": y.detach(), "dx": x.grad, "dw1": col.weight.grad, "dw2": row.weight.grad}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _dp_worker(rank: int, port: int, seed: int, out: str) -> None:
+    _init(rank, port)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                     grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0,
+                                                 use_distributed_optimizer=True), [ddp])
+    data = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
+    norms = []
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(data[step, rank * 4:(rank + 1) * 4]).pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        ok, gn, _ = opt.step()
+        assert ok
+        norms.append(float(gn))
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "norms": norms}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _pp_worker(rank: int, port: int, seed: int, out: str) -> None:
+    _init(rank, port, pipeline_model_parallel_size=2)
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                            pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2)]  # the same two layers on both ranks
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.config, self.model_type, self.inp = layers[rank], cfg, ModelType.encoder_or_decoder, None
+
+        def set_input_tensor(self, t):
+            self.inp = t[0] if isinstance(t, list) else t
+
+        def forward(self, x):
+            return torch.tanh(self.layer(x if rank == 0 else self.inp))
+
+    stage = Stage()
+    data = torch.randn(4, 2, 3, 8, generator=torch.Generator().manual_seed(seed + 1))  # 4 micro-batches [S, B, d]
+
+    def step(it, model):
+        out = model(next(it))
+        return out, lambda o: (o.pow(2).mean(), {"loss": o.pow(2).mean().detach()})
+
+    res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter(data), model=[stage],
+                                      num_microbatches=4, seq_length=2, micro_batch_size=3, forward_only=False)
+    losses = [r["loss"] for r in res] if rank == 1 else []
+    torch.save({"w": stage.layer.weight.grad, "b": stage.layer.bias.grad, "losses": losses}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _spawn(worker, tmp_path, seed) -> list[dict]:
+    mp.spawn(worker, args=(_port(), seed, str(tmp_path)), nprocs=2)
+    return [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_version_pin_fails_loudly(monkeypatch):
+    """Guards running the bridge on a Megatron-core whose CUDA call sites moved."""
+    if torch.cuda.is_available():
+        pytest.skip("the bridge is inactive with CUDA")
+    monkeypatch.setattr(megatron_core, "__version__", "0.17.0")
+    with pytest.raises(megatron_cpu.MegatronVersionError, match="0.16.1"):
+        megatron_cpu.apply()
+
+
+def test_bridge_is_inactive_when_cuda_exists(monkeypatch):
+    """Guards the bridge changing GPU behaviour: with CUDA present it patches nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.zeros
+    assert megatron_cpu.apply() is False
+    assert torch.zeros is before
+
+
+def test_tensor_parallel_linears_match_single_process(tmp_path, seed):
+    """TP=2 column -> row parallel linears: output, input gradient and weight-shard gradients
+    equal the unsharded computation (the RNG tracker seeds on CPU too)."""
+    r = _spawn(_tp_worker, tmp_path, seed)
+    x, w1, w2 = _inputs(seed)
+    x, w1, w2 = x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_()
+    y = x @ w1.t() @ w2.t()
+    (y * torch.arange(8.0)).sum().backward()
+    # fp32, sums split across ranks in another order: ~1e-7 relative on values of size ~10
+    for rank in range(2):
+        assert_close(r[rank]["y"], y.detach(), atol=1e-5, rtol=1e-5, what="output")
+        assert_close(r[rank]["dx"], x.grad, atol=1e-5, rtol=1e-5, what="dx")
+        assert_close(r[rank]["dw1"], w1.grad.chunk(2, 0)[rank], atol=1e-5, rtol=1e-5, what="dw1 shard")
+        assert_close(r[rank]["dw2"], w2.grad.chunk(2, 1)[rank], atol=1e-5, rtol=1e-5, what="dw2 shard")
+
+
+def test_ddp_distributed_optimizer_matches_single_process_adam(tmp_path, seed):
+    """DP=2 with Megatron DDP + DistributedOptimizer (sharded Adam state, grad clipping) for 3
+    steps equals one process running Adam on the whole batch: same parameters on both ranks,
+    same gradient norms."""
+    r = _spawn(_dp_worker, tmp_path, seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
+    norms = []
+    for step in range(3):
+        opt.zero_grad()
+        # each rank averages its half; DDP averages the two means = the full-batch mean
+        model(data[step]).pow(2).mean().backward()
+        # Megatron's OptimizerConfig clips at grad norm 1.0 by default: the same clip here
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+    for rank in range(2):
+        for got, want in zip(r[rank]["params"], model.parameters(), strict=True):
+            assert_close(got, want.detach(), atol=1e-6, what=f"rank {rank} params")
+        assert r[rank]["norms"] == pytest.approx(norms, rel=1e-5)
+
+
+def test_pipeline_1f1b_matches_single_process(tmp_path, seed):
+    """PP=2 with the 1F1B schedule over gloo, 4 micro-batches: per-micro-batch losses and each
+    stage's gradients equal the unsplit two-layer model (backward scaled by 1/micro-batches)."""
+    r = _spawn(_pp_worker, tmp_path, seed)
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2)]
+    data = torch.randn(4, 2, 3, 8, generator=torch.Generator().manual_seed(seed + 1))
+    losses = []
+    for mb in data:
+        loss = torch.tanh(layers[1](torch.tanh(layers[0](mb)))).pow(2).mean()
+        (loss / 4).backward()
+        losses.append(loss.detach())
+    # the schedule scales the backward by 1/micro-batches; the reported losses are unscaled
+    assert_close(torch.stack(r[1]["losses"]), torch.stack(losses), atol=1e-6, what="losses")
+    for rank in range(2):
+        assert_close(r[rank]["w"], layers[rank].weight.grad, atol=1e-6, what=f"stage {rank} weight grad")
+        assert_close(r[rank]["b"], layers[rank].bias.grad, atol=1e-6, what=f"stage {rank} bias grad")
