@@ -43,6 +43,25 @@ _KV_CONFIGS = _configs([(16, 16, 4, 1), (16, 32, 8, 2), (32, 32, 8, 2), (64, 32,
                         (32, 64, 8, 2), (16, 64, 8, 1), (64, 64, 8, 1), (16, 128, 8, 1)])
 
 
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation; exact fp32 products when the inputs are fp32 (tests)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K: tl.constexpr, D: tl.constexpr):
+    """Key slots k0..k0+BLOCK_K of token t: (slot offsets, key ids, valid mask, kv rows [BK, D];
+    empty or out-of-range slots read as zero rows)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
+    valid = ids >= 0
+    kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    return offs_k, ids, valid, kv
+
+
 @triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
 def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_h,
@@ -56,24 +75,14 @@ def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
-        valid = ids >= 0
-        kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kv))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
+        _, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
+        s = tl.where(valid[None, :], _mm(q, tl.trans(kv), IEEE) * scale, float("-inf"))  # [BH, BK]
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, kv.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + _mm(p.to(kv.dtype), kv, IEEE)
         m = m_new
     sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
     m_fin = tl.maximum(m, sink)
@@ -101,22 +110,10 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, s
     tl.store(DELTA + t * H + offs_h, delta, mask=hmask)
     dq = tl.zeros([BLOCK_H, D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
-        valid = ids >= 0
-        kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(kv), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kv))
-            dp = tl.dot(do, tl.trans(kv))
-        p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            dq += tl.dot(ds, kv.to(tl.float32), input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(kv.dtype), kv)
+        _, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
+        p = tl.where(valid[None, :], tl.exp(_mm(q, tl.trans(kv), IEEE) * scale - lse[:, None]), 0.0)
+        ds = p * (_mm(do, tl.trans(kv), IEEE) - delta[:, None])
+        dq += _mm(ds.to(kv.dtype), kv, IEEE)
     tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
     # d lse / d sink = p_sink; the sink's logit gradient is p_sink * (0 - delta).
     sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
@@ -129,11 +126,8 @@ def _bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV, BUF, scale, H, K, sq_t, sq_h, skv,
              D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
              DETERMINISTIC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, D)
-    ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
-    valid = ids >= 0
-    kv = tl.load(KV + ids.to(tl.int64)[:, None] * skv + offs_d[None, :], mask=valid[:, None], other=0.0)
+    offs_k, ids, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, tl.program_id(1) * BLOCK_K, K, BLOCK_K, D)
     dkv = tl.zeros([BLOCK_K, D], tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -143,20 +137,10 @@ def _bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV, BUF, scale, H, K, sq_t, sq_h, skv,
         do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
         lse = tl.load(LSE + t * H + offs_h, mask=hmask, other=0.0)
         delta = tl.load(DELTA + t * H + offs_h, mask=hmask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(kv), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kv))
-            dp = tl.dot(do, tl.trans(kv))
+        s = _mm(q, tl.trans(kv), IEEE)
         p = tl.where(valid[None, :] & hmask[:, None], tl.exp(s * scale - lse[:, None]), 0.0)  # [BH, BK]
-        ds = p * (dp - delta[:, None]) * scale
-        if IEEE:
-            dkv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
-            dkv += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
-        else:
-            dkv += tl.dot(tl.trans(p).to(do.dtype), do)
-            dkv += tl.dot(tl.trans(ds).to(q.dtype), q)
+        ds = p * (_mm(do, tl.trans(kv), IEEE) - delta[:, None]) * scale
+        dkv += _mm(tl.trans(p).to(do.dtype), do, IEEE) + _mm(tl.trans(ds).to(q.dtype), q, IEEE)
     if DETERMINISTIC:
         tl.store(BUF + (t * K + offs_k)[:, None] * D + offs_d[None, :], dkv, mask=(offs_k < K)[:, None])
     else:
