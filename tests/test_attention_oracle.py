@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close, random_ids, tiny_model
+from conftest import assert_close, tiny_model
 
 from plugins.deepseek_v4.layout import SequenceLayout
 from plugins.deepseek_v4.model import Fwd
@@ -138,7 +138,7 @@ def test_attention_layer_matches_float64_oracle(seed, layer):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, S, cfg.hidden_size, generator=g)
     layout = SequenceLayout.build(1, S, x.device)
-    fwd = Fwd(layout, random_ids(seed, 1, S), model._ropes(layout.pos))
+    fwd = Fwd(layout, model._ropes(layout.pos))
     with torch.no_grad():
         got = attn(x, fwd)[0]
     want = oracle(attn, cfg, x[0].double())

@@ -11,8 +11,6 @@ machine `apply()` does nothing. No other module patches anything.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 PINNED_MEGATRON_CORE = "0.16.1"
@@ -88,9 +86,3 @@ def apply() -> bool:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     _applied = True
     return True
-
-
-@contextlib.contextmanager
-def applied():
-    """Context form for tests: apply (idempotent) and yield whether it is active."""
-    yield apply()

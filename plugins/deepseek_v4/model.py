@@ -52,7 +52,6 @@ class Fwd:
     """Per-forward facts shared by all layers."""
 
     layout: SequenceLayout
-    input_ids: torch.Tensor
     ropes: dict[str, Rope]
     indexer_loss: bool = False
     indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
@@ -574,7 +573,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         global batch's supervised-token count) instead of the local count."""
         b, s = input_ids.shape
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
-        fwd = Fwd(layout, input_ids, self._ropes(layout.pos), states=_states,
+        fwd = Fwd(layout, self._ropes(layout.pos), states=_states,
                   indexer_loss=labels is not None and self.config.indexer_loss)
         x = self._streams(self.embed(input_ids))  # [B, S, n, d]
         for layer in self.layers:
@@ -592,7 +591,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         # document starts at its second token, at position pos - 1; first tokens are dead.
         alive = (layout.pos >= 1) & (layout.doc >= 0)
         mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0))
-        mfwd = Fwd(mlayout, ids, self._ropes(mlayout.pos), indexer_loss=fwd.indexer_loss)
+        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), indexer_loss=fwd.indexer_loss)
         x_prev = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), 1)
         blk = self.mtp[0]
         h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, S, n, d]
