@@ -196,7 +196,8 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.wo_a = ctx.column_linear(h * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
         self.wo_b = ctx.row_linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.ctx = ctx
+        self.attn_sink = ctx.sharded_parameter((cfg.num_attention_heads,), 0, torch.float32)
         self.compressor = Compressor(ctx, cfg, D, self.ratio, dtype) if self.ratio else None
         self.indexer = Indexer(ctx, cfg, self.ratio, dtype) if cfg.is_csa(self.ratio) else None
 
@@ -244,9 +245,10 @@ class Attention(nn.Module):
                          self.indexer.compressor.init_state(xd, ki_entries)
                          if self.indexer is not None else None)
         want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
+        keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
         o, probs_c = self._attend(q, keys, mask, kv.shape[1], want_kl)
         if want_kl:
-            self._indexer_kl(probs_c, scores, chosen, fwd)
+            self._indexer_kl(self.ctx.sum_over_tp(probs_c.detach().sum(1)), scores, chosen, fwd)
         if fwd.states is not None:
             fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
         return self._out(o, rope.cos, rope.sin)
@@ -281,10 +283,9 @@ class Attention(nn.Module):
         return o.view(b, s, h, d), probs_c
 
     @staticmethod
-    def _indexer_kl(probs_c: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:
-        """KL(main-attention mass over the chosen entries, summed over heads and renormalised
-        || softmax of the indexer scores over the same entries), summed over query rows."""
-        target = probs_c.detach().sum(1)  # [B, S, G]
+    def _indexer_kl(target: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:
+        """KL(main-attention mass over the chosen entries [B, S, G], summed over all heads and
+        renormalised || softmax of the indexer scores over the same entries), summed over rows."""
         total = target.sum(-1, keepdim=True)
         rows = chosen.any(-1) & (total[..., 0] > 0)
         target = torch.where(chosen, target / total.clamp_min(1e-30), 0.0)
@@ -379,7 +380,7 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, is_hash: bool, dtype):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ctx = cfg, ctx
         self.gate = Gate(ctx, cfg, layer, is_hash, dtype)
         self.local = ctx.local_experts(cfg.n_routed_experts)
         lim = cfg.swiglu_limit
@@ -393,6 +394,7 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, w, s = self.gate(xf, ids.reshape(-1))
+        w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
         out = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
         for e in self.local:  # token dispatch; index_add_ is deterministic on CPU
             rows, slot = torch.nonzero(idx == e, as_tuple=True)
@@ -520,6 +522,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         self.head = ctx.column_linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.mtp = nn.ModuleList(MTPBlock(ctx, cfg, cfg.num_hidden_layers + k, dtype)
                                  for k in range(cfg.num_nextn_predict_layers))
+        self.ctx = ctx
         rd = cfg.qk_rope_head_dim
         self.register_buffer("inv_freq_swa", ops.rope_inv_freq(rd, cfg.rope_theta, None), persistent=False)
         self.register_buffer("inv_freq_compressed", ops.rope_inv_freq(rd, cfg.compress_rope_theta,
@@ -531,21 +534,27 @@ class DeepSeekV4ForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Seeded init, one generator per tensor name: independent of construction order,
-        device and sharding (a sharded rank can draw the full tensor and keep its slice)."""
+        device and sharding (a TP rank draws the full tensor and keeps its slice)."""
         c = self.config
         for name, p in self.named_parameters():
             g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             leaf = name.rsplit(".", 1)[-1]
+            shape = list(p.shape)
+            split = getattr(p, "tensor_model_parallel", False)
+            if split:
+                shape[p.partition_dim] *= self.ctx.tp_size
             if name.endswith("norm.weight"):
-                val = torch.ones(p.shape)
+                val = torch.ones(shape)
             elif leaf in ("attn_sink", "ape") or leaf.endswith("_base"):
-                val = torch.zeros(p.shape)
+                val = torch.zeros(shape)
             elif leaf.endswith("_scale"):
-                val = torch.ones(p.shape)
+                val = torch.ones(shape)
             elif leaf.endswith("_fn"):
-                val = torch.randn(p.shape, generator=g) * c.hc_init_std
+                val = torch.randn(shape, generator=g) * c.hc_init_std
             else:
-                val = torch.randn(p.shape, generator=g) * c.initializer_range
+                val = torch.randn(shape, generator=g) * c.initializer_range
+            if split:
+                val = val.chunk(self.ctx.tp_size, p.partition_dim)[self.ctx.tp_rank]
             p.copy_(val.to(p.dtype))
         for mod in self.modules():
             if isinstance(mod, Gate) and not mod.is_hash:
@@ -563,7 +572,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return h[:, :, None, :].expand(*h.shape[:2], self.config.hc_mult, h.shape[-1]).contiguous()
 
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
-        return F.linear(y.float(), self.head.weight.float())
+        return self.ctx.lm_logits(y, self.head.weight)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

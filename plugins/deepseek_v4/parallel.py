@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -37,6 +38,29 @@ class ParallelContext:
 
     def embedding(self, num: int, dim: int, dtype: torch.dtype) -> nn.Module:
         return nn.Embedding(num, dim, dtype=dtype)
+
+    def sharded_parameter(self, full_shape: tuple[int, ...], dim: int, dtype: torch.dtype) -> nn.Parameter:
+        """A parameter split along `dim` over TP ranks (attn_sink over heads). Marked the way
+        Megatron marks its own (tensor_model_parallel, partition_dim) so init and checkpoint
+        code can find the full tensor."""
+        shape = list(full_shape)
+        shape[dim] //= self.tp_size
+        p = nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = self.tp_size > 1, dim, 1
+        return p
+
+    def to_tp_region(self, t: torch.Tensor) -> torch.Tensor:
+        """A replicated tensor about to be consumed by TP-split work (the shared K = V of all
+        heads, routing weights of split experts): identity forward, gradient summed over TP."""
+        return t
+
+    def sum_over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a detached per-rank partial (attention mass of the local heads)."""
+        return t
+
+    def lm_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Full fp32 logits from the (possibly vocab-split) head weight."""
+        return F.linear(y.float(), weight.float())
 
     def local_experts(self, n_experts: int) -> range:
         """Global ids of the routed experts this rank holds."""
