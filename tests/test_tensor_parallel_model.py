@@ -1,17 +1,11 @@
 """The whole tiny DeepSeek-V4 model (all features) under Megatron-core TP=2 on CPU/gloo, in 2
-real processes, against the single-process model: logits, MTP logits, every loss and every
-gradient (shards compared with the matching slice of the full gradient)."""
+TrainWorker actors of a real local Ray cluster, against the single-process model: logits,
+MTP logits, every loss and every gradient (shards against the matching full-gradient slice)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import warnings
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import assert_close, random_ids
 
 pytest.importorskip("megatron.core")
@@ -27,44 +21,33 @@ def _batch(seed: int):
     return ids, lab
 
 
-def _worker(rank: int, port: int, seed: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    from megatron.core import parallel_state as ps
-
-    from miles.train import megatron_cpu
-
-    megatron_cpu.apply()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    from miles.train.parallel_context import MegatronContext
-
-    ctx = MegatronContext()
-    assert ctx.tp_size == 2, "the layout silently fell back to one rank"
-    model = DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(), ctx=ctx, seed=seed).train()
-    ids, lab = _batch(seed)
-    out = model(ids, labels=lab)
-    out.losses["total"].backward()
-    grads = {k: (p.grad, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None)
-             for k, p in model.named_parameters() if p.grad is not None}
-    torch.save({"logits": out.logits.detach(), "mtp": out.mtp_logits.detach(),
-                "losses": {k: v.detach() for k, v in out.losses.items()},
-                "grads": {k: g for k, (g, _) in grads.items()}, "dims": {k: d for k, (_, d) in grads.items()}},
-               f"{out_dir}/{rank}.pt")
-    dist.destroy_process_group()
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster, started and stopped by the test module."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()
 
 
-def test_tp2_matches_single_process(tmp_path, seed):
-    """TP=2 (heads, output groups, experts, vocab split) computes what one process computes:
-    per-token logits and MTP logits, lm/mtp/indexer losses, and every gradient, within fp32
-    reordering error (collectives sum partial products in another order: ~1e-6 relative)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, seed, str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
-    ref = DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(), seed=seed).train()
-    ids, lab = _batch(seed)
+def test_tp2_in_ray_actors_matches_single_process(ray_cluster, seed):
+    """TP=2 in two TrainWorker Ray actors (heads, output groups, experts, vocab split)
+    computes what one process computes: per-token logits and MTP logits, lm/mtp/indexer
+    losses, and every gradient, within fp32 reordering error (collectives sum partial
+    products in another order: ~1e-6 relative)."""
+    from miles.cluster.train_group import TrainGroup
+
+    group = TrainGroup(2, tp=2)
+    try:
+        assert [lay["tp"] for lay in group.layout] == [2, 2], "the layout silently fell back to one rank"
+        assert [lay["tp_rank"] for lay in group.layout] == [0, 1], "rank order must follow bundle order"
+        cfg = DeepSeekV4Config.tiny()
+        group.call("build_model", cfg.to_dict(), seed)
+        ids, lab = _batch(seed)
+        ranks = group.call("loss_and_grads", ids, lab)
+    finally:
+        group.shutdown()
+    ref = DeepSeekV4ForCausalLM(cfg, seed=seed).train()
     out = ref(ids, labels=lab)
     out.losses["total"].backward()
     full = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}

@@ -1,0 +1,35 @@
+"""TrainGroup: `world_size` TrainWorker actors in one placement group, rank = bundle index."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles.train.worker import TrainWorker
+
+
+class TrainGroup:
+    def __init__(self, world_size: int, resources: dict[str, float] | None = None, **parallel: int):
+        resources = resources or {"CPU": 1}
+        self.pg = placement_group([dict(resources)] * world_size, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        actor = ray.remote(TrainWorker)
+        opts = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
+        self.workers = [actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=i)).remote(i, world_size)
+            for i in range(world_size)]
+        host, port = ray.get(self.workers[0].rendezvous_address.remote())
+        self.layout = self.call("init_distributed", host, port, **parallel)
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Run `method` on every rank, in rank order, and wait for all results."""
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def shutdown(self) -> None:
+        try:
+            self.call("shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            remove_placement_group(self.pg)
