@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"demo": "miles.demo"}
+COMMANDS = {"demo": "miles.demo", "check-alignment": "miles.observe.alignment"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from miles.data.synthetic import progressions
+from miles.observe import alignment
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.determinism import enable_deterministic
 from plugins.deepseek_v4.model import IGNORE_INDEX
@@ -30,6 +31,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def run(steps: int, out: Path, seed: int) -> dict:
     enable_deterministic(seed)
+    (out / alignment.FILE).unlink(missing_ok=True)
     cfg = DeepSeekV4Config.tiny()
     model = DeepSeekV4ForCausalLM(cfg, seed=seed).train()
     opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=0.01, betas=(0.9, 0.95))
@@ -48,6 +50,7 @@ def run(steps: int, out: Path, seed: int) -> dict:
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        alignment.append(out, alignment.step_record(step + 1, losses["total"], gnorm, list(model.named_parameters())))
         opt.step()
         model.update_router_bias()
         vals = {k: v.item() for k, v in losses.items()}

@@ -1,0 +1,1 @@
+"""Observation: metrics, alignment records, plots."""

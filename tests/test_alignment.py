@@ -1,0 +1,73 @@
+"""Alignment records and `miles check-alignment`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles.demo import run
+from miles.observe import alignment
+
+
+def _records(n: int) -> list[dict]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    recs = []
+    for step in range(1, n + 1):
+        loss = model(torch.full((1, 3), float(step))).sum()
+        model.zero_grad()
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        recs.append(alignment.step_record(step, loss, gn, list(model.named_parameters())))
+    return recs
+
+
+def test_compare_counts_matches_and_names_first_difference():
+    """Guards a checker that cannot fail: identical records match N/N; a gradient group that
+    differs at step 3 (loss equal) is reported there, by name; a missing step counts."""
+    a = _records(5)
+    assert alignment.compare(a, copy.deepcopy(a)).line() == "main_matches=5/5 first_diff=none"
+    b = copy.deepcopy(a)
+    b[2]["grads"]["1"] = "0" * 32
+    b[4]["loss_md5"] = "1" * 32
+    r = alignment.compare(a, b)
+    assert (r.matches, r.total, r.first_diff) == (3, 5, (3, "grads[1]"))
+    r = alignment.compare(a, a[:4])
+    assert (r.matches, r.first_diff) == (4, (5, "missing step"))
+
+
+def test_param_groups():
+    """Gradient checksums are grouped per layer so a difference points at the layer."""
+    assert alignment.param_group("layers.3.attn.wq_a.weight") == "layers.3"
+    assert alignment.param_group("mtp.0.e_proj.weight") == "mtp.0"
+    assert alignment.param_group("embed.weight") == "embed"
+    assert alignment.param_group("hc_head_fn") == "hc_head_fn"
+
+
+def test_bad_record_file_names_file_and_line(tmp_path):
+    """A corrupt alignment file is a clear error naming the file and line."""
+    (tmp_path / alignment.FILE).write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"alignment.jsonl:1: .*missing"):
+        alignment.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no alignment record"):
+        alignment.load(tmp_path / "nothing")
+
+
+def test_identical_runs_align_and_a_seed_change_differs_at_step_1(tmp_path):
+    """Two identical deterministic 20-step runs: check-alignment reports 20/20 and exits 0;
+    a run with another seed is a difference at step 1 and exits non-zero."""
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        run(steps=20, out=tmp_path / name, seed=seed)
+
+    def check(x, y):
+        return subprocess.run([sys.executable, "-m", "miles.cli", "check-alignment", str(tmp_path / x),
+                               str(tmp_path / y)], capture_output=True, text=True, timeout=120)
+
+    same = check("a", "b")
+    assert same.returncode == 0 and same.stdout.strip() == "main_matches=20/20 first_diff=none", same.stdout
+    diff = check("a", "c")
+    assert diff.returncode == 1 and diff.stdout.startswith("main_matches=0/20 first_diff=step=1:"), diff.stdout
