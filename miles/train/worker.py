@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+from plugins.deepseek_v4.model import IGNORE_INDEX, Gate
 
 
 class TrainWorker:
@@ -62,6 +63,70 @@ class TrainWorker:
                 dims[k] = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
         return {"logits": out.logits.detach().cpu(), "mtp": out.mtp_logits.detach().cpu(),
                 "losses": {k: v.detach().cpu() for k, v in out.losses.items()}, "grads": grads, "dims": dims}
+
+    def setup_training(self, lr: float, weight_decay: float = 0.0, clip_grad: float = 1.0, warmup_steps: int = 0,
+                       total_steps: int = 1000, min_lr: float = 0.0, adam_eps: float = 1e-8) -> None:
+        """Megatron DDP + DistributedOptimizer (AdamW, sharded state) + warm-up/cosine schedule.
+        Gradients are summed over DP (calculate_per_token_loss): the loss is already divided
+        by the global batch's token count."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer import TransformerConfig
+
+        c = self.model.config
+        tcfg = TransformerConfig(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                                 num_attention_heads=c.num_attention_heads, use_cpu_initialization=True,
+                                 calculate_per_token_loss=True,
+                                 tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+        self.ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True), self.model)
+        self.opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", adam_eps=adam_eps, lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
+            use_distributed_optimizer=True), [self.ddp])
+        self.sched = OptimizerParamScheduler(
+            self.opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+            lr_decay_steps=total_steps, lr_decay_style="cosine" if total_steps > warmup_steps else "constant",
+            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """One optimizer step over this rank's micro-batches [(input_ids, labels), ...]. Token
+        losses (lm, MTP, indexer) are normalised by the global batch's supervised-token count,
+        so neither micro-batching nor DP size changes the gradient."""
+        from megatron.core import parallel_state as ps
+
+        dp = ps.get_data_parallel_group()
+        n = torch.tensor(float(sum(int((lab != IGNORE_INDEX).sum()) for _, lab in micro_batches)))
+        dist.all_reduce(n, group=dp)
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        sums = {}
+        for ids, lab in micro_batches:
+            losses = self.ddp(ids, labels=lab, loss_normalizer=n).losses
+            losses["total"].backward()
+            for k, v in losses.items():
+                sums[k] = sums.get(k, 0.0) + v.detach()
+        self.ddp.finish_grad_sync()
+        ok, grad_norm, _ = self.opt.step()
+        if not ok:
+            raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
+        self.sched.step(increment=1)
+        for mod in self.model.modules():  # aux-loss-free balancing sees the global expert loads
+            if isinstance(mod, Gate) and not mod.is_hash:
+                dist.all_reduce(mod.expert_load, group=dp)
+        self.model.update_router_bias()
+        stats = torch.stack([sums[k] for k in sorted(sums)])
+        dist.all_reduce(stats, group=dp)  # each rank holds its share of the global mean
+        out = {k: float(v) for k, v in zip(sorted(sums), stats, strict=True)}
+        out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"])
+        return out
+
+    def state(self) -> dict:
+        """Parameters and router biases (for parity checks); Megatron's linears add `None`
+        entries for absent biases and `_extra_state`, which are not model tensors."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
+                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
     def shutdown(self) -> None:
         if dist.is_initialized():
