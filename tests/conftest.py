@@ -24,6 +24,15 @@ def seed(request) -> int:
     return s
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster, started and stopped by the test module."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 def assert_finite(*tensors: torch.Tensor, what: str = "") -> None:
     for t in tensors:
         assert torch.isfinite(t).all(), f"non-finite values {what}"

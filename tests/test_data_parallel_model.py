@@ -29,14 +29,6 @@ def _batches(seed: int):
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_dp2_training_matches_single_process(ray_cluster, seed):
     """Guards DP gradient averaging vs token-level normalisation, micro-batch scaling of the
     aux losses, router-bias updates from local instead of global loads, and sharded-optimizer

@@ -21,15 +21,6 @@ def _batch(seed: int):
     return ids, lab
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A real local Ray cluster, started and stopped by the test module."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_tp2_in_ray_actors_matches_single_process(ray_cluster, seed):
     """TP=2 in two TrainWorker Ray actors (heads, output groups, experts, vocab split)
     computes what one process computes: per-token logits and MTP logits, lm/mtp/indexer
