@@ -74,3 +74,36 @@ def test_dp2_training_matches_single_process(ray_cluster, seed):
         for k, v in want.items():
             # 2 steps from fp32 gradients summed in another order: ~lr x 1e-6
             assert_close(states[rank][k].float(), v.float(), atol=1e-6, rtol=1e-5, what=f"rank {rank} {k}")
+
+
+def test_one_micro_batch_of_8_equals_8_micro_batches_of_1(ray_cluster, seed):
+    """Guards aux losses (MTP, indexer) or the LM loss scaled per micro-batch instead of per
+    global batch: two single-rank trainers, one taking the 8 sequences as 1 micro-batch and
+    one as 8 micro-batches of 1, report the same losses and grad norms and end with the same
+    parameters and router biases after 2 steps."""
+    from miles.cluster.train_group import TrainGroup
+
+    cfg = DeepSeekV4Config.tiny()
+    groups = [TrainGroup(1), TrainGroup(1)]
+    try:
+        for g in groups:
+            g.call("build_model", cfg.to_dict(), seed)
+            g.call("setup_training", LR, adam_eps=EPS)
+        logs = []
+        for step in range(STEPS):
+            ids = random_ids(seed + 10 * step, 8, 29)
+            lab = torch.roll(ids, -1, 1)
+            lab[:, -1] = IGNORE_INDEX
+            lab[2, :11] = IGNORE_INDEX
+            whole = groups[0].workers[0].train_step.remote([(ids, lab)])
+            split = groups[1].workers[0].train_step.remote([(ids[i:i + 1], lab[i:i + 1]) for i in range(8)])
+            logs.append(ray_cluster.get([whole, split]))
+        states = [g.call("state")[0] for g in groups]
+    finally:
+        for g in groups:
+            g.shutdown()
+    for whole, split in logs:
+        for k in ("lm", "mtp", "indexer", "total", "grad_norm"):
+            assert split[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-7), k
+    for k, v in states[0].items():
+        assert_close(states[1][k].float(), v.float(), atol=1e-6, rtol=1e-5, what=k)
