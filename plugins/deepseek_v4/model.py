@@ -123,19 +123,21 @@ class Compressor(nn.Module):
             c, z = cur_c, cur_z + ape
         return ops.rms_norm(ops.compress_pool(c, z), self.norm.weight, self.norm.eps)
 
-    def forward(self, x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-        """All complete blocks of the sequence: x [B, S, d] -> [B, G, D] fp32."""
+    def forward(self, x: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """All complete blocks of the sequence: x [B, S, d] -> entries [B, G, D] fp32, and the
+        projections (C, Z) [B, S, coff*D] that a prefill keeps as decoding state."""
         c, z = self.project(x)
         rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
         cur = blocks.token_index(0)  # [B, G, r]
         prev = blocks.token_index(-1)
-        return self.pool(c[rows, cur], z[rows, cur], c[rows, prev], z[rows, prev], blocks.has_prev)
+        return self.pool(c[rows, cur], z[rows, cur], c[rows, prev], z[rows, prev], blocks.has_prev), (c, z)
 
     # ---- incremental decoding
-    def init_state(self, x: torch.Tensor, entries: torch.Tensor) -> CompressorState:
-        """State after a prefill of x [B, S, d] (one document per row, no padding)."""
-        c, z = self.project(x)
-        r, s = self.ratio, x.shape[1]
+    @staticmethod
+    def init_state(ratio: int, cz: tuple[torch.Tensor, torch.Tensor], entries: torch.Tensor) -> CompressorState:
+        """State after a prefill (one document per row, no padding) from its projections."""
+        c, z = cz
+        r, s = ratio, c.shape[1]
         n = s // r
         prev = (c[:, (n - 1) * r: n * r], z[:, (n - 1) * r: n * r]) if n else (None, None)
         return CompressorState(c[:, n * r:], z[:, n * r:], prev[0], prev[1], entries)
@@ -228,21 +230,23 @@ class Attention(nn.Module):
         if self.compressor is not None:
             blocks = fwd.layout.blocks(self.ratio)
             rope_e = self._rope_entries(rope)
-            comp = rope_e(self.compressor(x, blocks), blocks.pos).to(kv.dtype)  # [B, G, D]
+            comp, cz = self.compressor(x, blocks)
+            comp = rope_e(comp, blocks.pos).to(kv.dtype)  # [B, G, D]
             visible = fwd.layout.visible(blocks)  # [B, S, G]
             chosen = visible
             if self.indexer is not None:
                 # The indexer sees detached inputs: only its auxiliary loss trains it.
                 xd, cqd = x.detach(), c_q.detach()
                 qi, wi = self.indexer.queries(xd, cqd, rope.cos, rope.sin)
-                ki_entries = rope_e(self.indexer.compressor(xd, blocks), blocks.pos)
+                ki_entries, ki_cz = self.indexer.compressor(xd, blocks)
+                ki_entries = rope_e(ki_entries, blocks.pos)
                 scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
             keys = torch.cat((kv, comp), 1)
             mask = torch.cat((mask, chosen), -1)
             if fwd.states is not None:
-                state = (self.compressor.init_state(x, comp),
-                         self.indexer.compressor.init_state(xd, ki_entries)
+                state = (Compressor.init_state(self.ratio, cz, comp),
+                         Compressor.init_state(self.ratio, ki_cz, ki_entries)
                          if self.indexer is not None else None)
         want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
