@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from miles.demo import run
 from miles.observe import alignment
 
 
@@ -57,11 +56,16 @@ def test_bad_record_file_names_file_and_line(tmp_path):
         alignment.load(tmp_path / "nothing")
 
 
-def test_identical_runs_align_and_a_seed_change_differs_at_step_1(tmp_path):
-    """Two identical deterministic 20-step runs: check-alignment reports 20/20 and exits 0;
-    a run with another seed is a difference at step 1 and exits non-zero."""
+def test_identical_worker_runs_align_and_a_seed_change_differs_at_step_1(tmp_path, ray_cluster):
+    """Deterministic mode end to end through Megatron workers (DP=2 in Ray actors, 2
+    micro-batches each, LR warm-up): two identical 20-step runs give check-alignment 20/20
+    and exit 0; a run with another seed differs at step 1 and exits non-zero."""
+    from miles.controller import Layout, SyntheticTrainJob, train_synthetic
+
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
-        run(steps=20, out=tmp_path / name, seed=seed)
+        logs = train_synthetic(SyntheticTrainJob(tmp_path / name, steps=20, seed=seed, layout=Layout(dp=2)))
+        assert logs[-1]["lm"] < logs[0]["lm"], "training must make progress"
+        assert logs[0]["lr"] < logs[5]["lr"], "warm-up raises the learning rate"
 
     def check(x, y):
         return subprocess.run([sys.executable, "-m", "miles.cli", "check-alignment", str(tmp_path / x),

@@ -1,4 +1,8 @@
-"""TrainGroup: `world_size` TrainWorker actors in one placement group, rank = bundle index."""
+"""TrainGroup: `world_size` TrainWorker actors in one placement group, rank = bundle index.
+
+Megatron orders ranks TP fastest, then CP, EP/DP, PP; giving rank i bundle i (PACK
+strategy) keeps TP peers on neighbouring devices of one node.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +25,23 @@ class TrainGroup:
             for i in range(world_size)]
         host, port = ray.get(self.workers[0].rendezvous_address.remote())
         self.layout = self.call("init_distributed", host, port, **parallel)
+        for want in parallel:
+            got = {lay[want] for lay in self.layout}
+            if got != {parallel[want]}:
+                raise RuntimeError(f"asked for {want}={parallel[want]}, the workers report {sorted(got)}")
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run `method` on every rank, in rank order, and wait for all results."""
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
+        """Run `method` on every rank with that rank's own arguments (e.g. its micro-batches)."""
+        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args, strict=True)])
+
+    def export_weights(self, bucket_bytes: int = 256 << 20):
+        """Yield buckets {DeepSeek name: full tensor} covering the whole model once."""
+        for rank_buckets in self.call("export_weights", bucket_bytes):
+            yield from rank_buckets
 
     def shutdown(self) -> None:
         try:

@@ -41,6 +41,18 @@ def step_record(step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
             "grads": {g: h.hexdigest() for g, h in sorted(groups.items())}}
 
 
+def ranks_record(step: int, loss: float, grad_norm: float, rank_grad_md5s: list[dict[str, str]]) -> dict:
+    """A step record from distributed workers: each rank reports an MD5 per parameter group
+    of its (reduced) gradients; a group's checksum covers all ranks, in rank order."""
+    groups: dict[str, hashlib._Hash] = {}
+    for rank_md5s in rank_grad_md5s:
+        for g, h in sorted(rank_md5s.items()):
+            groups.setdefault(g, hashlib.md5()).update(h.encode())
+    return {"step": step, "loss": loss, "loss_md5": _md5(torch.tensor(loss, dtype=torch.float64)),
+            "grad_norm": grad_norm, "grad_norm_md5": _md5(torch.tensor(grad_norm, dtype=torch.float64)),
+            "grads": {g: h.hexdigest() for g, h in sorted(groups.items())}}
+
+
 def append(run_dir: str | Path, record: dict) -> None:
     path = Path(run_dir) / FILE
     path.parent.mkdir(parents=True, exist_ok=True)

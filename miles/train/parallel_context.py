@@ -1,8 +1,13 @@
-"""The plugin's ParallelContext backed by Megatron-core tensor parallelism.
+"""The plugin's ParallelContext backed by Megatron-core's parallel state.
 
 Layers ask it for their linears: column-parallel (output split), row-parallel (input
-split, output all-reduced), vocab-parallel embedding and head. The model code is the same
-as in one process; only where its modules come from changes.
+split, output all-reduced), vocab-parallel embedding and head; and for the token moves
+of context parallelism (sequence all-gather) and expert parallelism (token all-gather to
+the experts, partial outputs summed back). The model code is the same as in one process;
+only where its modules come from and how tokens travel changes.
+
+The collectives are all-gather and all-reduce only (gloo runs them on CPU, nccl on GPU);
+a reduce-scatter is written as all-reduce + slice.
 """
 
 from __future__ import annotations
@@ -34,10 +39,80 @@ class _Row(tp.RowParallelLinear):
         return out[0] if x.dim() == 2 else out
 
 
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.contiguous().clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _gather_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Rows of every rank, in rank order (rank r holds sizes[r] rows)."""
+    pad = t.new_zeros((max(sizes),) + tuple(t.shape[1:]))
+    pad[: t.shape[0]] = t
+    return torch.cat([part[:n] for part, n in zip(_all_gather(pad, group), sizes, strict=True)])
+
+
+def _own_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    start = sum(sizes[: dist.get_rank(group)])
+    return t[start: start + sizes[dist.get_rank(group)]]
+
+
+class _GatherSeq(torch.autograd.Function):
+    """[B, s, ...] chunks of the CP ranks -> [B, S, ...]; backward: sum over ranks, own chunk."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), t.shape[1]
+        return torch.cat(_all_gather(t, group), 1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _all_reduce(g, ctx.group)[:, ctx.rank * ctx.n: (ctx.rank + 1) * ctx.n], None
+
+
+class _GatherRows(torch.autograd.Function):
+    """[N_r, ...] rows of each EP rank -> [sum N, ...]; backward: sum over ranks, own rows."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_rows(t, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _own_rows(_all_reduce(g, ctx.group), ctx.sizes, ctx.group), None, None
+
+
+class _SumOwnRows(torch.autograd.Function):
+    """Partial outputs for all ranks' rows [sum N, ...] -> own rows summed over ranks;
+    backward: every rank's row gradients gathered (the dual of _GatherRows)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _own_rows(_all_reduce(t, group), sizes, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather_rows(g, ctx.sizes, ctx.group), None, None
+
+
 class MegatronContext(ParallelContext):
     def __init__(self, params_dtype: torch.dtype = torch.float32):
         super().__init__(tp_size=ps.get_tensor_model_parallel_world_size(),
-                         tp_rank=ps.get_tensor_model_parallel_rank())
+                         tp_rank=ps.get_tensor_model_parallel_rank(),
+                         ep_size=ps.get_expert_model_parallel_world_size(),
+                         ep_rank=ps.get_expert_model_parallel_rank(),
+                         pp_size=ps.get_pipeline_model_parallel_world_size(),
+                         pp_rank=ps.get_pipeline_model_parallel_rank(),
+                         cp_size=ps.get_context_parallel_world_size(),
+                         cp_rank=ps.get_context_parallel_rank())
         self.mp = ModelParallelConfig(tensor_model_parallel_size=self.tp_size, use_cpu_initialization=True,
                                       perform_initialization=False, params_dtype=params_dtype)
 
@@ -70,3 +145,32 @@ class MegatronContext(ParallelContext):
     def lm_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         shard = torch.nn.functional.linear(tp.copy_to_tensor_model_parallel_region(y.float()), weight.float())
         return tp.gather_from_tensor_model_parallel_region(shard)
+
+    def mark_expert(self, module: nn.Module) -> None:
+        # Megatron DDP reduces parameters with allreduce=False over the expert-data-parallel
+        # group (each expert lives on one EP rank) and the optimizer shards them apart.
+        for p in module.parameters():
+            p.allreduce = False
+
+    def gather_seq(self, t: torch.Tensor) -> torch.Tensor:
+        if self.cp_size == 1:
+            return t
+        return _GatherSeq.apply(t, ps.get_context_parallel_group())
+
+    def ep_gather(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+        if self.ep_size == 1:
+            return x, idx, w, None
+        group = ps.get_expert_model_parallel_group()
+        sizes = [int(n) for n in _all_gather(torch.tensor([x.shape[0]], device=x.device), group)]
+        xs, ws = _GatherRows.apply(x, sizes, group), _GatherRows.apply(w, sizes, group)
+        return xs, _gather_rows(idx, sizes, group), ws, (sizes, xs, ws)
+
+    def ep_combine(self, out: torch.Tensor, route) -> torch.Tensor:
+        if self.ep_size == 1:
+            return out
+        sizes, xs, ws = route
+        # Every rank must run the same collectives in backward, also when no token reached
+        # its experts: an empty-slice term keeps both gathers (and this sum) in the graph.
+        if torch.is_grad_enabled():
+            out = out + (xs[:0].sum() + ws[:0].sum()).float()
+        return _SumOwnRows.apply(out, sizes, ps.get_expert_model_parallel_group())

@@ -1,25 +1,53 @@
 """TrainWorker: one training rank. Runs inside a Ray actor (see miles.cluster.train_group).
 
 Sets up torch.distributed (nccl on GPU, gloo on CPU with the Megatron-core CPU bridge),
-Megatron-core's parallel state, and the plugin's model built through MegatronContext.
+Megatron-core's parallel state (TP, PP, EP, CP, DP), and the plugin's model built through
+MegatronContext. Every forward/backward goes through Megatron's pipeline schedules (1F1B
+when PP > 1), so the same code path serves one rank and many.
+
+A micro-batch is `(input_ids [B, S], labels [B, S])`; every rank of a data-parallel
+replica (its TP, PP and CP peers) receives the same micro-batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import IGNORE_INDEX, Gate
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+class _ScheduleView:
+    """What Megatron's schedules look up on a model: its TransformerConfig, its model type,
+    and (through `.module`) set_input_tensor on the plugin's model."""
+
+    def __init__(self, module, config):
+        from megatron.core.enums import ModelType
+
+        self.module, self.config, self.model_type = module, config, ModelType.encoder_or_decoder
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) per token [B, S] (0 where the label is IGNORE_INDEX), from fp32 logits."""
+    lp = -F.cross_entropy(logits.detach().flatten(0, 1).float(), labels.clamp_min(0).flatten(),
+                          reduction="none").view_as(labels)
+    return torch.where(labels != IGNORE_INDEX, lp, 0.0)
 
 
 class TrainWorker:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.model: DeepSeekV4ForCausalLM | None = None
+        self.ddp = self.opt = self.sched = None
+        self._asleep: list | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the others connect: this node's address and a free port."""
@@ -27,9 +55,12 @@ class TrainWorker:
             s.bind(("127.0.0.1", 0))
             return "127.0.0.1", s.getsockname()[1]
 
+    # ------------------------------------------------------------------ set-up
     def init_distributed(self, host: str, port: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> dict:
         cuda = torch.cuda.is_available()
-        if not cuda:
+        if cuda:
+            torch.cuda.set_device(0)  # Ray gives each actor its own GPU as device 0
+        else:
             from miles.train import megatron_cpu
 
             megatron_cpu.apply()
@@ -39,94 +70,325 @@ class TrainWorker:
 
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep, context_parallel_size=cp)
-        return {"rank": self.rank, "tp": ps.get_tensor_model_parallel_world_size(),
-                "tp_rank": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_world_size()}
+        return self.layout()
 
-    def build_model(self, config: dict, seed: int, dtype: str = "float32") -> int:
+    def layout(self) -> dict:
+        from megatron.core import parallel_state as ps
+
+        return {"rank": self.rank, "tp": ps.get_tensor_model_parallel_world_size(),
+                "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
+                "cp": ps.get_context_parallel_world_size(), "cp_rank": ps.get_context_parallel_rank(),
+                "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank()}
+
+    def build_model(self, config: dict, seed: int, dtype: str = "float32", deterministic: bool = False) -> int:
+        """Build this rank's part of the model (seeded per tensor name, so every layout starts
+        from the single-process weights). Deterministic mode: fixed seeds, deterministic
+        kernels (no atomics), bit-identical reruns."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer import TransformerConfig
+
         from miles.train.parallel_context import MegatronContext
 
+        if deterministic:
+            from plugins.deepseek_v4.determinism import enable_deterministic
+
+            enable_deterministic(seed)
         dt = getattr(torch, dtype)
-        self.model = DeepSeekV4ForCausalLM(DeepSeekV4Config.from_dict(config, source="job config"), dtype=dt,
-                                           ctx=MegatronContext(dt), seed=seed).train()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        cfg = DeepSeekV4Config.from_dict(config, source="job config")
+        # Built and initialised on the host, then moved: parameters keep their identity (and
+        # Megatron's split attributes).
+        self.model = DeepSeekV4ForCausalLM(cfg, dtype=dt, ctx=MegatronContext(dt), seed=seed).train()
+        if self.device is not None:
+            self.model.to(self.device)
+        if self.model.embed is not None and self.model.ctx.pp_size > 1:
+            w = self.model.embed.weight
+            w.shared_embedding = True  # own DDP bucket; gradients summed over the embedding group
+            w.shared = not self.model.ctx.first_stage  # the copy the grad norm must not count twice
+        # The schedules' view of the model: stage outputs are [B, s, n*d] streams of any shape
+        # (variable_seq_lengths), losses arrive already divided by the global token count.
+        pp = ps.get_pipeline_model_parallel_world_size()
+        self.tcfg = TransformerConfig(
+            num_layers=pp, hidden_size=cfg.hidden_size * cfg.hc_mult, num_attention_heads=cfg.num_attention_heads,
+            use_cpu_initialization=True, calculate_per_token_loss=True, variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",  # unused (the plugin dispatches); the default rejects the above
+            pipeline_dtype=dt, params_dtype=dt, bf16=dt == torch.bfloat16,
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), pipeline_model_parallel_size=pp,
+            context_parallel_size=ps.get_context_parallel_world_size(),
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            num_moe_experts=cfg.n_routed_experts if ps.get_expert_model_parallel_world_size() > 1 else None)
         return sum(p.numel() for p in self.model.parameters())
 
-    def loss_and_grads(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
-        """One forward+backward; returns losses, logits and this rank's gradients (with the
-        split dim of each TP-split tensor) for parity checks against one process."""
-        self.model.zero_grad(set_to_none=True)
-        out = self.model(input_ids, labels=labels)
-        out.losses["total"].backward()
-        grads, dims = {}, {}
-        for k, p in self.model.named_parameters():
-            if p.grad is not None:
-                grads[k] = p.grad.detach().cpu()
-                dims[k] = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-        return {"logits": out.logits.detach().cpu(), "mtp": out.mtp_logits.detach().cpu(),
-                "losses": {k: v.detach().cpu() for k, v in out.losses.items()}, "grads": grads, "dims": dims}
-
     def setup_training(self, lr: float, weight_decay: float = 0.0, clip_grad: float = 1.0, warmup_steps: int = 0,
-                       total_steps: int = 1000, min_lr: float = 0.0, adam_eps: float = 1e-8) -> None:
+                       total_steps: int = 1000, min_lr: float = 0.0, adam_eps: float = 1e-8,
+                       betas: tuple[float, float] = (0.9, 0.999)) -> None:
         """Megatron DDP + DistributedOptimizer (AdamW, sharded state) + warm-up/cosine schedule.
-        Gradients are summed over DP (calculate_per_token_loss): the loss is already divided
-        by the global batch's token count."""
-        from megatron.core import parallel_state as ps
+        Gradients are summed over DP x CP (calculate_per_token_loss): the loss is already
+        divided by the global batch's token count."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.transformer import TransformerConfig
 
-        c = self.model.config
-        tcfg = TransformerConfig(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
-                                 num_attention_heads=c.num_attention_heads, use_cpu_initialization=True,
-                                 calculate_per_token_loss=True,
-                                 tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-        self.ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
+        bf16 = self.tcfg.bf16
+        self.model.zero_grad(set_to_none=True)
+        self.ddp = DistributedDataParallel(self.tcfg, DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True), self.model)
         self.opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", adam_eps=adam_eps, lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
+            optimizer="adam", adam_eps=adam_eps, adam_beta1=betas[0], adam_beta2=betas[1], lr=lr, min_lr=min_lr,
+            weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
             use_distributed_optimizer=True), [self.ddp])
         self.sched = OptimizerParamScheduler(
             self.opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
             lr_decay_steps=total_steps, lr_decay_style="cosine" if total_steps > warmup_steps else "constant",
             start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-        """One optimizer step over this rank's micro-batches [(input_ids, labels), ...]. Token
-        losses (lm, MTP, indexer) are normalised by the global batch's supervised-token count,
-        so neither micro-batching nor DP size changes the gradient."""
+    # ------------------------------------------------------------------ forward / backward
+    def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        return [(ids.to(self.device), lab.to(self.device)) for ids, lab in mbs] if self.device else mbs
+
+    def _global_tokens(self, mbs: list[MicroBatch]) -> torch.Tensor:
+        """Supervised tokens of the global batch: summed over data-parallel replicas (the
+        TP/PP/CP peers of a replica hold the same micro-batches)."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_group()
-        n = torch.tensor(float(sum(int((lab != IGNORE_INDEX).sum()) for _, lab in micro_batches)))
+        if self.model.ctx.ep_size > 1:  # the expert exchange is a collective per micro-batch
+            counts = [torch.zeros((), device=self.device) for _ in range(dist.get_world_size(dp))]
+            dist.all_gather(counts, torch.tensor(float(len(mbs)), device=self.device), group=dp)
+            if len({int(c) for c in counts}) > 1:
+                raise ValueError(f"expert parallelism needs the same number of micro-batches on every "
+                                 f"data-parallel rank, got {[int(c) for c in counts]}")
+        n = torch.tensor(float(sum(int((lab != IGNORE_INDEX).sum()) for _, lab in mbs)), device=self.device)
         dist.all_reduce(n, group=dp)
+        return n
+
+    def _schedule(self, module, mbs: list[MicroBatch], normalizer, forward_only: bool) -> tuple[list, dict]:
+        """Megatron's forward-backward over the micro-batches. Returns, on the last pipeline
+        stage, per micro-batch {losses, logprobs [B, s]}; and this stage's summed share of
+        the auxiliary losses (earlier stages compute some of the indexer KL)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        stage_aux: dict[str, torch.Tensor] = {}
+        q = self.model.ctx.seq_chunk(mbs[0][0].shape[1]) if self.model.ctx.cp_size > 1 else slice(None)
+
+        def step(data, model):
+            ids, lab = next(data)
+            out = module(ids, labels=lab, loss_normalizer=normalizer)
+            if out.logits is None:  # an earlier stage: its output goes to the next stage
+                for k, v in out.losses.items():
+                    stage_aux[k] = stage_aux.get(k, 0.0) + v
+                return out.hidden, None
+
+            def loss_func(total):
+                return total, torch.ones((), dtype=torch.int), {
+                    "losses": {k: v.detach() for k, v in out.losses.items()},
+                    "logprobs": token_logprobs(out.logits, lab[:, q])}
+            return out.losses["total"], loss_func
+
+        s, b = mbs[0][0].shape[1], mbs[0][0].shape[0]
+        res = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(mbs), model=[_ScheduleView(module, self.tcfg)],
+            num_microbatches=len(mbs), seq_length=s, micro_batch_size=b, forward_only=forward_only)
+        return res, stage_aux
+
+    def _reported(self, res: list, stage_aux: dict) -> dict[str, float]:
+        """Loss values of the global batch: micro-batches summed, then summed over DP x CP (each
+        holds its share of the global mean) and over PP (earlier stages' auxiliary shares)."""
+        from megatron.core import parallel_state as ps
+
+        keys = ("lm", "mtp", "indexer", "balance", "total")
+        vals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        for r in res:
+            vals += torch.stack([r["losses"][k].double() for k in keys])
+        for i, k in enumerate(keys):
+            if k in stage_aux:
+                w = self.model.config.indexer_loss_coef if k == "indexer" else self.model.config.balance_loss_coef
+                vals[i] += stage_aux[k].double()
+                vals[keys.index("total")] += w * stage_aux[k].double()
+        dist.all_reduce(vals, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+        return {k: float(v) for k, v in zip(keys, vals, strict=True)}
+
+    def _sync_embedding_grads(self, grads: list[torch.Tensor]) -> None:
+        """The first and last pipeline stages each hold the embedding (input, and MTP):
+        their gradients are summed, as Megatron does for tied embeddings."""
+        from megatron.core import parallel_state as ps
+
+        if self.model.ctx.pp_size > 1 and self.model.embed is not None and ps.is_rank_in_embedding_group():
+            for g in grads:
+                dist.all_reduce(g, group=ps.get_embedding_group())
+
+    def loss_and_grads(self, micro_batches: list[MicroBatch]) -> dict:
+        """One forward+backward without an optimizer, for layout parity checks: losses of the
+        global batch, per-token logprobs of this rank's tokens (last stage; this CP rank's
+        chunk), and this rank's gradients reduced exactly as training reduces them (dense
+        over DP x CP, experts over expert-DP, the embedding over first/last stage), each with
+        its TP split dim."""
+        from megatron.core import parallel_state as ps
+
+        mbs = self._to_device(micro_batches)
+        self.model.zero_grad(set_to_none=True)
+        res, aux = self._schedule(self.model, mbs, self._global_tokens(mbs), forward_only=False)
+        params = dict(self.model.named_parameters())
+        for p in params.values():
+            if p.grad is not None:
+                group = (ps.get_expert_data_parallel_group() if getattr(p, "allreduce", True) is False
+                         else ps.get_data_parallel_group(with_context_parallel=True))
+                dist.all_reduce(p.grad, group=group)
+        if self.model.embed is not None and self.model.embed.weight.grad is not None:
+            self._sync_embedding_grads([self.model.embed.weight.grad])
+        out = {"losses": self._reported(res, aux), "logprobs": [r["logprobs"].cpu() for r in res],
+               "grads": {k: p.grad.detach().cpu().clone() for k, p in params.items() if p.grad is not None},
+               "dims": {k: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                        for k, p in params.items()}}
+        # Left in .grad, autograd would add them to the next backward's gradients (and DDP's
+        # hooks would copy the sum into its buffers).
+        self.model.zero_grad(set_to_none=True)
+        return out
+
+    @torch.no_grad()
+    def forward_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+        """Per-token log p(label) [B, S] of each micro-batch (whole sequence: CP chunks are
+        gathered); None on ranks that are not the last pipeline stage."""
+        mbs = self._to_device(micro_batches)
+        res, _ = self._schedule(self.model, mbs, None if self.model.ctx.cp_size == 1 else 1.0, forward_only=True)
+        return [self.model.ctx.gather_seq(r["logprobs"]).cpu() for r in res] if self.model.ctx.last_stage else None
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
+        """One optimizer step over this rank's micro-batches. Token losses (lm, MTP, indexer)
+        are normalised by the global batch's supervised-token count, so neither micro-batching
+        nor the layout changes the gradient. Returns the global batch's losses, grad norm, lr
+        and an MD5 per parameter group of this rank's reduced gradients (alignment records)."""
+        from megatron.core import parallel_state as ps
+
+        mbs = self._to_device(micro_batches)
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        sums = {}
-        for ids, lab in micro_batches:
-            losses = self.ddp(ids, labels=lab, loss_normalizer=n).losses
-            losses["total"].backward()
-            for k, v in losses.items():
-                sums[k] = sums.get(k, 0.0) + v.detach()
+        res, aux = self._schedule(self.ddp, mbs, self._global_tokens(mbs), forward_only=False)
         self.ddp.finish_grad_sync()
+        if self.model.embed is not None:
+            self._sync_embedding_grads([self.model.embed.weight.main_grad])
+        grad_md5 = self._grad_checksums()
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
         self.sched.step(increment=1)
+        dpcp = ps.get_data_parallel_group(with_context_parallel=True)
         for mod in self.model.modules():  # aux-loss-free balancing sees the global expert loads
             if isinstance(mod, Gate) and not mod.is_hash:
-                dist.all_reduce(mod.expert_load, group=dp)
+                dist.all_reduce(mod.expert_load, group=dpcp)
         self.model.update_router_bias()
-        stats = torch.stack([sums[k] for k in sorted(sums)])
-        dist.all_reduce(stats, group=dp)  # each rank holds its share of the global mean
-        out = {k: float(v) for k, v in zip(sorted(sums), stats, strict=True)}
-        out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"])
+        out = self._reported(res, aux)
+        out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5)
         return out
+
+    def _grad_checksums(self) -> dict[str, str]:
+        from miles.observe.alignment import param_group
+
+        groups: dict[str, hashlib._Hash] = {}
+        for name, p in sorted(self.model.named_parameters()):
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                h = groups.setdefault(param_group(name), hashlib.md5())
+                h.update(name.encode())
+                h.update(g.detach().float().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return {k: h.hexdigest() for k, h in groups.items()}
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def export_weights(self, bucket_bytes: int = 256 << 20) -> list[dict[str, torch.Tensor]]:
+        """Full (TP-gathered) tensors under DeepSeek's names, in buckets of about
+        `bucket_bytes`, for the names this rank exports: one rank per tensor (data-parallel
+        and context-parallel rank 0, TP rank 0; experts from their EP rank, layers from their
+        pipeline stage). Every rank must call it (TP gathers are collectives)."""
+        from megatron.core import parallel_state as ps
+
+        dense_owner = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        expert_owner = ps.get_expert_data_parallel_rank() == 0  # each expert lives on one EP rank
+        tp_group, tp0 = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() == 0
+        sd = self.model.state_dict(keep_vars=True)
+        buckets, cur, size = [], {}, 0
+        for name, t in sd.items():
+            if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+                continue
+            if getattr(t, "tensor_model_parallel", False) and self.model.ctx.tp_size > 1:
+                from miles.train.parallel_context import _all_gather
+
+                t = torch.cat(_all_gather(t.detach(), tp_group), t.partition_dim)
+            if not (tp0 and (expert_owner if getattr(t, "allreduce", True) is False else dense_owner)):
+                continue
+            if name == "embed.weight" and not self.model.ctx.first_stage:
+                continue  # the last stage's MTP copy equals the first stage's
+            cur[name] = t.detach().cpu().clone()
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                buckets.append(cur)
+                cur, size = {}, 0
+        return buckets + ([cur] if cur else [])
 
     def state(self) -> dict:
         """Parameters and router biases (for parity checks); Megatron's linears add `None`
         entries for absent biases and `_extra_state`, which are not model tensors."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+    # ------------------------------------------------------------------ colocation
+    def _storages(self) -> list[torch.Tensor]:
+        """Every tensor that holds training state on the device: parameters, buffers, DDP's
+        parameter and gradient buffers, the optimizer's main parameters and moments."""
+        ts = list(self.model.parameters()) + list(self.model.buffers())
+        if self.ddp is not None:
+            for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+                ts += [buf.param_data, buf.grad_data]
+        if self.opt is not None:
+            for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+                for group in o.optimizer.param_groups:
+                    ts += list(group["params"])
+                for st in o.optimizer.state.values():
+                    ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        seen, out = set(), []
+        for t in ts:
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                out.append(t)
+        return out
+
+    def resident_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._storages())
+
+    def sleep(self) -> int:
+        """Free the device memory of all training state (weights, gradients, optimizer) for a
+        colocated rollout engine; the bytes move to host memory. Returns bytes freed."""
+        if self._asleep is not None:
+            raise RuntimeError(f"rank {self.rank}: sleep() called twice without wake_up()")
+        self._asleep = []
+        freed = 0
+        for t in self._storages():
+            s = t.untyped_storage()
+            host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            host.untyped_storage().copy_(s)
+            self._asleep.append((s, host))
+            freed += s.nbytes()
+            s.resize_(0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return freed
+
+    def wake_up(self) -> None:
+        """Restore what sleep() moved out, bit for bit, in the same storages (every view,
+        DDP buffer and optimizer reference stays valid)."""
+        if self._asleep is None:
+            raise RuntimeError(f"rank {self.rank}: wake_up() without sleep()")
+        for s, host in self._asleep:
+            s.resize_(host.numel())
+            s.copy_(host.untyped_storage())
+        self._asleep = None
 
     def shutdown(self) -> None:
         if dist.is_initialized():

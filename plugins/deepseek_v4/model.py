@@ -49,10 +49,12 @@ class Rope:
 
 @dataclass
 class Fwd:
-    """Per-forward facts shared by all layers."""
+    """Per-forward facts shared by all layers. `layout` and `ropes` cover the whole
+    sequence; `q` is the slice of it whose queries this rank computes (context parallel)."""
 
     layout: SequenceLayout
     ropes: dict[str, Rope]
+    q: slice = field(default_factory=lambda: slice(None))
     indexer_loss: bool = False
     indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
     indexer_rows: list[torch.Tensor] = field(default_factory=list)
@@ -204,12 +206,13 @@ class Attention(nn.Module):
         self.indexer = Indexer(ctx, cfg, self.ratio, dtype) if cfg.is_csa(self.ratio) else None
 
     # ---- shared pieces of the full and the incremental path
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         c_q = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, D]
-        q = ops.apply_rope(ops.rms_norm(q, None, self.cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
-        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, S, D]
-        return c_q, q, kv
+        return c_q, ops.apply_rope(ops.rms_norm(q, None, self.cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, T, D]
 
     def _rope_entries(self, rope: Rope):
         def fn(entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -222,23 +225,26 @@ class Attention(nn.Module):
         return self.wo_b(ops.grouped_out_proj(o, self.wo_a.weight, self.groups))
 
     def forward(self, x: torch.Tensor, fwd: Fwd) -> torch.Tensor:
-        """x [B, S, d] (attn_norm applied) -> [B, S, d]."""
+        """x [B, s, d] (attn_norm applied; s = this rank's query chunk of the S tokens) -> [B, s, d].
+        Keys come from all S tokens: under context parallelism x is gathered first."""
         rope = fwd.ropes[self.rope_kind]
-        c_q, q, kv = self._qkv(x, rope.cos, rope.sin)
-        keys, mask = kv, fwd.layout.window_mask(self.window)
+        q_cos, q_sin = rope.cos[:, fwd.q], rope.sin[:, fwd.q]
+        x_all = self.ctx.gather_seq(x)  # [B, S, d]
+        c_q, q = self._q(x, q_cos, q_sin)
+        kv = self._kv(x_all, rope.cos, rope.sin)
+        keys, mask = kv, fwd.layout.window_mask(self.window)[:, fwd.q]  # mask [B, s, S]
         state = None
         if self.compressor is not None:
             blocks = fwd.layout.blocks(self.ratio)
             rope_e = self._rope_entries(rope)
-            comp, cz = self.compressor(x, blocks)
+            comp, cz = self.compressor(x_all, blocks)
             comp = rope_e(comp, blocks.pos).to(kv.dtype)  # [B, G, D]
-            visible = fwd.layout.visible(blocks)  # [B, S, G]
+            visible = fwd.layout.visible(blocks)[:, fwd.q]  # [B, s, G]
             chosen = visible
             if self.indexer is not None:
                 # The indexer sees detached inputs: only its auxiliary loss trains it.
-                xd, cqd = x.detach(), c_q.detach()
-                qi, wi = self.indexer.queries(xd, cqd, rope.cos, rope.sin)
-                ki_entries, ki_cz = self.indexer.compressor(xd, blocks)
+                qi, wi = self.indexer.queries(x.detach(), c_q.detach(), q_cos, q_sin)
+                ki_entries, ki_cz = self.indexer.compressor(x_all.detach(), blocks)
                 ki_entries = rope_e(ki_entries, blocks.pos)
                 scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
@@ -255,7 +261,7 @@ class Attention(nn.Module):
             self._indexer_kl(self.ctx.sum_over_tp(probs_c.detach().sum(1)), scores, chosen, fwd)
         if fwd.states is not None:
             fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
-        return self._out(o, rope.cos, rope.sin)
+        return self._out(o, q_cos, q_sin)
 
     def _use_kernels(self, q: torch.Tensor) -> bool:
         backend = self.cfg.attention_backend
@@ -304,7 +310,8 @@ class Attention(nn.Module):
         rope = ropes[self.rope_kind]
         b = x.shape[0]
         cos, sin = rope.at(torch.full((b, 1), pos, device=x.device))
-        c_q, q, kv = self._qkv(x, cos, sin)
+        c_q, q = self._q(x, cos, sin)
+        kv = self._kv(x, cos, sin)
         st.kv = torch.cat((st.kv, kv), 1)[:, -self.window:]
         keys = st.kv
         mask = torch.ones(b, 1, keys.shape[1], dtype=torch.bool, device=x.device)
@@ -390,6 +397,8 @@ class MoE(nn.Module):
         lim = cfg.swiglu_limit
         self.experts = nn.ModuleDict({str(e): Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, lim, dtype)
                                       for e in self.local})
+        for expert in self.experts.values():
+            ctx.mark_expert(expert)
         self.shared_experts = (Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, lim, dtype)
                                if cfg.n_shared_experts else None)
 
@@ -399,11 +408,13 @@ class MoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         idx, w, s = self.gate(xf, ids.reshape(-1))
         w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
-        out = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
+        xs, idxs, ws, sizes = self.ctx.ep_gather(xf, idx, w)  # tokens of all EP ranks
+        out = torch.zeros(xs.shape, dtype=torch.float32, device=x.device)
         for e in self.local:  # token dispatch; index_add_ is deterministic on CPU
-            rows, slot = torch.nonzero(idx == e, as_tuple=True)
+            rows, slot = torch.nonzero(idxs == e, as_tuple=True)
             if rows.numel():
-                out.index_add_(0, rows, self.experts[str(e)](xf[rows], w[rows, slot]).float())
+                out.index_add_(0, rows, self.experts[str(e)](xs[rows], ws[rows, slot]).float())
+        out = self.ctx.ep_combine(out, sizes)  # [N, d]: this rank's tokens, all experts
         if self.shared_experts is not None:
             out = out + self.shared_experts(xf).float()
         if not self.gate.is_hash:
@@ -456,7 +467,7 @@ class Block(nn.Module):
         u, post, comb = self._hc("attn", x)
         x = ops.hc_post(self.attn(self.attn_norm(u), fwd), x, post, comb)
         u, post, comb = self._hc("ffn", x)
-        return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc >= 0), x, post, comb)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc[:, fwd.q] >= 0), x, post, comb)
 
     def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope], ids: torch.Tensor):
         u, post, comb = self._hc("attn", x)
@@ -497,11 +508,38 @@ class MTPBlock(Block):
 
 
 # =========================================================================== model
+class LayerStack(nn.ModuleDict):
+    """The blocks a pipeline stage holds, keyed by global layer index (so parameter names
+    stay DeepSeek's `layers.N.*` on every stage); iterates and indexes like a list."""
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, i: int | str) -> nn.Module:
+        return self._modules[str(i)]
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `x` whose backward also starts the backward of `loss` (gradient 1): a
+    pipeline stage's auxiliary losses train their parameters when the stage's output gets
+    its gradient from the next stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, torch.ones(ctx.loss_shape, dtype=torch.float32, device=g.device)
+
+
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, S, V] fp32
-    mtp_logits: torch.Tensor | None = None  # [B, S, V] fp32; index j predicts t_{j+1} from (X_{j-1}, t_j)
+    logits: torch.Tensor | None  # [B, s, V] fp32 (None before the last pipeline stage)
+    mtp_logits: torch.Tensor | None = None  # [B, s, V] fp32; index j predicts t_{j+1} from (X_{j-1}, t_j)
     losses: dict[str, torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None  # [B, s, n*d] streams sent to the next pipeline stage
 
 
 class DeepSeekV4ForCausalLM(nn.Module):
@@ -519,14 +557,25 @@ class DeepSeekV4ForCausalLM(nn.Module):
         config.validate()
         self.config = cfg = config
         ctx = ctx or ParallelContext()
-        self.embed = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Block(ctx, cfg, i, dtype, is_hash=i < cfg.num_hash_layers)
-                                    for i in range(cfg.num_hidden_layers))
-        add_head_collapse(self, cfg, dtype)
-        self.head = ctx.column_linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        first, last = ctx.first_stage, ctx.last_stage
+        # The last stage keeps its own copy of the embedding for MTP (gradients summed with
+        # the first stage's copy over Megatron's embedding group).
+        self.embed = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype) if first or (
+            last and cfg.num_nextn_predict_layers) else None
+        self.layers = LayerStack({str(i): Block(ctx, cfg, i, dtype, is_hash=i < cfg.num_hash_layers)
+                                  for i in ctx.stage_layers(cfg.num_hidden_layers)})
+        if last:
+            add_head_collapse(self, cfg, dtype)
+        self.head = ctx.column_linear(cfg.hidden_size, cfg.vocab_size, dtype) if last else None
         self.mtp = nn.ModuleList(MTPBlock(ctx, cfg, cfg.num_hidden_layers + k, dtype)
-                                 for k in range(cfg.num_nextn_predict_layers))
+                                 for k in range(cfg.num_nextn_predict_layers if last else 0))
         self.ctx = ctx
+        self._stage_input: torch.Tensor | None = None
+        # Auxiliary losses are averaged over all layers of the model, wherever they run.
+        n = cfg.num_hidden_layers
+        self._n_indexer_layers = sum(cfg.is_csa(cfg.layer_ratio(i)) for i in range(n))
+        self._n_balance_layers = (sum(i >= cfg.num_hash_layers for i in range(n))
+                                  + cfg.num_nextn_predict_layers)
         rd = cfg.qk_rope_head_dim
         self.register_buffer("inv_freq_swa", ops.rope_inv_freq(rd, cfg.rope_theta, None), persistent=False)
         self.register_buffer("inv_freq_compressed", ops.rope_inv_freq(rd, cfg.compress_rope_theta,
@@ -578,74 +627,101 @@ class DeepSeekV4ForCausalLM(nn.Module):
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         return self.ctx.lm_logits(y, self.head.weight)
 
+    def set_input_tensor(self, t: torch.Tensor | list | None) -> None:
+        """Pipeline schedules hand a later stage its input here ([B, s, n*d] streams)."""
+        self._stage_input = t[0] if isinstance(t, list) else t
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, loss_normalizer: float | torch.Tensor | None = None,
                 _states: list | None = None) -> CausalLMOutput:
-        """input_ids [B, S]. loss_normalizer: divide summed token losses by this (e.g. the
-        global batch's supervised-token count) instead of the local count."""
+        """input_ids [B, S] (the whole sequence on every rank). loss_normalizer: divide summed
+        token losses by this (e.g. the global batch's supervised-token count) instead of the
+        local count. Under context parallelism outputs cover this rank's chunk s of S; before
+        the last pipeline stage the output is `hidden` (auxiliary losses attached to it)."""
         b, s = input_ids.shape
+        ctx, cfg = self.ctx, self.config
+        q = ctx.seq_chunk(s) if ctx.cp_size > 1 else slice(None)
+        if ctx.cp_size > 1 and labels is not None and loss_normalizer is None:
+            raise ValueError("context parallel losses need a loss_normalizer (the global token count)")
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
-        fwd = Fwd(layout, self._ropes(layout.pos), states=_states,
-                  indexer_loss=labels is not None and self.config.indexer_loss)
-        x = self._streams(self.embed(input_ids))  # [B, S, n, d]
+        fwd = Fwd(layout, self._ropes(layout.pos), q=q, states=_states,
+                  indexer_loss=labels is not None and cfg.indexer_loss)
+        ids = input_ids[:, q]
+        if ctx.first_stage:
+            x = self._streams(self.embed(ids))  # [B, s, n, d]
+        else:
+            x = self._stage_input.view(b, ids.shape[1], cfg.hc_mult, cfg.hidden_size)
         for layer in self.layers:
-            x = layer(x, fwd, input_ids)
-        logits = self._logits(head_collapse(self, self.config, x))  # [B, S, V]
+            x = layer(x, fwd, ids)
+        aux = self._aux_losses(fwd, labels is not None, loss_normalizer, x)
+        if not ctx.last_stage:
+            hidden = x.flatten(2)
+            if labels is not None and aux["weighted"].requires_grad:
+                hidden = _AttachLoss.apply(hidden, aux["weighted"])
+            return CausalLMOutput(None, losses={k: v.detach() for k, v in aux.items() if k != "weighted"},
+                                  hidden=hidden)
+        logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V]
         mtp_logits = None
         if self.mtp and _states is None:
-            mtp_logits = self._mtp(x, input_ids, layout, fwd)
-        losses = None if labels is None else self._losses(logits, mtp_logits, labels, loss_mask, layout, fwd,
-                                                          loss_normalizer)
+            mtp_logits = self._mtp(x, ids, layout, fwd, labels is not None, loss_normalizer, aux)
+        losses = None if labels is None else self._losses(logits, mtp_logits, labels[:, q],
+                                                          None if loss_mask is None else loss_mask[:, q],
+                                                          layout, fwd, loss_normalizer, aux)
         return CausalLMOutput(logits, mtp_logits, losses)
 
-    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd) -> torch.Tensor:
+    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd, want_loss: bool,
+             normalizer, aux: dict) -> torch.Tensor:
         # Index j combines X_{j-1} (same document) with embed(t_j): the MTP sequence of a
         # document starts at its second token, at position pos - 1; first tokens are dead.
         alive = (layout.pos >= 1) & (layout.doc >= 0)
         mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0))
-        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), indexer_loss=fwd.indexer_loss)
-        x_prev = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), 1)
+        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), q=fwd.q, indexer_loss=fwd.indexer_loss)
+        x_all = self.ctx.gather_seq(x)  # the shift crosses context-parallel chunks
+        x_prev = torch.cat((torch.zeros_like(x_all[:, :1]), x_all[:, :-1]), 1)[:, fwd.q]
         blk = self.mtp[0]
-        h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, S, n, d]
+        h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, s, n, d]
         h = blk(h, mfwd, ids)
-        fwd.indexer_terms += mfwd.indexer_terms
-        fwd.indexer_rows += mfwd.indexer_rows
-        fwd.balance_terms += mfwd.balance_terms
+        for k, v in self._aux_losses(mfwd, want_loss, normalizer, x).items():
+            aux[k] = aux[k] + v
         return self._logits(head_collapse(blk, self.config, h))
 
-    def _losses(self, logits, mtp_logits, labels, loss_mask, layout, fwd, normalizer) -> dict[str, torch.Tensor]:
+    def _aux_losses(self, fwd: Fwd, want: bool, normalizer, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This stage's share of the indexer KL and balance losses: each layer's term divided
+        by the model's layer count (and the indexer's by the token count), so the shares of
+        all pipeline stages sum to the whole-model loss."""
         c = self.config
-        mask = (labels != IGNORE_INDEX) & (layout.doc >= 0)
+        zero = x.new_zeros((), dtype=torch.float32)
+        ind, bal = zero, zero
+        if want and fwd.indexer_terms:
+            rows = fwd.indexer_rows[0].clamp_min(1) if normalizer is None else normalizer
+            ind = torch.stack(fwd.indexer_terms).sum() / (self._n_indexer_layers * rows)
+        if want and fwd.balance_terms:
+            bal = torch.stack(fwd.balance_terms).sum() / self._n_balance_layers
+        return {"indexer": ind, "balance": bal,
+                "weighted": c.indexer_loss_coef * ind + c.balance_loss_coef * bal}
+
+    def _losses(self, logits, mtp_logits, labels, loss_mask, layout, fwd, normalizer, aux) -> dict[str, torch.Tensor]:
+        c = self.config
+        doc, pos = layout.doc[:, fwd.q], layout.pos[:, fwd.q]
+        mask = (labels != IGNORE_INDEX) & (doc >= 0)
         if loss_mask is not None:
             mask = mask & loss_mask.bool()
         tgt = labels.clamp_min(0)
         denom = mask.sum().clamp_min(1) if normalizer is None else normalizer
         ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
         losses = {"lm": (ce * mask).sum() / denom}
-        zero = logits.new_zeros(())
         total = losses["lm"]
         if mtp_logits is not None:
-            mmask = mask & (layout.pos >= 1)
+            mmask = mask & (pos >= 1)
             mdenom = mmask.sum().clamp_min(1) if normalizer is None else normalizer
             mce = F.cross_entropy(mtp_logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
             losses["mtp"] = (mce * mmask).sum() / mdenom
             total = total + c.mtp_loss_coef * losses["mtp"]
         else:
-            losses["mtp"] = zero
-        if fwd.indexer_terms:
-            kl = torch.stack(fwd.indexer_terms).sum() / len(fwd.indexer_terms)
-            rows = torch.stack(fwd.indexer_rows).sum() / len(fwd.indexer_rows)
-            losses["indexer"] = kl / (rows.clamp_min(1) if normalizer is None else normalizer)
-            total = total + c.indexer_loss_coef * losses["indexer"]
-        else:
-            losses["indexer"] = zero
-        if fwd.balance_terms:
-            losses["balance"] = torch.stack(fwd.balance_terms).mean()
-            total = total + c.balance_loss_coef * losses["balance"]
-        else:
-            losses["balance"] = zero
-        losses["total"] = total
+            losses["mtp"] = logits.new_zeros(())
+        losses["indexer"], losses["balance"] = aux["indexer"], aux["balance"]
+        losses["total"] = total + aux["weighted"]
         return losses
 
     # ------------------------------------------------------------------ router bias

@@ -1,9 +1,16 @@
-"""Where layers get their linear and embedding modules from.
+"""Where layers get their linear and embedding modules from, and how tokens move.
 
-The model definition asks this context for every weight-bearing linear/embedding, so
-the same layer code runs in one process (plain torch, here) and sharded inside
-Megatron workers (a context that returns tensor-parallel layers and reports its
-tp/ep sizes). Layers divide heads, groups and experts by the sizes reported here.
+The model definition asks this context for every weight-bearing linear/embedding and for
+the few cross-rank moves of a sharded run, so the same layer code runs in one process
+(plain torch and identities, here) and sharded inside Megatron workers (a context that
+returns tensor-parallel layers and real collectives). The context reports:
+- tp: heads, output groups, expert widths and the vocabulary are split over TP ranks;
+- pp: this stage's contiguous range of layers (first stage embeds, last stage has the
+  heads, MTP and losses);
+- cp: this rank's contiguous chunk of query tokens; K = V and compressor inputs are
+  gathered over the sequence (all-gather context parallelism);
+- ep: the routed experts this rank holds; tokens are gathered to them and the partial
+  outputs summed back.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ class ParallelContext:
     tp_rank: int = 0
     ep_size: int = 1
     ep_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
 
+    # ------------------------------------------------------------------ modules
     def column_linear(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
         """Output dim sharded over TP (q/kv up-projections, expert w1/w3)."""
         return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
@@ -49,6 +61,10 @@ class ParallelContext:
         p.tensor_model_parallel, p.partition_dim, p.partition_stride = self.tp_size > 1, dim, 1
         return p
 
+    def mark_expert(self, module: nn.Module) -> None:
+        """A routed expert's parameters (reduced over the expert-data-parallel group)."""
+
+    # ------------------------------------------------------------------ TP
     def to_tp_region(self, t: torch.Tensor) -> torch.Tensor:
         """A replicated tensor about to be consumed by TP-split work (the shared K = V of all
         heads, routing weights of split experts): identity forward, gradient summed over TP."""
@@ -62,7 +78,49 @@ class ParallelContext:
         """Full fp32 logits from the (possibly vocab-split) head weight."""
         return F.linear(y.float(), weight.float())
 
+    # ------------------------------------------------------------------ PP
+    def stage_layers(self, n_layers: int) -> range:
+        """This pipeline stage's layers: contiguous, earlier stages take the remainder."""
+        if n_layers < self.pp_size:
+            raise ValueError(f"{n_layers} layers cannot fill {self.pp_size} pipeline stages")
+        per, extra = divmod(n_layers, self.pp_size)
+        start = self.pp_rank * per + min(self.pp_rank, extra)
+        return range(start, start + per + (self.pp_rank < extra))
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    # ------------------------------------------------------------------ CP
+    def seq_chunk(self, seq: int) -> slice:
+        """The query tokens this CP rank computes (contiguous equal chunks)."""
+        if seq % self.cp_size:
+            raise ValueError(f"context parallel size {self.cp_size} needs the sequence length ({seq}) "
+                             f"to be a multiple of it: pad the micro-batch")
+        n = seq // self.cp_size
+        return slice(self.cp_rank * n, (self.cp_rank + 1) * n)
+
+    def gather_seq(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, S/cp, ...] local chunk -> [B, S, ...] all chunks in order; the backward sums
+        the gradients of all CP ranks and keeps this rank's chunk."""
+        return t
+
+    # ------------------------------------------------------------------ EP
     def local_experts(self, n_experts: int) -> range:
         """Global ids of the routed experts this rank holds."""
         per = n_experts // self.ep_size
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+    def ep_gather(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+        """Tokens of all EP ranks for the local experts: x [N, d], idx/w [N, k] ->
+        (x_all, idx_all, w_all, sizes). Backward: gradients summed back to their rank."""
+        return x, idx, w, None
+
+    def ep_combine(self, out: torch.Tensor, sizes) -> torch.Tensor:
+        """Partial expert outputs for the tokens of all EP ranks [N_all, d] -> this rank's
+        tokens [N, d] summed over EP ranks."""
+        return out

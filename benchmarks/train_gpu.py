@@ -1,0 +1,115 @@
+"""Training throughput on one GPU: a ~1B-parameter DeepSeek-V4 config through the trainer
+(TrainWorker: Megatron DDP + DistributedOptimizer, bf16, Triton sparse attention) against a
+plain dense-attention transformer of the same width, depth, vocabulary and active MLP
+width (causal SDPA / flash attention, torch AdamW), measured in the same process.
+
+    python3 benchmarks/train_gpu.py [--seq 4096] [--steps 6] [--peak-tflops 989]
+
+MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
+FLOPs are not counted for either model, so the V4 figure is conservative at long context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.model_cpu import DenseBaseline  # noqa: E402
+from plugins.deepseek_v4 import DeepSeekV4Config  # noqa: E402
+from plugins.deepseek_v4.config import YarnScaling  # noqa: E402
+
+
+def config_1b(seq: int) -> DeepSeekV4Config:
+    return DeepSeekV4Config.tiny(
+        vocab_size=32768, hidden_size=1536, num_hidden_layers=8, num_attention_heads=16, head_dim=512,
+        qk_rope_head_dim=64, q_lora_rank=768, o_groups=8, o_lora_rank=512, n_routed_experts=32,
+        n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=768, index_n_heads=16,
+        index_head_dim=128, index_topk=512, compress_ratios=[0, 4, 128, 4, 128, 4, 128, 0, 0],
+        num_hash_layers=2, sliding_window=128, rope_scaling=YarnScaling(16.0, 4096, 32.0, 1.0),
+        max_position_embeddings=max(seq, 16384))
+
+
+def active_params(cfg: DeepSeekV4Config, total: int) -> int:
+    """Parameters a token passes through, without the embedding (routed experts: top-k of E)."""
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert * cfg.num_layers_total
+    return total - idle - cfg.vocab_size * cfg.hidden_size
+
+
+def timed(fn, steps: int) -> list[float]:
+    fn()
+    fn()  # warm-up: autotuning, allocator
+    out = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per step (micro-batches of 1)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    a = ap.parse_args()
+    from miles.train.worker import TrainWorker
+
+    cfg = config_1b(a.seq)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
+    mbs = [(ids[i:i + 1, :-1], ids[i:i + 1, 1:]) for i in range(a.batch)]
+    tokens = a.batch * a.seq
+
+    w = TrainWorker(0, 1)
+    host, port = w.rendezvous_address()
+    w.init_distributed(host, port)
+    total = w.build_model(cfg.to_dict(), seed=0, dtype="bfloat16")
+    w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+    v4 = timed(lambda: w.train_step(mbs), a.steps)
+    v4_mem = torch.cuda.max_memory_allocated() / 2**30
+    n_v4 = active_params(cfg, total)
+    w.model = w.ddp = w.opt = None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+    dense = DenseBaseline(cfg).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, fused=True)
+    dev = [(i.cuda(), lab.cuda()) for i, lab in mbs]
+
+    def dense_step():
+        opt.zero_grad(set_to_none=True)
+        for i, lab in dev:
+            (dense(i, lab) / len(dev)).backward()
+        torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0)
+        opt.step()
+
+    dn = timed(dense_step, a.steps)
+    dn_mem = torch.cuda.max_memory_allocated() / 2**30
+    n_dense = sum(p.numel() for p in dense.parameters()) - cfg.vocab_size * cfg.hidden_size
+
+    peak = a.peak_tflops * 1e12
+    print(f"\n{torch.cuda.get_device_name()}  seq={a.seq}  batch={a.batch}  steps={a.steps} (median)")
+    print(f"{'model':34s} {'params':>8s} {'active':>8s} {'step ms':>9s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s}")
+    rows = [("DeepSeek-V4 1B (trainer, Triton)", total, n_v4, v4, v4_mem),
+            ("dense attention (SDPA, AdamW)", n_dense + cfg.vocab_size * cfg.hidden_size, n_dense, dn, dn_mem)]
+    for name, tot, act, ts, mem in rows:
+        med = statistics.median(ts)
+        tps = tokens / med
+        print(f"{name:34s} {tot / 1e9:7.2f}B {act / 1e9:7.2f}B {med * 1e3:9.1f} {tps:9,.0f} "
+              f"{6 * act * tps / peak:6.1%} {mem:9.1f}")
+    print(f"V4 / dense tokens/s: {statistics.median(dn) / statistics.median(v4):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
