@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (micro-batches of 1)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    ap.add_argument("--profile", action="store_true", help="print where one V4 step's time goes")
     a = ap.parse_args()
     from miles.train.worker import TrainWorker
 
@@ -76,6 +77,15 @@ def main() -> None:
     w.init_distributed(host, port)
     total = w.build_model(cfg.to_dict(), seed=0, dtype="bfloat16")
     w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+    if a.profile:
+        w.train_step(mbs)
+        w.train_step(mbs)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            w.train_step(mbs)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+        return
     v4 = timed(lambda: w.train_step(mbs), a.steps)
     v4_mem = torch.cuda.max_memory_allocated() / 2**30
     n_v4 = active_params(cfg, total)

@@ -97,7 +97,7 @@ def train_synthetic(job: SyntheticTrainJob) -> list[dict]:
         t0 = time.perf_counter()
         for step in range(1, job.steps + 1):
             replicas = _replica_micro_batches(job, step)
-            ranks = group.call_each("train_step", [(replicas[x["dp_rank"]],) for x in group.layout])
+            ranks = group.call_each("train_step", [(replicas[x["dp_rank"]], True) for x in group.layout])
             log = ranks[0]
             alignment.append(run_dir, alignment.ranks_record(step, log["total"], log["grad_norm"],
                                                              [r["grad_md5"] for r in ranks]))

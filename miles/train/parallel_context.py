@@ -73,7 +73,8 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return _all_reduce(g, ctx.group)[:, ctx.rank * ctx.n: (ctx.rank + 1) * ctx.n], None
+        g = _all_reduce(g.float(), ctx.group).to(g.dtype)  # partial sums added in fp32
+        return g[:, ctx.rank * ctx.n: (ctx.rank + 1) * ctx.n], None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -86,7 +87,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return _own_rows(_all_reduce(g, ctx.group), ctx.sizes, ctx.group), None, None
+        return _own_rows(_all_reduce(g.float(), ctx.group).to(g.dtype), ctx.sizes, ctx.group), None, None
 
 
 class _SumOwnRows(torch.autograd.Function):
@@ -135,7 +136,9 @@ class MegatronContext(ParallelContext):
         return self._split(tp.VocabParallelEmbedding(num, dim, init_method=_no_init, config=self.mp), 0)
 
     def to_tp_region(self, t: torch.Tensor) -> torch.Tensor:
-        return tp.copy_to_tensor_model_parallel_region(t)
+        # The backward all-reduce sums the TP ranks' partial gradients: in fp32, so a bf16
+        # model rounds once (as one process does), not once per rank.
+        return tp.copy_to_tensor_model_parallel_region(t.float()).to(t.dtype)
 
     def sum_over_tp(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()

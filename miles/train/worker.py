@@ -257,11 +257,12 @@ class TrainWorker:
         res, _ = self._schedule(self.model, mbs, None if self.model.ctx.cp_size == 1 else 1.0, forward_only=True)
         return [self.model.ctx.gather_seq(r["logprobs"]).cpu() for r in res] if self.model.ctx.last_stage else None
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
+    def train_step(self, micro_batches: list[MicroBatch], checksums: bool = False) -> dict:
         """One optimizer step over this rank's micro-batches. Token losses (lm, MTP, indexer)
         are normalised by the global batch's supervised-token count, so neither micro-batching
         nor the layout changes the gradient. Returns the global batch's losses, grad norm, lr
-        and an MD5 per parameter group of this rank's reduced gradients (alignment records)."""
+        and, with `checksums`, an MD5 per parameter group of this rank's reduced gradients
+        (alignment records; it copies every gradient to the host)."""
         from megatron.core import parallel_state as ps
 
         mbs = self._to_device(micro_batches)
@@ -271,7 +272,7 @@ class TrainWorker:
         self.ddp.finish_grad_sync()
         if self.model.embed is not None:
             self._sync_embedding_grads([self.model.embed.weight.main_grad])
-        grad_md5 = self._grad_checksums()
+        grad_md5 = self._grad_checksums() if checksums else None
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
