@@ -5,8 +5,9 @@ Megatron-core's parallel state (TP, PP, EP, CP, DP), and the plugin's model buil
 MegatronContext. Every forward/backward goes through Megatron's pipeline schedules (1F1B
 when PP > 1), so the same code path serves one rank and many.
 
-A micro-batch is `(input_ids [B, S], labels [B, S])`; every rank of a data-parallel
-replica (its TP, PP and CP peers) receives the same micro-batches.
+A micro-batch is `(input_ids [B, S], labels [B, S])` or, for packed rows,
+`(input_ids, labels, doc_ids [B, S])` (see miles.train.batching); every rank of a
+data-parallel replica (its TP, PP and CP peers) receives the same micro-batches.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import IGNORE_INDEX, Gate
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+MicroBatch = tuple[torch.Tensor, ...]  # (input_ids, labels[, doc_ids])
 
 
 class _ScheduleView:
@@ -146,7 +147,7 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ forward / backward
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
-        return [(ids.to(self.device), lab.to(self.device)) for ids, lab in mbs] if self.device else mbs
+        return [tuple(t.to(self.device) for t in mb) for mb in mbs] if self.device else mbs
 
     def _global_tokens(self, mbs: list[MicroBatch]) -> torch.Tensor:
         """Supervised tokens of the global batch: summed over data-parallel replicas (the
@@ -160,7 +161,7 @@ class TrainWorker:
             if len({int(c) for c in counts}) > 1:
                 raise ValueError(f"expert parallelism needs the same number of micro-batches on every "
                                  f"data-parallel rank, got {[int(c) for c in counts]}")
-        n = torch.tensor(float(sum(int((lab != IGNORE_INDEX).sum()) for _, lab in mbs)), device=self.device)
+        n = torch.tensor(float(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in mbs)), device=self.device)
         dist.all_reduce(n, group=dp)
         return n
 
@@ -174,8 +175,8 @@ class TrainWorker:
         q = self.model.ctx.seq_chunk(mbs[0][0].shape[1]) if self.model.ctx.cp_size > 1 else slice(None)
 
         def step(data, model):
-            ids, lab = next(data)
-            out = module(ids, labels=lab, loss_normalizer=normalizer)
+            ids, lab, *doc = next(data)
+            out = module(ids, labels=lab, doc_ids=doc[0] if doc else None, loss_normalizer=normalizer)
             if out.logits is None:  # an earlier stage: its output goes to the next stage
                 for k, v in out.losses.items():
                     stage_aux[k] = stage_aux.get(k, 0.0) + v
