@@ -364,6 +364,16 @@ class TrainWorker:
     def resident_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self._storages())
 
+    def state_digest(self) -> str:
+        """MD5 over the bytes of every training-state storage (weights, DDP buffers,
+        optimizer parameters and moments), in a fixed order."""
+        h = hashlib.md5()
+        for t in self._storages():
+            s = t.untyped_storage()
+            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
+            h.update(view.cpu().clone().numpy().tobytes())  # a copy: numpy() pins a storage's size
+        return h.hexdigest()
+
     def sleep(self) -> int:
         """Free the device memory of all training state (weights, gradients, optimizer) for a
         colocated rollout engine; the bytes move to host memory. Returns bytes freed."""
