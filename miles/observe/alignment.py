@@ -27,18 +27,23 @@ def param_group(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] in ("layers", "mtp") and len(parts) > 1 else parts[0]
 
 
-def step_record(step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-                named_params: list[tuple[str, torch.nn.Parameter]]) -> dict:
+def grad_checksums(named_grads: list[tuple[str, torch.Tensor | None]]) -> dict[str, str]:
+    """MD5 per parameter group over (name, gradient bytes) of its parameters, by name order."""
     groups: dict[str, hashlib._Hash] = {}
-    for name, p in sorted(named_params, key=lambda kv: kv[0]):
-        if p.grad is not None:
+    for name, g in sorted(named_grads, key=lambda kv: kv[0]):
+        if g is not None:
             h = groups.setdefault(param_group(name), hashlib.md5())
             h.update(name.encode())
-            h.update(p.grad.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(g.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {k: h.hexdigest() for k, h in sorted(groups.items())}
+
+
+def step_record(step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+                named_params: list[tuple[str, torch.nn.Parameter]]) -> dict:
     loss = loss.detach()
     return {"step": step, "loss": float(loss), "loss_md5": _md5(loss.float()), "grad_norm": float(grad_norm),
             "grad_norm_md5": _md5(torch.as_tensor(grad_norm).float()),
-            "grads": {g: h.hexdigest() for g, h in sorted(groups.items())}}
+            "grads": grad_checksums([(n, p.grad) for n, p in named_params])}
 
 
 def ranks_record(step: int, loss: float, grad_norm: float, rank_grad_md5s: list[dict[str, str]]) -> dict:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from miles.observe.alignment import grad_checksums
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import IGNORE_INDEX, Gate
 
@@ -273,7 +274,8 @@ class TrainWorker:
         self.ddp.finish_grad_sync()
         if self.model.embed is not None:
             self._sync_embedding_grads([self.model.embed.weight.main_grad])
-        grad_md5 = self._grad_checksums() if checksums else None
+        grad_md5 = (grad_checksums([(n, getattr(p, "main_grad", None)) for n, p in self.model.named_parameters()])
+                    if checksums else None)
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
@@ -286,18 +288,6 @@ class TrainWorker:
         out = self._reported(res, aux)
         out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5)
         return out
-
-    def _grad_checksums(self) -> dict[str, str]:
-        from miles.observe.alignment import param_group
-
-        groups: dict[str, hashlib._Hash] = {}
-        for name, p in sorted(self.model.named_parameters()):
-            g = getattr(p, "main_grad", None)
-            if g is not None:
-                h = groups.setdefault(param_group(name), hashlib.md5())
-                h.update(name.encode())
-                h.update(g.detach().float().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return {k: h.hexdigest() for k, h in groups.items()}
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
