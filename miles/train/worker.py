@@ -204,11 +204,8 @@ class TrainWorker:
         vals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for r in res:
             vals += torch.stack([r["losses"][k].double() for k in keys])
-        for i, k in enumerate(keys):
-            if k in stage_aux:
-                w = self.model.config.indexer_loss_coef if k == "indexer" else self.model.config.balance_loss_coef
-                vals[i] += stage_aux[k].double()
-                vals[keys.index("total")] += w * stage_aux[k].double()
+        for k, v in stage_aux.items():
+            vals[keys.index(k)] += v.double()
         dist.all_reduce(vals, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())

@@ -654,13 +654,15 @@ class DeepSeekV4ForCausalLM(nn.Module):
             x = self._stage_input.view(b, ids.shape[1], cfg.hc_mult, cfg.hidden_size)
         for layer in self.layers:
             x = layer(x, fwd, ids)
-        aux = self._aux_losses(fwd, labels is not None, loss_normalizer, x)
+        aux = self._aux_losses(fwd, labels is not None, loss_normalizer)
         if not ctx.last_stage:
             hidden = x.flatten(2)
             if labels is not None and aux["weighted"].requires_grad:
                 hidden = _AttachLoss.apply(hidden, aux["weighted"])
-            return CausalLMOutput(None, losses={k: v.detach() for k, v in aux.items() if k != "weighted"},
-                                  hidden=hidden)
+            # This stage's shares: "total" is their weighted sum (what its backward adds).
+            return CausalLMOutput(None, hidden=hidden, losses={
+                "indexer": aux["indexer"].detach(), "balance": aux["balance"].detach(),
+                "total": aux["weighted"].detach()})
         logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V]
         mtp_logits = None
         if self.mtp and _states is None:
@@ -682,16 +684,16 @@ class DeepSeekV4ForCausalLM(nn.Module):
         blk = self.mtp[0]
         h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, s, n, d]
         h = blk(h, mfwd, ids)
-        for k, v in self._aux_losses(mfwd, want_loss, normalizer, x).items():
+        for k, v in self._aux_losses(mfwd, want_loss, normalizer).items():
             aux[k] = aux[k] + v
         return self._logits(head_collapse(blk, self.config, h))
 
-    def _aux_losses(self, fwd: Fwd, want: bool, normalizer, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _aux_losses(self, fwd: Fwd, want: bool, normalizer) -> dict[str, torch.Tensor]:
         """This stage's share of the indexer KL and balance losses: each layer's term divided
         by the model's layer count (and the indexer's by the token count), so the shares of
         all pipeline stages sum to the whole-model loss."""
         c = self.config
-        zero = x.new_zeros((), dtype=torch.float32)
+        zero = torch.zeros((), device=fwd.layout.doc.device)
         ind, bal = zero, zero
         if want and fwd.indexer_terms:
             rows = fwd.indexer_rows[0].clamp_min(1) if normalizer is None else normalizer
