@@ -1,7 +1,8 @@
 """Training throughput on one GPU: a ~1B-parameter DeepSeek-V4 config through the trainer
-(TrainWorker: Megatron DDP + DistributedOptimizer, bf16, Triton sparse attention) against a
-plain dense-attention transformer of the same width, depth, vocabulary and active MLP
-width (causal SDPA / flash attention, torch AdamW), measured in the same process.
+(TrainWorker: Megatron DDP + DistributedOptimizer, bf16) with the GPU kernels on and off
+(config.kernels "triton" / "torch": sparse attention, Sinkhorn, grouped expert GEMMs),
+against a plain dense-attention transformer of the same width, depth, vocabulary and
+active MLP width (causal SDPA / flash attention, torch AdamW), all in the same process.
 
     python3 benchmarks/train_gpu.py [--seq 4096] [--steps 6] [--peak-tflops 989]
 
@@ -75,23 +76,36 @@ def main() -> None:
     w = TrainWorker(0, 1)
     host, port = w.rendezvous_address()
     w.init_distributed(host, port)
-    total = w.build_model(cfg.to_dict(), seed=0, dtype="bfloat16")
-    w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+
+    def build(kernels: str) -> int:
+        total = w.build_model({**cfg.to_dict(), "kernels": kernels}, seed=0, dtype="bfloat16")
+        w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+        return total
+
+    def release() -> None:
+        w.model = w.ddp = w.opt = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
     if a.profile:
+        build("triton")
         w.train_step(mbs)
         w.train_step(mbs)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             w.train_step(mbs)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
         return
-    v4 = timed(lambda: w.train_step(mbs), a.steps)
-    v4_mem = torch.cuda.max_memory_allocated() / 2**30
-    n_v4 = active_params(cfg, total)
-    w.model = w.ddp = w.opt = None
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
+    for kernels, name in (("triton", "DeepSeek-V4, kernels on"), ("torch", "DeepSeek-V4, kernels off")):
+        total = build(kernels)
+        try:
+            ts = timed(lambda: w.train_step(mbs), a.steps)
+        except torch.OutOfMemoryError:
+            ts = None
+        runs.append((name, total, active_params(cfg, total), ts, torch.cuda.max_memory_allocated() / 2**30))
+        release()
 
     dense = DenseBaseline(cfg).cuda().to(torch.bfloat16)
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, fused=True)
@@ -105,20 +119,26 @@ def main() -> None:
         opt.step()
 
     dn = timed(dense_step, a.steps)
-    dn_mem = torch.cuda.max_memory_allocated() / 2**30
     n_dense = sum(p.numel() for p in dense.parameters()) - cfg.vocab_size * cfg.hidden_size
+    runs.append(("dense attention (SDPA, AdamW)", n_dense + cfg.vocab_size * cfg.hidden_size, n_dense, dn,
+                 torch.cuda.max_memory_allocated() / 2**30))
 
     peak = a.peak_tflops * 1e12
     print(f"\n{torch.cuda.get_device_name()}  seq={a.seq}  batch={a.batch}  steps={a.steps} (median)")
     print(f"{'model':34s} {'params':>8s} {'active':>8s} {'step ms':>9s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s}")
-    rows = [("DeepSeek-V4 1B (trainer, Triton)", total, n_v4, v4, v4_mem),
-            ("dense attention (SDPA, AdamW)", n_dense + cfg.vocab_size * cfg.hidden_size, n_dense, dn, dn_mem)]
-    for name, tot, act, ts, mem in rows:
+    for name, tot, act, ts, mem in runs:
+        if ts is None:
+            print(f"{name:34s} {tot / 1e9:7.2f}B {act / 1e9:7.2f}B {'OOM':>9s}")
+            continue
         med = statistics.median(ts)
         tps = tokens / med
         print(f"{name:34s} {tot / 1e9:7.2f}B {act / 1e9:7.2f}B {med * 1e3:9.1f} {tps:9,.0f} "
               f"{6 * act * tps / peak:6.1%} {mem:9.1f}")
-    print(f"V4 / dense tokens/s: {statistics.median(dn) / statistics.median(v4):.2f}x")
+    on, off = runs[0][3], runs[1][3]
+    if on and off:
+        print(f"V4 kernels on / off tokens/s: {statistics.median(off) / statistics.median(on):.2f}x")
+    if on:
+        print(f"dense / V4 (kernels on) tokens/s: {statistics.median(on) / statistics.median(dn):.2f}x")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from conftest import assert_finite
 
 triton = pytest.importorskip("triton")  # CPU: conftest switched Triton to its interpreter
 
-from plugins.deepseek_v4 import ops  # noqa: E402
+from plugins.deepseek_v4 import kernels, ops  # noqa: E402
+from plugins.deepseek_v4.kernels import mhc  # noqa: E402
 from plugins.deepseek_v4.kernels import sparse_attention as sa  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -44,7 +45,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(sa, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(kernels, "POISON_OUTPUTS", True)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -87,6 +88,77 @@ def test_deterministic_backward_is_bitwise_repeatable(seed):
         assert torch.equal(g1, g2)
 
 
+def sinkhorn64(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The Sinkhorn schedule of DSV4.md in float64 (oracle)."""
+    m = torch.softmax(logits.double(), -1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+# (leading shape, n, iters): V4's n = 4 and 20 iterations; rows not a multiple of the block;
+# n = 3 (padded tile); one iteration; no rows at all
+SINKHORN_CASES = [((3, 67), 4, 20), ((5, 7), 3, 6), ((19,), 4, 1), ((0, 4), 4, 20)]
+
+
+@pytest.mark.parametrize("lead,n,iters", SINKHORN_CASES)
+def test_sinkhorn_kernel_matches_float64_reference(seed, lead, n, iters):
+    """Fused Sinkhorn forward and backward against float64 autograd of the same schedule:
+    fp32 rounding only (the kernel is fp32 on every device), outputs NaN-poisoned first."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*lead, n, n, generator=g) * 2
+    cot = torch.randn(*lead, n, n, generator=g)
+    ref_in = logits.double().requires_grad_()
+    ref = sinkhorn64(ref_in, iters, 1e-6)
+    (ref * cot.double()).sum().backward()
+    x = logits.to(DEV).requires_grad_()
+    out = mhc.sinkhorn(x, iters, 1e-6)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    (out * cot.to(DEV)).sum().backward()
+    if not logits.numel():
+        assert x.grad.shape == logits.shape
+        return
+    # measured ~1e-7 / 2e-7 (as the fp32 PyTorch reference): fp32 rounding over 39 steps
+    assert rel(out.cpu(), ref) < 1e-6
+    assert rel(x.grad.cpu(), ref_in.grad) < 2e-6
+
+
+@pytest.mark.parametrize("n,k,n_experts", [(300, 4, 8), (37, 2, 5)])
+def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
+    """The fused routed-expert path (bf16 grouped GEMMs over padded expert groups) against
+    float64 autograd of the per-expert formula: output and the gradients of x, routing
+    weights and all three weight stacks; one expert gets no token (its gradient is 0)."""
+    d, inter, limit = 64, 96, 10.0  # V4's limit: few values sit near the clamp kinks, whose bf16
+    # rounding could flip a clamp (an exact O(1) gradient difference, not a kernel error)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(n_experts - 1, generator=g)[:k] for _ in range(n)])
+    idx = idx + (idx >= 1).long()  # expert 1 gets no token
+    x = torch.randn(n, d, generator=g)
+    wt = torch.rand(n, k, generator=g) + 0.1
+    w1, w3 = (torch.randn(n_experts, inter, d, generator=g) * 0.2 for _ in range(2))
+    w2 = torch.randn(n_experts, d, inter, generator=g) * 0.2
+    cot = torch.randn(n, d, generator=g)
+    ref_in = [t.double().requires_grad_() for t in (x, wt, w1, w3, w2)]
+    xr, wr, a1, a3, a2 = ref_in
+    ref = torch.zeros(n, d, dtype=torch.float64)
+    for e in range(n_experts):
+        h = torch.nn.functional.silu((xr @ a1[e].T).clamp(max=limit)) * (xr @ a3[e].T).clamp(-limit, limit)
+        ref = ref + (wr * (idx == e)).sum(1, keepdim=True) * (h @ a2[e].T)
+    (ref * cot.double()).sum().backward()
+    ins = [t.to(DEV, torch.bfloat16).requires_grad_() for t in (x, w1, w3, w2)]
+    wk = wt.to(DEV).requires_grad_()
+    out = ops.routed_experts(ins[0], idx.to(DEV), wk, *ins[1:], 0, limit, fused=True)
+    assert out.dtype == torch.float32
+    (out * cot.to(DEV)).sum().backward()
+    assert rel(out.cpu(), ref) < 2e-2
+    for got, want, name in zip([ins[0].grad, wk.grad, *(t.grad for t in ins[1:])],
+                               [r.grad for r in ref_in], ["x", "weight", "w1", "w3", "w2"], strict=True):
+        assert rel(got.float().cpu(), want) < 2e-2, name
+    assert not ins[1].grad[1].any() and not ins[3].grad[1].any()
+
+
 def test_non_power_of_two_head_dim_is_refused():
     """A head dim the kernel cannot tile is a clear error, not a wrong answer."""
     q, kv, idx, sink = make(0, 4, 16, 48, 5, 10)
@@ -111,7 +183,7 @@ def test_model_training_step_with_kernels_matches_reference(seed, dtype):
     lab[:, -1] = IGNORE_INDEX
     runs = {}
     for backend in ("torch", "triton"):
-        model = tiny_model(seed, dtype=dtype, attention_backend=backend).to(DEV).train()
+        model = tiny_model(seed, dtype=dtype, kernels=backend).to(DEV).train()
         out = model(ids, labels=lab)
         out.losses["total"].backward()
         runs[backend] = (out.losses, {k: p.grad for k, p in model.named_parameters() if p.grad is not None})

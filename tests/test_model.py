@@ -29,8 +29,8 @@ def test_tiny_config_has_every_structural_feature():
 
 def test_forward_backward_all_features_finite(seed):
     """No NaN anywhere: a full forward+backward with every feature on gives finite losses
-    and a finite, non-zero gradient for every parameter (a routed expert exactly when it
-    received tokens)."""
+    and a finite, non-zero gradient for every parameter (a routed expert's is non-zero
+    exactly when it received tokens)."""
     model = tiny_model(seed).train()
     routed = {}
 
@@ -50,7 +50,8 @@ def test_forward_backward_all_features_finite(seed):
         if ".experts." in name:
             moe, e = name.split(".experts.")[0], int(name.split(".experts.")[1].split(".")[0])
             if e not in routed[moe]:
-                assert p.grad is None, f"{name} got a gradient without tokens"
+                # stacked-weight experts get an exact zero (or no) gradient without tokens
+                assert p.grad is None or not p.grad.any(), f"{name} got a gradient without tokens"
                 continue
         assert p.grad is not None, f"{name} got no gradient (seed {seed})"
         assert_finite(p.grad, what=name)

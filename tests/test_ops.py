@@ -775,6 +775,80 @@ def test_grouped_out_proj_gradcheck_and_oracle(rng: Rng) -> None:
             rng.tag("gradcheck")
 
 
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_window_index_lists_exactly_the_window_mask(rng: Rng, window: int) -> None:
+    """Guards the kernels' index form of the sliding window (built without an [S, S] mask):
+    for packed documents with padding on both sides, the keys it lists per query are exactly
+    those window_mask marks (same document, k <= q, q - k < window), each once."""
+    b, s = 3, 41
+    doc = torch.full((b, s), -1, dtype=torch.long)
+    for r in range(b):
+        cuts = sorted(rng.randint(1, s - 1, 3).tolist())
+        lo, hi = cuts[0] - 1, cuts[-1] + 1  # padding before lo and from hi on
+        doc[r, lo:hi] = torch.tensor([sum(i >= c for c in cuts[1:-1]) for i in range(lo, hi)])
+    layout = SequenceLayout.build(b, s, torch.device("cpu"), doc_ids=doc)
+    idx = layout.window_index(window)
+    assert idx.shape == (b, s, window)
+    mask = torch.zeros(b, s, s + 1, dtype=torch.bool).scatter(-1, torch.where(idx >= 0, idx, s), True)[..., :s]
+    assert_equal(mask, layout.window_mask(window), rng.tag("window_index == window_mask"))
+    counts = (idx >= 0).sum(-1)
+    assert_equal(counts, layout.window_mask(window).sum(-1), rng.tag("each key listed once"))
+
+
+def _expert_inputs(rng: Rng, n: int, k: int, d: int, inter: int, n_experts: int, n_local: int, dtype,
+                   idle: int = -1):
+    """Each token picks k distinct experts at random, never expert `idle`."""
+    allowed = torch.tensor([e for e in range(n_experts) if e != idle])
+    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=rng.gen)[:k]] for _ in range(n)])
+    w = [rng.randn(n_local, inter, d, std=0.3, dtype=dtype), rng.randn(n_local, inter, d, std=0.3, dtype=dtype),
+         rng.randn(n_local, d, inter, std=0.3, dtype=dtype)]
+    return (rng.randn(n, d, dtype=dtype), idx, rng.uniform(n, k, lo=0.1, hi=1.0, dtype=torch.float32), *w)
+
+
+@pytest.mark.parametrize("first,n_local,n_experts", [(0, 6, 6), (2, 3, 8)])
+def test_routed_experts_match_per_token_loop(rng: Rng, first: int, n_local: int, n_experts: int) -> None:
+    """Guards the grouped expert dispatch (pairs sorted into padded expert groups and summed
+    back per token): output and every gradient equal a plain loop over (token, slot) pairs,
+    w2(weight * clamped_swiglu(w1 x, w3 x)) for slots whose expert is local (first..first+E-1;
+    the second case is an EP rank holding experts 2-4 of 8); a local expert without tokens
+    gets a zero gradient. fp32 (the reference dispatch; same flops, different order)."""
+    n, k, d, inter, limit = 23, 3, 16, 24, 1.5
+    x, idx, wt, w1, w3, w2 = _expert_inputs(rng, n, k, d, inter, n_experts, n_local, torch.float32,
+                                            idle=first + 1)
+    ins = [t.requires_grad_() for t in (x, wt, w1, w3, w2)]
+    out = ops.routed_experts(ins[0], idx, ins[1], *ins[2:], first, limit, all_local=n_local == n_experts)
+    ref = torch.zeros(n, d)
+    for t in range(n):
+        for j in range(k):
+            e = int(idx[t, j]) - first
+            if 0 <= e < n_local:
+                h = ops.clamped_swiglu(w1[e] @ x[t], w3[e] @ x[t], limit) * wt[t, j]
+                ref[t] = ref[t] + w2[e] @ h
+    cot = rng.randn(n, d, dtype=torch.float32)
+    got = torch.autograd.grad((out * cot).sum(), ins)
+    exp = torch.autograd.grad((ref * cot).sum(), ins)
+    assert_rel_close(out, ref, FP32_REL, rng.tag("routed experts forward"))
+    for g, e, name in zip(got, exp, ["x", "weight", "w1", "w3", "w2"], strict=True):
+        assert_rel_close(g, e, FP32_REL, rng.tag(f"d{name}"))
+    assert (idx != first + 1).all(), "local expert 1 was meant to get no tokens"
+    assert_equal(got[2][1], torch.zeros(inter, d), rng.tag("expert without tokens: zero gradient"))
+
+
+def test_routed_experts_grouped_gemm_matches_loop(rng: Rng) -> None:
+    """Guards the fused path (one torch._grouped_mm per projection over the padded groups,
+    bf16) against the per-group loop: forward and gradients within bf16 rounding."""
+    n, k, d, inter, ne = 37, 2, 32, 48, 5
+    x, idx, wt, w1, w3, w2 = _expert_inputs(rng, n, k, d, inter, ne, ne, torch.bfloat16)
+    runs = []
+    for fused in (False, True):
+        ins = [t.detach().clone().requires_grad_() for t in (x, wt, w1, w3, w2)]
+        out = ops.routed_experts(ins[0], idx, ins[1], *ins[2:], 0, 7.0, fused=fused)
+        out.square().sum().backward()
+        runs.append([out.detach()] + [t.grad for t in ins])
+    for a, b, name in zip(*runs, ["out", "x", "weight", "w1", "w3", "w2"], strict=True):
+        assert_rel_close(a.float(), b.float(), 3e-2, rng.tag(f"grouped GEMM vs loop: {name}"))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # dtype preservation (DSV4.md pitfall 3)
 

@@ -140,6 +140,9 @@ class MegatronContext(ParallelContext):
         # model rounds once (as one process does), not once per rank.
         return tp.copy_to_tensor_model_parallel_region(t.float()).to(t.dtype)
 
+    def reduce_from_tp(self, t: torch.Tensor) -> torch.Tensor:
+        return tp.reduce_from_tensor_model_parallel_region(t.float()) if self.tp_size > 1 else t
+
     def sum_over_tp(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())

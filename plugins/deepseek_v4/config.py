@@ -78,8 +78,9 @@ class DeepSeekV4Config:
     router_bias_update_rate: float = 1e-3
     balance_loss_coef: float = 0.0  # optional sequence-level balance loss (V3 used 1e-4)
     hc_init_std: float = 0.01  # mHC gating init (Megatron's choice; DeepSeek's is not public)
-    # attention core: "auto" = Triton kernels on CUDA when triton is installed, else PyTorch
-    attention_backend: str = "auto"
+    # GPU kernels (attention core, Sinkhorn, grouped expert GEMMs): "auto" = on CUDA when
+    # triton is installed, "torch" = the PyTorch reference everywhere, "triton" = always
+    kernels: str = "auto"
     # Fields of DeepSeek's file that carry no model meaning for us, kept for the round trip.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -158,7 +159,7 @@ class DeepSeekV4Config:
         need(self.num_hash_layers <= self.num_hidden_layers, "num_hash_layers", "must be <= num_hidden_layers")
         need(self.hc_mult >= 1, "hc_mult", "must be >= 1")
         need(self.num_nextn_predict_layers <= 1, "num_nextn_predict_layers", "must be 0 or 1 (V4 ships one)")
-        need(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+        need(self.kernels in ("auto", "torch", "triton"), "kernels",
              "must be 'auto', 'torch' or 'triton'")
         need(self.scoring_func == "sqrtsoftplus", "scoring_func", "must be 'sqrtsoftplus'")
         need(self.topk_method == "noaux_tc", "topk_method", "must be 'noaux_tc'")

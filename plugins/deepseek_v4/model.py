@@ -25,6 +25,16 @@ from .parallel import ParallelContext
 IGNORE_INDEX = -100
 
 
+def use_kernels(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
+    """GPU kernels (Triton attention core and Sinkhorn, grouped expert GEMMs) for work on
+    tensor t: config.kernels "auto" = on CUDA when triton is installed."""
+    if cfg.kernels == "auto":
+        from . import kernels
+
+        return t.is_cuda and kernels.available()
+    return cfg.kernels == "triton"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -232,7 +242,7 @@ class Attention(nn.Module):
         x_all = self.ctx.gather_seq(x)  # [B, S, d]
         c_q, q = self._q(x, q_cos, q_sin)
         kv = self._kv(x_all, rope.cos, rope.sin)
-        keys, mask = kv, fwd.layout.window_mask(self.window)[:, fwd.q]  # mask [B, s, S]
+        keys, chosen = kv, None
         state = None
         if self.compressor is not None:
             blocks = fwd.layout.blocks(self.ratio)
@@ -249,39 +259,43 @@ class Attention(nn.Module):
                 scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
             keys = torch.cat((kv, comp), 1)
-            mask = torch.cat((mask, chosen), -1)
             if fwd.states is not None:
                 state = (Compressor.init_state(self.ratio, cz, comp),
                          Compressor.init_state(self.ratio, ki_cz, ki_entries)
                          if self.indexer is not None else None)
         want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
-        o, probs_c = self._attend(q, keys, mask, kv.shape[1], want_kl)
+        o, probs_c = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
         if want_kl:
             self._indexer_kl(self.ctx.sum_over_tp(probs_c.detach().sum(1)), scores, chosen, fwd)
         if fwd.states is not None:
             fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
         return self._out(o, q_cos, q_sin)
 
-    def _use_kernels(self, q: torch.Tensor) -> bool:
-        backend = self.cfg.attention_backend
-        if backend == "auto":
-            from . import kernels
-
-            return q.is_cuda and kernels.available()
-        return backend == "triton"
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, n_raw: int, want_probs: bool):
-        """Attention core over [window keys ; compressed entries]. Returns o [B, S, H, D] and,
-        if asked, the probabilities of the compressed entries [B, H, S, G] (detached use)."""
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, layout: SequenceLayout, q_rows: slice,
+                chosen: torch.Tensor | None, want_probs: bool):
+        """Attention core over keys = [S raw K = V ; G compressed entries] [B, S+G, D]: each
+        query sees its sliding window of raw keys and its `chosen` entries [B, s, G] (None:
+        no entries). Returns o [B, s, H, D] and, if asked, the probabilities of the
+        compressed entries [B, H, s, G] (detached use)."""
         scale = self.head_dim ** -0.5
-        if not self._use_kernels(q):
+        n_raw = layout.shape[1]
+        if not use_kernels(self.cfg, q):
+            mask = layout.window_mask(self.window)[:, q_rows]  # [B, s, S]
+            if chosen is not None:
+                mask = torch.cat((mask, chosen), -1)
             o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, scale, return_probs=want_probs)
             return o, (probs[..., n_raw:] if want_probs else None)
         from .kernels.sparse_attention import sparse_attention as kernel
 
         b, s, h, d = q.shape
-        idx = ops.mask_to_index(mask)  # [B*S, K] into the flattened key pool
+        row = torch.arange(b, device=q.device)[:, None, None] * keys.shape[1]  # row offsets in the key pool
+        win = layout.window_index(self.window)[:, q_rows]  # [B, s, W]
+        parts = [torch.where(win >= 0, win + row, -1)]
+        if chosen is not None:
+            picks = ops.mask_to_index(chosen)  # [B, s, K]
+            parts.append(torch.where(picks >= 0, picks + n_raw + row, -1))
+        idx = torch.cat(parts, -1).reshape(b * s, -1).to(torch.int32)  # [B*s, W + K] into [B*(S+G)] keys
         o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx, self.attn_sink, scale,
                         deterministic=torch.are_deterministic_algorithms_enabled())
         probs_c = None
@@ -289,7 +303,7 @@ class Attention(nn.Module):
             with torch.no_grad():
                 logit = torch.einsum("bshd,bgd->bhsg", q.float(), keys[:, n_raw:].float()) * scale
                 lse_b = lse.view(b, s, h).permute(0, 2, 1)[..., None]
-                probs_c = torch.exp(logit - lse_b).masked_fill(~mask[:, None, :, n_raw:], 0.0)
+                probs_c = torch.exp(logit - lse_b).masked_fill(~chosen[:, None], 0.0)
         return o.view(b, s, h, d), probs_c
 
     @staticmethod
@@ -408,13 +422,14 @@ class MoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         idx, w, s = self.gate(xf, ids.reshape(-1))
         w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
-        xs, idxs, ws, sizes = self.ctx.ep_gather(xf, idx, w)  # tokens of all EP ranks
-        out = torch.zeros(xs.shape, dtype=torch.float32, device=x.device)
-        for e in self.local:  # token dispatch; index_add_ is deterministic on CPU
-            rows, slot = torch.nonzero(idxs == e, as_tuple=True)
-            if rows.numel():
-                out.index_add_(0, rows, self.experts[str(e)](xs[rows], ws[rows, slot]).float())
-        out = self.ctx.ep_combine(out, sizes)  # [N, d]: this rank's tokens, all experts
+        xs, idxs, ws, route = self.ctx.ep_gather(xf, idx, w)  # tokens of all EP ranks
+        experts = [self.experts[str(e)] for e in self.local]
+        w1, w3, w2 = (torch.stack([getattr(m, n).weight for m in experts]) for n in ("w1", "w3", "w2"))
+        out = ops.routed_experts(self.ctx.to_tp_region(xs), idxs, ws, w1, w3, w2, self.local.start,
+                                 self.cfg.swiglu_limit, all_local=self.ctx.ep_size == 1,
+                                 fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16)
+        out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
+        out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, all experts
         if self.shared_experts is not None:
             out = out + self.shared_experts(xf).float()
         if not self.gate.is_hash:
@@ -460,7 +475,8 @@ class Block(nn.Module):
     def _hc(self, site: str, x: torch.Tensor):
         c = self.cfg
         return ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                          getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+                          getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                          fused=use_kernels(c, x))
 
     def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, d] -> [B, S, n, d]."""

@@ -105,15 +105,20 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-           hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, iters: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
-    Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32)."""
+    Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32).
+    fused: the Triton Sinkhorn (one launch each way) instead of this file's reference."""
+    if fused:
+        from .kernels.mhc import sinkhorn as sinkhorn_fn
+    else:
+        sinkhorn_fn = sinkhorn
     n = x.shape[-2]
     mix = hc_mixes(x, fn, norm_eps)
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = sinkhorn((mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
+    comb = sinkhorn_fn((mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
     u = torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
     return u, post, comb
 
@@ -190,6 +195,70 @@ def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tens
     return F.silu(g.float().clamp(max=limit)) * u.float().clamp(-limit, limit)
 
 
+GROUP_ALIGN = 16  # rows per expert group are padded to this (grouped GEMM alignment)
+
+
+def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool):
+    """Lay the (token, slot) pairs routed to this rank's experts out as expert groups.
+
+    idx [N, k] global expert ids; local experts are first..first+n_local-1. Each group's
+    rows are padded to a multiple of GROUP_ALIGN (at least one block, so no group is
+    empty) and the last group absorbs the spare rows, so the row count M is known without
+    a device sync when `all_local`. Returns (pairs [P] flat pair ids (token * k + slot) in
+    expert-then-token order, rows [P] their row in the grouped layout, offs [E] int32 group
+    ends (offs[-1] = M), counts [E] real rows per group)."""
+    flat = idx.flatten() - first  # [N*k]
+    key = torch.where((flat >= 0) & (flat < n_local), flat, n_local)
+    pairs = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=n_local + 1)
+    n_pairs = pairs.numel() if all_local else int(counts[:n_local].sum())  # EP: one sync
+    pairs = pairs[:n_pairs]
+    counts = counts[:n_local]
+    padded = (counts.clamp_min(1) + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    pad_start = padded.cumsum(0) - padded
+    cnt_start = counts.cumsum(0) - counts
+    e_of = key[pairs]
+    rows = pad_start[e_of] + torch.arange(n_pairs, device=idx.device) - cnt_start[e_of]
+    offs = padded.cumsum(0)
+    offs[-1] = n_pairs + GROUP_ALIGN * n_local  # >= the padded total; spare rows stay zero
+    return pairs, rows, offs.to(torch.int32), counts
+
+
+def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor,
+                   fused: bool) -> torch.Tensor:
+    """Rows of group g of a [M, K] times w[g]^T (w [G, N, K], Linear layout) -> [M, N].
+    fused: one grouped GEMM (torch._grouped_mm; CUDA, bf16); otherwise a loop over the
+    groups' real rows (the reference; padding rows give zeros either way)."""
+    if fused:
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    pieces, start = [], 0
+    for g, (end, n) in enumerate(zip(offs.tolist(), counts.tolist(), strict=True)):
+        pieces += [F.linear(a[start:start + n], w[g]), a.new_zeros(end - start - n, w.shape[1])]
+        start = end
+    return torch.cat(pieces)
+
+
+def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor, first: int, limit: float, all_local: bool = True,
+                   fused: bool = False) -> torch.Tensor:
+    """The routed experts of one MoE layer, all groups at once.
+
+    x [N, d]; idx [N, k] global expert ids; weight [N, k] fp32 routing weights; w1, w3
+    [E, I, d] and w2 [E, d, I] the stacked weights of local experts first..first+E-1.
+    Returns [N, d] fp32: for each token, the sum over its slots routed here of
+    w2 (weight * clamped_swiglu(w1 x, w3 x)) (the weight scales before w2, in fp32)."""
+    n, k = idx.shape
+    pairs, rows, offs, counts = expert_rows(idx, first, w1.shape[0], all_local)
+    m = pairs.numel() + GROUP_ALIGN * w1.shape[0]  # = offs[-1]
+    xg = x.new_zeros(m, x.shape[1]).index_copy(0, rows, x[pairs // k])  # [M, d]
+    wg = weight.new_zeros(m).index_copy(0, rows, weight.flatten()[pairs].float())  # [M]
+    h = clamped_swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
+                       limit) * wg[:, None]  # [M, I] fp32
+    y = grouped_matmul(h.to(x.dtype), w2, offs, counts, fused)  # [M, d]
+    per_pair = y.new_zeros(n * k, y.shape[1]).index_copy(0, pairs, y[rows])  # [N*k, d]
+    return per_pair.view(n, k, -1).sum(1, dtype=torch.float32)
+
+
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
     """Grouped low-rank output projection, first stage. o [B, S, H, D] -> [B, S, G*R]:
     o viewed [B, S, G, H*D/G], group g multiplied by rows g*R..(g+1)*R of wo_a [G*R, H*D/G]."""
@@ -201,15 +270,13 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
 
 # --------------------------------------------------------------------------- index-set form
 def mask_to_index(mask: torch.Tensor) -> torch.Tensor:
-    """Key mask [B, S, T] -> per-query index sets [B*S, K] into the flattened key pool
-    [B*T] (K = the largest set; -1 = empty slot), in ascending key order."""
-    b, s, t = mask.shape
+    """Key mask [..., T] -> the attended key indices [..., K] in ascending order (K = the
+    largest set; -1 = empty slot)."""
+    t = mask.shape[-1]
     ar = torch.arange(t, device=mask.device)
     k = int(mask.sum(-1).max().item()) if mask.numel() else 0
-    order = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :k]  # [B, S, K]
-    picked = mask.gather(-1, order)
-    flat = order + (torch.arange(b, device=mask.device) * t)[:, None, None]
-    return torch.where(picked, flat, -1).reshape(b * s, k).to(torch.int32)
+    order = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :k]
+    return torch.where(mask.gather(-1, order), order, -1)
 
 
 def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,

@@ -70,6 +70,11 @@ class ParallelContext:
         heads, routing weights of split experts): identity forward, gradient summed over TP."""
         return t
 
+    def reduce_from_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """Partial results of TP-split work (routed experts' split widths) summed over TP
+        ranks: all-reduce forward, identity backward."""
+        return t
+
     def sum_over_tp(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of a detached per-rank partial (attention mass of the local heads)."""
         return t

@@ -14,3 +14,14 @@ def available() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+POISON_OUTPUTS = False  # tests: outputs start as NaN, so an element a kernel fails to write shows
+
+
+def new_output(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's output buffer (uninitialised, or NaN-filled under POISON_OUTPUTS)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)

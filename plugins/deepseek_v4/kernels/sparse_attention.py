@@ -18,13 +18,12 @@ Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from . import INTERPRET as _INTERPRET
+from . import new_output as _new
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -160,15 +159,6 @@ def _segment_sum(BUF, ORDER, START, OUT, D: tl.constexpr, BLOCK_J: tl.constexpr)
         rows = tl.load(ORDER + offs_j, mask=offs_j < hi, other=0)
         acc += tl.sum(tl.load(BUF + rows[:, None] * D + offs_d[None, :], mask=(offs_j < hi)[:, None], other=0.0), 0)
     tl.store(OUT + n * D + offs_d, acc)
-
-
-POISON_OUTPUTS = False  # tests: allocate outputs filled with NaN to prove every element is written
-
-
-def _new(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
-    return torch.empty(shape, device=like.device, dtype=dtype)
 
 
 def _check(q, kv, idx, sink):
