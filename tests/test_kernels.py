@@ -50,10 +50,14 @@ def poison(monkeypatch):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_kernel_matches_float64_reference(seed, shape, deterministic):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_kernel_matches_float64_reference(seed, shape, deterministic, chunked, monkeypatch):
     """Forward o and lse, and gradients of q, kv and sink, against float64 autograd through
     the gather reference; outputs start as NaN so an unwritten element fails; the empty row
-    gives exactly zero output."""
+    gives exactly zero output. `chunked`: the backward's scratch bound forces one token per
+    chunk (every chunk boundary crossed)."""
+    if chunked:
+        monkeypatch.setattr(sa, "SCRATCH_BYTES", 1)
     t, h, d, k, n = shape
     q, kv, idx, sink = make(seed, *shape)
     scale = d ** -0.5

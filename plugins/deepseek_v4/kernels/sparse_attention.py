@@ -8,12 +8,16 @@ Forward: one program per (token, block of heads); all heads of a token share the
 kv rows, so heads are the M dimension of the matmuls. Online softmax in fp32; the sink joins
 the denominator at the end; a row with no key gives o = 0 and lse = sink.
 
-Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)):
-  * `_bwd_dq`: per (token, head block): delta, dq, and per-(token, head) sink-gradient terms.
-  * `_bwd_dkv`: per (token, key block), looping over head blocks: the [BK, D] kv gradient
-    of that token's keys. Fast mode scatters it with fp32 atomics (order-dependent rounding);
-    deterministic mode stores it per (token, slot) and `_segment_sum` reduces the slots of
-    each key row in a fixed order (no atomics: bit-identical across runs).
+Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)), over chunks
+of tokens so the scratch stays bounded (`SCRATCH_BYTES`):
+  * `_bwd_dq`: per (token, head block): delta, dq, the per-(token, head) sink-gradient terms,
+    and P and dS*scale of every (slot, head) into scratch [Tc, K, H] (q.dtype, the precision
+    the kv-gradient matmuls take them in anyway).
+  * `_bwd_dkv`: per (D chunk, token): dkv[slot] = P^T dO + dS^T Q as [BK, H] x [H, BD]
+    matmuls with the token's q and dO chunk loaded once. Fast mode scatters each [BK, BD]
+    block with fp32 atomics (order-dependent rounding); deterministic mode stores it per
+    (token, slot) and `_segment_sum` adds the slots of each key row in a fixed order (no
+    atomics: bit-identical across runs).
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # kernel spills (its dq accumulator joins q and dO), BH16/BK64 is its best.
 _Q_CONFIGS = _configs([(16, 16, 4, 1), (16, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2),
                        (64, 64, 8, 1), (64, 128, 8, 1)])
-_KV_CONFIGS = _configs([(16, 16, 4, 1), (16, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2),
-                        (32, 64, 8, 2), (16, 64, 8, 1), (64, 64, 8, 1), (16, 128, 8, 1)])
+# (BLOCK_D, BLOCK_K, num_warps, num_stages) of the kv-gradient kernel
+_KV_CONFIGS = ([triton.Config({"BLOCK_D": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
+               [triton.Config({"BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                for bd, bk, w, st in [(128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (256, 32, 8, 2),
+                                      (256, 64, 8, 2), (256, 64, 8, 3), (512, 32, 8, 2), (128, 128, 8, 2)]])
+SCRATCH_BYTES = 2 ** 27  # bound on the backward's per-chunk scratch (P, dS and the deterministic buffer)
 
 
 @triton.jit
@@ -94,9 +102,10 @@ def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_
 
 @triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
-def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, sq_h, skv, si_t,
+def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t,
             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+    tc = tl.program_id(0).to(tl.int64)  # token within the chunk
+    t = T0 + tc
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     offs_d = tl.arange(0, D)
@@ -109,10 +118,14 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, s
     tl.store(DELTA + t * H + offs_h, delta, mask=hmask)
     dq = tl.zeros([BLOCK_H, D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        _, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
+        offs_k, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
         p = tl.where(valid[None, :], tl.exp(_mm(q, tl.trans(kv), IEEE) * scale - lse[:, None]), 0.0)
         ds = p * (_mm(do, tl.trans(kv), IEEE) - delta[:, None])
         dq += _mm(ds.to(kv.dtype), kv, IEEE)
+        so = (tc * K + offs_k[None, :]) * H + offs_h[:, None]  # [BH, BK] into scratch [Tc, K, H]
+        smask = hmask[:, None] & (offs_k < K)[None, :]
+        tl.store(PT + so, p.to(PT.dtype.element_ty), mask=smask)
+        tl.store(DST + so, (ds * scale).to(DST.dtype.element_ty), mask=smask)
     tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
     # d lse / d sink = p_sink; the sink's logit gradient is p_sink * (0 - delta).
     sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
@@ -121,39 +134,40 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, scale, H, K, sq_t, s
 
 @triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"])
 @triton.jit
-def _bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV, BUF, scale, H, K, sq_t, sq_h, skv, si_t,
-             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-             DETERMINISTIC: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, D)
-    offs_k, ids, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, tl.program_id(1) * BLOCK_K, K, BLOCK_K, D)
-    dkv = tl.zeros([BLOCK_K, D], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hmask = offs_h < H
-        qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
-        q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)
-        do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
-        lse = tl.load(LSE + t * H + offs_h, mask=hmask, other=0.0)
-        delta = tl.load(DELTA + t * H + offs_h, mask=hmask, other=0.0)
-        s = _mm(q, tl.trans(kv), IEEE)
-        p = tl.where(valid[None, :] & hmask[:, None], tl.exp(s * scale - lse[:, None]), 0.0)  # [BH, BK]
-        ds = p * (_mm(do, tl.trans(kv), IEEE) - delta[:, None]) * scale
-        dkv += _mm(tl.trans(p).to(do.dtype), do, IEEE) + _mm(tl.trans(ds).to(q.dtype), q, IEEE)
-    if DETERMINISTIC:
-        tl.store(BUF + (t * K + offs_k)[:, None] * D + offs_d[None, :], dkv, mask=(offs_k < K)[:, None])
-    else:
-        tl.atomic_add(DKV + ids.to(tl.int64)[:, None] * D + offs_d[None, :], dkv, mask=valid[:, None])
+def _bwd_dkv(Q, DO, IDX, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
+             D: tl.constexpr, BH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+             IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    tc = tl.program_id(1).to(tl.int64)  # token within the chunk
+    t = T0 + tc
+    offs_h = tl.arange(0, BH)  # all heads (padded to >= 16 with zero rows): the contraction dim
+    hmask = offs_h < H
+    offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)  # [BH, BD]
+    do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        so = (tc * K + offs_k[:, None]) * H + offs_h[None, :]  # [BK, BH]
+        smask = kmask[:, None] & hmask[None, :]
+        pt = tl.load(PT + so, mask=smask, other=0.0)
+        dst = tl.load(DST + so, mask=smask, other=0.0)
+        dkv = _mm(pt, do, IEEE) + _mm(dst, q, IEEE)  # [BK, BD] fp32
+        if DETERMINISTIC:
+            tl.store(BUF + (tc * K + offs_k)[:, None] * D + offs_d[None, :], dkv, mask=kmask[:, None])
+        else:
+            ids = tl.load(IDX + t * si_t + offs_k, mask=kmask, other=-1)
+            tl.atomic_add(DKV + ids.to(tl.int64)[:, None] * D + offs_d[None, :], dkv, mask=(ids >= 0)[:, None])
 
 
 @triton.jit
 def _segment_sum(BUF, ORDER, START, OUT, D: tl.constexpr, BLOCK_J: tl.constexpr):
-    """OUT[n] = sum of BUF rows ORDER[START[n]:START[n+1]], in that order (deterministic)."""
+    """OUT[n] += sum of BUF rows ORDER[START[n]:START[n+1]], in that order (deterministic)."""
     n = tl.program_id(0).to(tl.int64)
     lo = tl.load(START + n)
     hi = tl.load(START + n + 1)
     offs_d = tl.arange(0, D)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.load(OUT + n * D + offs_d)
     for j0 in range(lo, hi, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         rows = tl.load(ORDER + offs_j, mask=offs_j < hi, other=0)
@@ -195,23 +209,29 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
     dkv = torch.zeros(n, d, device=q.device, dtype=torch.float32)
     ieee = q.dtype == torch.float32
     sinkf = sink.float().contiguous()
-    if t and k:
-        _bwd_dq[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
-            q, kv, idx, sinkf, o, do, lse, delta, dq, dsink_terms, scale, h, k, q.stride(0), q.stride(1),
-            kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
-        buf = torch.empty(t * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
-        _bwd_dkv[lambda m: (t, triton.cdiv(k, m["BLOCK_K"]))](
-            q, kv, idx, do, lse, delta, dkv, buf, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
-            idx.stride(0), D=d, IEEE=ieee, DETERMINISTIC=deterministic)
+    if not (t and k):  # no keys at all: o = 0, so delta = 0 and every gradient is zero
+        dq.zero_()
+        dsink_terms.zero_()
+        return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
+    per_token = k * (2 * h * q.element_size() + (d * 4 if deterministic else 0))
+    chunk = max(1, min(t, SCRATCH_BYTES // per_token))
+    pt = torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)  # P, then dS * scale: [Tc, K, H]
+    dst = torch.empty_like(pt)
+    buf = torch.empty(chunk * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
+    for t0 in range(0, t, chunk):
+        tc = min(chunk, t - t0)
+        _bwd_dq[lambda m, tc=tc: (tc, triton.cdiv(h, m["BLOCK_H"]))](
+            q, kv, idx, sinkf, o, do, lse, delta, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
+            q.stride(1), kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
+        _bwd_dkv[lambda m, tc=tc: (triton.cdiv(d, m["BLOCK_D"]), tc)](
+            q, do, idx, pt, dst, dkv, buf, t0, h, k, q.stride(0), q.stride(1), idx.stride(0), D=d,
+            BH=max(16, triton.next_power_of_2(h)), IEEE=ieee, DETERMINISTIC=deterministic)
         if deterministic:
-            flat = idx.reshape(-1).long()
+            flat = idx[t0:t0 + tc].reshape(-1).long()
             flat = torch.where(flat >= 0, flat, n)  # empty slots sort last, into a dropped segment
             order = torch.sort(flat, stable=True).indices
             start = torch.searchsorted(flat[order], torch.arange(n + 1, device=q.device))
             _segment_sum[(n,)](buf, order, start, dkv, D=d, BLOCK_J=16)
-    else:  # no keys at all: o = 0, so delta = 0 and every gradient is zero
-        dq.zero_()
-        dsink_terms.zero_()
     return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
 
 
