@@ -116,6 +116,24 @@ def check(q, pool, idx, sink) -> dict:
             "dsink": rel(sk.grad, sf.grad)}
 
 
+def kernel_times(q, pool, idx, sink, deterministic: bool) -> str:
+    """CUDA time per kernel of one forward+backward (torch profiler), largest first."""
+    qg, pg, sg = q.clone().requires_grad_(), pool.clone().requires_grad_(), sink.clone().requires_grad_()
+
+    def step():
+        o = sparse_attention(qg, pg, idx, sg, D ** -0.5, deterministic=deterministic)[0]
+        o.backward(torch.ones_like(o))
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])[:6]
+    return ", ".join(f"{name[:24]} {ms:.2f} ms ({n}x)" for name, ms, n in rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one shape, no dense baseline")
@@ -149,6 +167,9 @@ def main() -> None:
                 qg.transpose(0, 1)[None], pg[None, None].expand(1, H, -1, -1), pg[None, None].expand(1, H, -1, -1),
                 attn_mask=mask[None, None]), inputs, flops_f, flops_fb, rows, case)
         errs = check(q, pool, idx, sink)  # after timing: the kernels were autotuned at full size
+        for det in (False, True):
+            print(f"{case}: {'deterministic' if det else 'fast'} backward, per kernel: "
+                  + kernel_times(q, pool, idx, sink, det))
         print(f"{case}: kernel vs fp32 reference, relative errors "
               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         del q, pool, idx, sink, qg, pg, sg, inputs

@@ -58,6 +58,7 @@ def test_kernel_matches_float64_reference(seed, shape, deterministic, chunked, m
     chunk (every chunk boundary crossed)."""
     if chunked:
         monkeypatch.setattr(sa, "SCRATCH_BYTES", 1)
+        monkeypatch.setattr(sa, "DETERMINISTIC_SCRATCH_BYTES", 1)
     t, h, d, k, n = shape
     q, kv, idx, sink = make(seed, *shape)
     scale = d ** -0.5

@@ -47,7 +47,18 @@ _KV_CONFIGS = ([triton.Config({"BLOCK_D": 32, "BLOCK_K": 16}, num_warps=4, num_s
                [triton.Config({"BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=st)
                 for bd, bk, w, st in [(128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (256, 32, 8, 2),
                                       (256, 64, 8, 2), (256, 64, 8, 3), (512, 32, 8, 2), (128, 128, 8, 2)]])
-SCRATCH_BYTES = 2 ** 27  # bound on the backward's per-chunk scratch (P, dS and the deterministic buffer)
+# Bounds on the backward's per-chunk scratch: P and dS [Tc, K, H], and the deterministic
+# mode's per-(token, slot) kv gradients [Tc * K, D] fp32 (larger: each chunk adds a sort and
+# a pass over every key row).
+SCRATCH_BYTES = 2 ** 27
+DETERMINISTIC_SCRATCH_BYTES = 2 ** 30
+
+
+def _fit_head_dim(configs, nargs, **kwargs):
+    """kv-gradient configs whose D chunk fits the head dim (BLOCK_D <= D)."""
+    d = kwargs.get("D", nargs.get("D"))
+    fit = [c for c in configs if c.kwargs["BLOCK_D"] <= d]
+    return fit or [min(configs, key=lambda c: c.kwargs["BLOCK_D"])]
 
 
 @triton.jit
@@ -132,7 +143,8 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, 
     tl.store(DSINK + t * H + offs_h, -tl.exp(sink - lse) * delta, mask=hmask)
 
 
-@triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"])
+@triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"],
+                 prune_configs_by={"early_config_prune": _fit_head_dim})
 @triton.jit
 def _bwd_dkv(Q, DO, IDX, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
              D: tl.constexpr, BH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -213,8 +225,9 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
         dq.zero_()
         dsink_terms.zero_()
         return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
-    per_token = k * (2 * h * q.element_size() + (d * 4 if deterministic else 0))
-    chunk = max(1, min(t, SCRATCH_BYTES // per_token))
+    chunk = max(1, min(t, SCRATCH_BYTES // (k * 2 * h * q.element_size())))
+    if deterministic:
+        chunk = max(1, min(chunk, DETERMINISTIC_SCRATCH_BYTES // (k * d * 4)))
     pt = torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)  # P, then dS * scale: [Tc, K, H]
     dst = torch.empty_like(pt)
     buf = torch.empty(chunk * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
