@@ -43,10 +43,11 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 _Q_CONFIGS = _configs([(16, 16, 4, 1), (16, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2),
                        (64, 64, 8, 1), (64, 128, 8, 1)])
 # (BLOCK_D, BLOCK_K, num_warps, num_stages) of the kv-gradient kernel
-_KV_CONFIGS = ([triton.Config({"BLOCK_D": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
+_KV_CONFIGS = ([triton.Config({"BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
                [triton.Config({"BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=st)
                 for bd, bk, w, st in [(128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (256, 32, 8, 2),
-                                      (256, 64, 8, 2), (256, 64, 8, 3), (512, 32, 8, 2), (128, 128, 8, 2)]])
+                                      (256, 64, 8, 2), (256, 64, 8, 3), (512, 32, 8, 2), (128, 128, 8, 2),
+                                      (16, 32, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2)]])
 # Bounds on the backward's per-chunk scratch: P and dS [Tc, K, H], and the deterministic
 # mode's per-(token, slot) kv gradients [Tc * K, D] fp32 (larger: each chunk adds a sort and
 # a pass over every key row).
@@ -57,8 +58,7 @@ DETERMINISTIC_SCRATCH_BYTES = 2 ** 30
 def _fit_head_dim(configs, nargs, **kwargs):
     """kv-gradient configs whose D chunk fits the head dim (BLOCK_D <= D)."""
     d = kwargs.get("D", nargs.get("D"))
-    fit = [c for c in configs if c.kwargs["BLOCK_D"] <= d]
-    return fit or [min(configs, key=lambda c: c.kwargs["BLOCK_D"])]
+    return [c for c in configs if c.kwargs["BLOCK_D"] <= d]  # BLOCK_D 16 fits every allowed D
 
 
 @triton.jit
@@ -189,8 +189,8 @@ def _segment_sum(BUF, ORDER, START, OUT, D: tl.constexpr, BLOCK_J: tl.constexpr)
 
 def _check(q, kv, idx, sink):
     t, h, d = q.shape
-    if d & (d - 1):
-        raise ValueError(f"sparse attention kernel: head dim {d} must be a power of two")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"sparse attention kernel: head dim {d} must be a power of two >= 16")
     if kv.shape[-1] != d or idx.shape[0] != t or sink.shape != (h,):
         raise ValueError(f"sparse attention kernel: shapes q {list(q.shape)}, kv {list(kv.shape)}, "
                          f"idx {list(idx.shape)}, sink {list(sink.shape)} do not fit")
