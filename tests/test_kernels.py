@@ -164,6 +164,33 @@ def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
     assert not ins[1].grad[1].any() and not ins[3].grad[1].any()
 
 
+# (B, S, H, D, G): V4 head size; S, G not multiples of the tiles; a row with no chosen entry
+MASS_CASES = ([(2, 300, 16, 512, 75), (1, 64, 3, 128, 9)] if CUDA else [(2, 19, 3, 32, 7), (1, 5, 2, 16, 3)])
+
+
+@pytest.mark.parametrize("case", MASS_CASES)
+def test_attention_mass_matches_float64_reference(seed, case):
+    """The indexer's KL target (attention probability of each chosen compressed entry, summed
+    over heads, from the core's lse) against float64: every element written (NaN-poisoned),
+    exact zeros where not chosen, and the core's own probabilities when lse comes from it."""
+    from plugins.deepseek_v4.kernels.indexer import attention_mass
+
+    b, s, h, d, g = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, h, d, generator=gen)
+    ent = torch.randn(b, g, d, generator=gen)
+    lse = torch.randn(b * s, h, generator=gen) * 2 + 6  # any finite lse: the formula is pointwise
+    chosen = torch.rand(b, s, g, generator=gen) < 0.4
+    chosen[0, 0] = False
+    qd, ed = q.to(DEV, DTYPE), ent.to(DEV, DTYPE)
+    got = attention_mass(qd, ed, lse.to(DEV), chosen.to(DEV), d ** -0.5).cpu()
+    logit = torch.einsum("bshd,bgd->bhsg", qd.double().cpu(), ed.double().cpu()) * d ** -0.5
+    want = torch.exp(logit - lse.double().view(b, s, h).permute(0, 2, 1)[..., None]).sum(1) * chosen
+    assert got.dtype == torch.float32
+    assert rel(got, want) < TOL
+    assert torch.equal(got[~chosen], torch.zeros(int((~chosen).sum())))
+
+
 def test_non_power_of_two_head_dim_is_refused():
     """A head dim the kernel cannot tile is a clear error, not a wrong answer."""
     q, kv, idx, sink = make(0, 4, 16, 48, 5, 10)

@@ -265,9 +265,9 @@ class Attention(nn.Module):
                          if self.indexer is not None else None)
         want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
-        o, probs_c = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
+        o, mass_c = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
         if want_kl:
-            self._indexer_kl(self.ctx.sum_over_tp(probs_c.detach().sum(1)), scores, chosen, fwd)
+            self._indexer_kl(self.ctx.sum_over_tp(mass_c), scores, chosen, fwd)
         if fwd.states is not None:
             fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
         return self._out(o, q_cos, q_sin)
@@ -276,8 +276,8 @@ class Attention(nn.Module):
                 chosen: torch.Tensor | None, want_probs: bool):
         """Attention core over keys = [S raw K = V ; G compressed entries] [B, S+G, D]: each
         query sees its sliding window of raw keys and its `chosen` entries [B, s, G] (None:
-        no entries). Returns o [B, s, H, D] and, if asked, the probabilities of the
-        compressed entries [B, H, s, G] (detached use)."""
+        no entries). Returns o [B, s, H, D] and, if asked, the attention probability of each
+        compressed entry summed over this rank's heads [B, s, G] (detached)."""
         scale = self.head_dim ** -0.5
         n_raw = layout.shape[1]
         if not use_kernels(self.cfg, q):
@@ -285,7 +285,7 @@ class Attention(nn.Module):
             if chosen is not None:
                 mask = torch.cat((mask, chosen), -1)
             o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, scale, return_probs=want_probs)
-            return o, (probs[..., n_raw:] if want_probs else None)
+            return o, (probs[..., n_raw:].detach().sum(1) if want_probs else None)
         from .kernels.sparse_attention import sparse_attention as kernel
 
         b, s, h, d = q.shape
@@ -298,13 +298,12 @@ class Attention(nn.Module):
         idx = torch.cat(parts, -1).reshape(b * s, -1).to(torch.int32)  # [B*s, W + K] into [B*(S+G)] keys
         o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx, self.attn_sink, scale,
                         deterministic=torch.are_deterministic_algorithms_enabled())
-        probs_c = None
-        if want_probs:  # recomputed from lse for the compressed entries only
-            with torch.no_grad():
-                logit = torch.einsum("bshd,bgd->bhsg", q.float(), keys[:, n_raw:].float()) * scale
-                lse_b = lse.view(b, s, h).permute(0, 2, 1)[..., None]
-                probs_c = torch.exp(logit - lse_b).masked_fill(~chosen[:, None], 0.0)
-        return o.view(b, s, h, d), probs_c
+        mass_c = None
+        if want_probs:  # recomputed from lse for the chosen compressed entries only
+            from .kernels.indexer import attention_mass
+
+            mass_c = attention_mass(q, keys[:, n_raw:], lse, chosen, scale)
+        return o.view(b, s, h, d), mass_c
 
     @staticmethod
     def _indexer_kl(target: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:
