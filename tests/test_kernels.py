@@ -191,6 +191,38 @@ def test_attention_mass_matches_float64_reference(seed, case):
     assert torch.equal(got[~chosen], torch.zeros(int((~chosen).sum())))
 
 
+# (leading shape, n streams, d): V4's n = 4; d not a multiple of the D chunk; n = 3 (padded)
+MIX_CASES = ([((2, 150), 4, 1536 + 40), ((37,), 3, 200)] if CUDA else [((2, 5), 4, 70), ((3,), 3, 9)])
+
+
+@pytest.mark.parametrize("lead,n,d", MIX_CASES)
+def test_stream_mixing_kernels_match_float64_reference(seed, lead, n, d):
+    """mHC's stream sum u = sum_i pre_i X_i and hc_post X'_j = post_j F + sum_i comb[i, j] X_i
+    (comb transposed) against float64 autograd: outputs (NaN-poisoned first) and the
+    gradients of every input; bf16 streams on CUDA, fp32 under the interpreter."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, n, d, generator=g)
+    f = torch.randn(*lead, d, generator=g)
+    pre = torch.rand(*lead, n, generator=g) + 0.1
+    post = 2 * torch.rand(*lead, n, generator=g)
+    comb = torch.rand(*lead, n, n, generator=g)
+    cu, co = torch.randn(*lead, d, generator=g), torch.randn(*lead, n, d, generator=g)
+    ref = [t.double().requires_grad_() for t in (x, f, pre, post, comb)]
+    u_ref = torch.einsum("...n,...nd->...d", ref[2], ref[0])
+    o_ref = ref[3][..., None] * ref[1][..., None, :] + torch.einsum("...ij,...id->...jd", ref[4], ref[0])
+    ((u_ref * cu.double()).sum() + (o_ref * co.double()).sum()).backward()
+    ins = [x.to(DEV, DTYPE).requires_grad_(), f.to(DEV, DTYPE).requires_grad_()]
+    ins += [t.to(DEV).requires_grad_() for t in (pre, post, comb)]
+    u = mhc.weighted_sum(ins[2], ins[0])
+    o = mhc.hc_post(ins[1], ins[0], ins[3], ins[4])
+    assert u.dtype == o.dtype == DTYPE
+    ((u.float() * cu.to(DEV)).sum() + (o.float() * co.to(DEV)).sum()).backward()
+    assert rel(u.float().cpu(), u_ref) < TOL
+    assert rel(o.float().cpu(), o_ref) < TOL
+    for got, want, name in zip(ins, ref, ["x", "f", "pre", "post", "comb"], strict=True):
+        assert rel(got.grad.float().cpu(), want.grad) < TOL, name
+
+
 def test_non_power_of_two_head_dim_is_refused():
     """A head dim the kernel cannot tile is a clear error, not a wrong answer."""
     q, kv, idx, sink = make(0, 4, 16, 48, 5, 10)

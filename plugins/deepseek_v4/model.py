@@ -480,9 +480,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, d] -> [B, S, n, d]."""
         u, post, comb = self._hc("attn", x)
-        x = ops.hc_post(self.attn(self.attn_norm(u), fwd), x, post, comb)
+        fused = use_kernels(self.cfg, x)
+        x = ops.hc_post(self.attn(self.attn_norm(u), fwd), x, post, comb, fused=fused)
         u, post, comb = self._hc("ffn", x)
-        return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc[:, fwd.q] >= 0), x, post, comb)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc[:, fwd.q] >= 0), x, post, comb,
+                           fused=fused)
 
     def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope], ids: torch.Tensor):
         u, post, comb = self._hc("attn", x)
@@ -504,7 +506,8 @@ def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype)
 
 def head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, x: torch.Tensor) -> torch.Tensor:
     """Streams [B, S, n, d] -> normed hidden [B, S, d] for the LM head."""
-    y = ops.hc_head(x, mod.hc_head_fn, mod.hc_head_base, mod.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
+    y = ops.hc_head(x, mod.hc_head_fn, mod.hc_head_base, mod.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps,
+                    fused=use_kernels(cfg, x))
     return mod.norm(y)
 
 

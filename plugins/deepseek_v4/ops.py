@@ -108,9 +108,11 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
            hc_eps: float, iters: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
     Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32).
-    fused: the Triton Sinkhorn (one launch each way) instead of this file's reference."""
+    fused: the Triton Sinkhorn and stream sum (one launch each way) instead of this file's
+    reference."""
     if fused:
         from .kernels.mhc import sinkhorn as sinkhorn_fn
+        from .kernels.mhc import weighted_sum
     else:
         sinkhorn_fn = sinkhorn
     n = x.shape[-2]
@@ -119,21 +121,30 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = sinkhorn_fn((mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
-    u = torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
+    u = weighted_sum(pre, x) if fused else torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
     return u, post, comb
 
 
-def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            fused: bool = False) -> torch.Tensor:
     """X'_j = post_j * F(u) + sum_i comb[i, j] * X_i (comb TRANSPOSED onto the streams).
-    f [B, S, d]; x [B, S, n, d] -> [B, S, n, d] in x.dtype."""
+    f [B, S, d]; x [B, S, n, d] -> [B, S, n, d] in x.dtype. fused: the Triton kernel."""
+    if fused:
+        from .kernels.mhc import hc_post as kernel
+
+        return kernel(f, x, post, comb)
     out = post[..., None] * f.float()[..., None, :] + torch.einsum("bsij,bsid->bsjd", comb, x.float())
     return out.to(x.dtype)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
+            hc_eps: float, fused: bool = False) -> torch.Tensor:
     """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i."""
     pre = torch.sigmoid(hc_mixes(x, fn, norm_eps) * scale.float()[0] + base.float()) + hc_eps
+    if fused:
+        from .kernels.mhc import weighted_sum
+
+        return weighted_sum(pre, x)
     return torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
 
 

@@ -136,3 +136,153 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if iters < 1:
         raise ValueError(f"sinkhorn kernel: iters must be >= 1, got {iters}")
     return _Sinkhorn.apply(logits, iters, eps)
+
+
+# --------------------------------------------------------------------------- stream mixing
+# Per token: u = sum_i pre_i X_i (hc_pre, hc_head) and X'_j = post_j F + sum_i comb[i, j] X_i
+# (hc_post), in fp32 registers over D chunks, stored in x.dtype. The reference upcasts the
+# [R, n, d] streams to fp32 and runs tiny batched matmuls (several full passes each way).
+BLOCK_D = 32 if INTERPRET else 256
+
+
+@triton.jit
+def _rows(X, r, n, d, d0, NP: tl.constexpr, BD: tl.constexpr):
+    """Offsets and mask of X[r, :n, d0:d0+BD] in a contiguous [R, n, d] tensor."""
+    i = tl.arange(0, NP)
+    c = d0 + tl.arange(0, BD)
+    return r * n * d + i[:, None] * d + c[None, :], (i < n)[:, None] & (c < d)[None, :]
+
+
+@triton.jit
+def _wsum_fwd(W, X, U, n, d, NP: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d0 = tl.program_id(1) * BD
+    i = tl.arange(0, NP)
+    w = tl.load(W + r * n + i, mask=i < n, other=0.0)
+    offs, m = _rows(X, r, n, d, d0, NP, BD)
+    x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    c = d0 + tl.arange(0, BD)
+    tl.store(U + r * d + c, tl.sum(w[:, None] * x, 0).to(U.dtype.element_ty), mask=c < d)
+
+
+@triton.jit
+def _wsum_bwd(W, X, DU, DW, DX, n, d, NP: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    w = tl.load(W + r * n + i, mask=i < n, other=0.0)
+    dw = tl.zeros([NP], tl.float32)
+    for d0 in range(0, d, BD):
+        offs, m = _rows(X, r, n, d, d0, NP, BD)
+        c = d0 + tl.arange(0, BD)
+        du = tl.load(DU + r * d + c, mask=c < d, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(DX + offs, (w[:, None] * du[None, :]).to(DX.dtype.element_ty), mask=m)
+        dw += tl.sum(x * du[None, :], 1)
+    tl.store(DW + r * n + i, dw, mask=i < n)
+
+
+@triton.jit
+def _post_fwd(F, X, P, C, OUT, n, d, NP: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d0 = tl.program_id(1) * BD
+    i = tl.arange(0, NP)
+    post = tl.load(P + r * n + i, mask=i < n, other=0.0)
+    comb = tl.load(C + r * n * n + i[:, None] * n + i[None, :], mask=(i < n)[:, None] & (i < n)[None, :], other=0.0)
+    offs, m = _rows(X, r, n, d, d0, NP, BD)
+    c = d0 + tl.arange(0, BD)
+    x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)  # [NP(i), BD]
+    f = tl.load(F + r * d + c, mask=c < d, other=0.0).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * x[:, None, :], 0)  # [NP(j), BD]: sum_i comb[i, j] X_i
+    tl.store(OUT + offs, (post[:, None] * f[None, :] + mixed).to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _post_bwd(F, X, P, C, DO, DF, DX, DP, DC, n, d, NP: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    nn = (i < n)[:, None] & (i < n)[None, :]
+    post = tl.load(P + r * n + i, mask=i < n, other=0.0)
+    comb = tl.load(C + r * n * n + i[:, None] * n + i[None, :], mask=nn, other=0.0)
+    dpost = tl.zeros([NP], tl.float32)
+    dcomb = tl.zeros([NP, NP], tl.float32)
+    for d0 in range(0, d, BD):
+        offs, m = _rows(X, r, n, d, d0, NP, BD)
+        c = d0 + tl.arange(0, BD)
+        do = tl.load(DO + offs, mask=m, other=0.0).to(tl.float32)  # [NP(j), BD]
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)  # [NP(i), BD]
+        f = tl.load(F + r * d + c, mask=c < d, other=0.0).to(tl.float32)
+        tl.store(DX + offs, tl.sum(comb[:, :, None] * do[None, :, :], 1).to(DX.dtype.element_ty), mask=m)
+        tl.store(DF + r * d + c, tl.sum(post[:, None] * do, 0).to(DF.dtype.element_ty), mask=c < d)
+        dpost += tl.sum(do * f[None, :], 1)
+        dcomb += tl.sum(x[:, None, :] * do[None, :, :], 2)
+    tl.store(DP + r * n + i, dpost, mask=i < n)
+    tl.store(DC + r * n * n + i[:, None] * n + i[None, :], dcomb, mask=nn)
+
+
+def _grid_rows(r: int, d: int) -> tuple[int, int]:
+    return (r, triton.cdiv(d, BLOCK_D))
+
+
+class _WeightedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        *lead, n, d = x.shape
+        x, w = x.contiguous(), w.float().contiguous()
+        r = x.numel() // (n * d) if n * d else 0
+        u = new_output((*lead, d), x, x.dtype)
+        if r and d:
+            _wsum_fwd[_grid_rows(r, d)](w, x, u, n, d, NP=triton.next_power_of_2(n), BD=BLOCK_D)
+        ctx.save_for_backward(w, x)
+        return u
+
+    @staticmethod
+    def backward(ctx, du: torch.Tensor):
+        w, x = ctx.saved_tensors
+        n, d = x.shape[-2:]
+        r = x.numel() // (n * d) if n * d else 0
+        dw, dx = new_output(w.shape, x, torch.float32), new_output(x.shape, x, x.dtype)
+        if r and d:
+            _wsum_bwd[(r,)](w, x, du.contiguous(), dw, dx, n, d, NP=triton.next_power_of_2(n), BD=BLOCK_D)
+        else:
+            dw.zero_()
+            dx.zero_()
+        return dw, dx
+
+
+class _Post(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, f, x, post, comb):
+        n, d = x.shape[-2:]
+        f, x = f.contiguous(), x.contiguous()
+        post, comb = post.float().contiguous(), comb.float().contiguous()
+        r = x.numel() // (n * d) if n * d else 0
+        out = new_output(x.shape, x, x.dtype)
+        if r and d:
+            _post_fwd[_grid_rows(r, d)](f, x, post, comb, out, n, d, NP=triton.next_power_of_2(n), BD=BLOCK_D)
+        ctx.save_for_backward(f, x, post, comb)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        f, x, post, comb = ctx.saved_tensors
+        n, d = x.shape[-2:]
+        r = x.numel() // (n * d) if n * d else 0
+        df, dx = new_output(f.shape, f, f.dtype), new_output(x.shape, x, x.dtype)
+        dp, dc = new_output(post.shape, x, torch.float32), new_output(comb.shape, x, torch.float32)
+        if r and d:
+            _post_bwd[(r,)](f, x, post, comb, do.contiguous(), df, dx, dp, dc, n, d,
+                            NP=triton.next_power_of_2(n), BD=BLOCK_D)
+        else:
+            for t in (df, dx, dp, dc):
+                t.zero_()
+        return df, dx, dp, dc
+
+
+def weighted_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """u [..., d] = sum_i w[..., i] * x[..., i, :] in fp32, stored in x.dtype (w fp32 [..., n])."""
+    return _WeightedSum.apply(w, x)
+
+
+def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ops.hc_post`: X'_j = post_j * f + sum_i comb[i, j] * X_i, x.dtype."""
+    return _Post.apply(f, x, post, comb)
