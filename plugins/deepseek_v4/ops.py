@@ -209,7 +209,7 @@ def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tens
 GROUP_ALIGN = 16  # rows per expert group are padded to this (grouped GEMM alignment)
 
 
-def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool):
+def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, align: int = GROUP_ALIGN):
     """Lay the (token, slot) pairs routed to this rank's experts out as expert groups.
 
     idx [N, k] global expert ids; local experts are first..first+n_local-1. Each group's
@@ -217,7 +217,8 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool):
     empty) and the last group absorbs the spare rows, so the row count M is known without
     a device sync when `all_local`. Returns (pairs [P] flat pair ids (token * k + slot) in
     expert-then-token order, rows [P] their row in the grouped layout, offs [E] int32 group
-    ends (offs[-1] = M), counts [E] real rows per group)."""
+    ends (offs[-1] = M), counts [E] real rows per group). `align` overrides GROUP_ALIGN (1:
+    no padding, for the reference loop)."""
     flat = idx.flatten() - first  # [N*k]
     key = torch.where((flat >= 0) & (flat < n_local), flat, n_local)
     pairs = torch.sort(key, stable=True).indices
@@ -225,13 +226,13 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool):
     n_pairs = pairs.numel() if all_local else int(counts[:n_local].sum())  # EP: one sync
     pairs = pairs[:n_pairs]
     counts = counts[:n_local]
-    padded = (counts.clamp_min(1) + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    padded = (counts.clamp_min(1) + align - 1) // align * align
     pad_start = padded.cumsum(0) - padded
     cnt_start = counts.cumsum(0) - counts
     e_of = key[pairs]
     rows = pad_start[e_of] + torch.arange(n_pairs, device=idx.device) - cnt_start[e_of]
     offs = padded.cumsum(0)
-    offs[-1] = n_pairs + GROUP_ALIGN * n_local  # >= the padded total; spare rows stay zero
+    offs[-1] = n_pairs + align * n_local  # >= the padded total; spare rows stay zero
     return pairs, rows, offs.to(torch.int32), counts
 
 
@@ -259,8 +260,9 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     Returns [N, d] fp32: for each token, the sum over its slots routed here of
     w2 (weight * clamped_swiglu(w1 x, w3 x)) (the weight scales before w2, in fp32)."""
     n, k = idx.shape
-    pairs, rows, offs, counts = expert_rows(idx, first, w1.shape[0], all_local)
-    m = pairs.numel() + GROUP_ALIGN * w1.shape[0]  # = offs[-1]
+    align = GROUP_ALIGN if fused else 1
+    pairs, rows, offs, counts = expert_rows(idx, first, w1.shape[0], all_local, align)
+    m = pairs.numel() + align * w1.shape[0]  # = offs[-1]
     xg = x.new_zeros(m, x.shape[1]).index_copy(0, rows, x[pairs // k])  # [M, d]
     wg = weight.new_zeros(m).index_copy(0, rows, weight.flatten()[pairs].float())  # [M]
     h = clamped_swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
