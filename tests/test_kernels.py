@@ -105,7 +105,7 @@ def sinkhorn64(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 # (leading shape, n, iters): V4's n = 4 and 20 iterations; rows not a multiple of the block;
 # n = 3 (padded tile); one iteration; no rows at all
-SINKHORN_CASES = [((3, 67), 4, 20), ((5, 7), 3, 6), ((19,), 4, 1), ((0, 4), 4, 20)]
+SINKHORN_CASES = [((3, 67), 4, 20), ((5, 7), 3, 20), ((6,), 3, 6), ((19,), 4, 1), ((0, 4), 4, 20)]
 
 
 @pytest.mark.parametrize("lead,n,iters", SINKHORN_CASES)

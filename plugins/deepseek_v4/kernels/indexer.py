@@ -36,7 +36,7 @@ def _fit(configs, nargs, **kwargs):
 def _mass(Q, E, LSE, CH, OUT, scale, S, G, H, sq_b, sq_s, sq_h, se_b, se_g, sc_b, sc_s, so_b, so_s,
           D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # t * stride can pass 2^31
     g = tl.program_id(1) * BG + tl.arange(0, BG)
     tmask, gmask = t < S, g < G
     tile = tmask[:, None] & gmask[None, :]

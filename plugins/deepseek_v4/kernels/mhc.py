@@ -27,7 +27,7 @@ BLOCK_R = 16 if INTERPRET else 64
 @triton.jit
 def _start(L, r0, R, n, NP: tl.constexpr, BLOCK: tl.constexpr):
     """Offsets [BLOCK, NP, NP], mask, and softmax(logits, -1) (padding 0)."""
-    r = r0 + tl.arange(0, BLOCK)
+    r = (r0 + tl.arange(0, BLOCK)).to(tl.int64)
     i = tl.arange(0, NP)
     offs = r[:, None, None] * n * n + i[None, :, None] * n + i[None, None, :]
     mask = (r < R)[:, None, None] & (i < n)[None, :, None] & (i < n)[None, None, :]
@@ -93,8 +93,9 @@ def _bwd(L, DY, DL, BUF, R, n, iters, eps, NP: tl.constexpr, BLOCK: tl.constexpr
             dy = _norm_bwd(z, dy, eps, True)
         else:
             dy = _norm_bwd(z, dy, eps, False)
-    dy = tl.where(mask, dy, 0.0)  # d(p + eps) = dp
-    dx = p * (dy - tl.sum(dy * p, 2)[:, :, None])
+        # padding (n < NP): z = 0 there but dy / eps would grow to inf and turn 0 * inf into NaN
+        dy = tl.where(mask, dy, 0.0)
+    dx = p * (dy - tl.sum(dy * p, 2)[:, :, None])  # d(p + eps) = dp; softmax backward
     tl.store(DL + offs, dx, mask=mask)
 
 

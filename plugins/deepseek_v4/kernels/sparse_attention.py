@@ -225,7 +225,8 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
         dq.zero_()
         dsink_terms.zero_()
         return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
-    chunk = max(1, min(t, SCRATCH_BYTES // (k * 2 * h * q.element_size())))
+    # tokens of a chunk are the kv kernel's grid dim 1 (at most 65535 programs)
+    chunk = max(1, min(t, 65535, SCRATCH_BYTES // (k * 2 * h * q.element_size())))
     if deterministic:
         chunk = max(1, min(chunk, DETERMINISTIC_SCRATCH_BYTES // (k * d * 4)))
     pt = torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)  # P, then dS * scale: [Tc, K, H]
