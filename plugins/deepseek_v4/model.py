@@ -471,25 +471,26 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(m, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def _hc(self, site: str, x: torch.Tensor):
+    def _hc(self, site: str, x: torch.Tensor, fused: bool):
         c = self.cfg
         return ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                           getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                          fused=use_kernels(c, x))
+                          fused=fused)
 
     def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, d] -> [B, S, n, d]."""
-        u, post, comb = self._hc("attn", x)
         fused = use_kernels(self.cfg, x)
+        u, post, comb = self._hc("attn", x, fused)
         x = ops.hc_post(self.attn(self.attn_norm(u), fwd), x, post, comb, fused=fused)
-        u, post, comb = self._hc("ffn", x)
+        u, post, comb = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc[:, fwd.q] >= 0), x, post, comb,
                            fused=fused)
 
     def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope], ids: torch.Tensor):
-        u, post, comb = self._hc("attn", x)
+        fused = use_kernels(self.cfg, x)  # Sinkhorn and stream sum; hc_post stays the reference here
+        u, post, comb = self._hc("attn", x, fused)
         x = ops.hc_post(self.attn.step(self.attn_norm(u), st, pos, ropes), x, post, comb)
-        u, post, comb = self._hc("ffn", x)
+        u, post, comb = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool)),
                            x, post, comb)
 

@@ -217,7 +217,7 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, al
     empty) and the last group absorbs the spare rows, so the row count M is known without
     a device sync when `all_local`. Returns (pairs [P] flat pair ids (token * k + slot) in
     expert-then-token order, rows [P] their row in the grouped layout, offs [E] int32 group
-    ends (offs[-1] = M), counts [E] real rows per group). `align` overrides GROUP_ALIGN (1:
+    ends, counts [E] real rows per group, M = offs[-1] as a host int). `align` overrides GROUP_ALIGN (1:
     no padding, for the reference loop)."""
     flat = idx.flatten() - first  # [N*k]
     key = torch.where((flat >= 0) & (flat < n_local), flat, n_local)
@@ -231,9 +231,10 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, al
     cnt_start = counts.cumsum(0) - counts
     e_of = key[pairs]
     rows = pad_start[e_of] + torch.arange(n_pairs, device=idx.device) - cnt_start[e_of]
+    m = n_pairs + align * n_local  # >= the padded total; spare rows stay zero
     offs = padded.cumsum(0)
-    offs[-1] = n_pairs + align * n_local  # >= the padded total; spare rows stay zero
-    return pairs, rows, offs.to(torch.int32), counts
+    offs[-1] = m
+    return pairs, rows, offs.to(torch.int32), counts, m
 
 
 def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor,
@@ -261,8 +262,7 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     w2 (weight * clamped_swiglu(w1 x, w3 x)) (the weight scales before w2, in fp32)."""
     n, k = idx.shape
     align = GROUP_ALIGN if fused else 1
-    pairs, rows, offs, counts = expert_rows(idx, first, w1.shape[0], all_local, align)
-    m = pairs.numel() + align * w1.shape[0]  # = offs[-1]
+    pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
     xg = x.new_zeros(m, x.shape[1]).index_copy(0, rows, x[pairs // k])  # [M, d]
     wg = weight.new_zeros(m).index_copy(0, rows, weight.flatten()[pairs].float())  # [M]
     h = clamped_swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),

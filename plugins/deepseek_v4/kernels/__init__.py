@@ -20,6 +20,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 POISON_OUTPUTS = False  # tests: outputs start as NaN, so an element a kernel fails to write shows
 
 
+def within_head_dim(block: str):
+    """An autotune `early_config_prune` keeping configs whose D tile `block` fits the head
+    dim D (BLOCK <= D; the candidate lists include a 16-wide tile, which fits every D)."""
+    def prune(configs, nargs, **kwargs):
+        d = kwargs.get("D", nargs.get("D"))
+        return [c for c in configs if c.kwargs[block] <= d]
+    return prune
+
+
 def new_output(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A kernel's output buffer (uninitialised, or NaN-filled under POISON_OUTPUTS)."""
     if POISON_OUTPUTS:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, new_output
+from . import INTERPRET, new_output, within_head_dim
 from .sparse_attention import _mm
 
 _CONFIGS = ([triton.Config({"BT": 16, "BG": 16, "BD": 16}, num_warps=4, num_stages=1)] if INTERPRET else
@@ -26,12 +26,7 @@ _CONFIGS = ([triton.Config({"BT": 16, "BG": 16, "BD": 16}, num_warps=4, num_stag
                                        (32, 64, 64, 4, 2), (16, 32, 16, 4, 2)]])
 
 
-def _fit(configs, nargs, **kwargs):
-    d = kwargs.get("D", nargs.get("D"))
-    return [c for c in configs if c.kwargs["BD"] <= d]
-
-
-@triton.autotune(_CONFIGS, key=["H", "D"], prune_configs_by={"early_config_prune": _fit})
+@triton.autotune(_CONFIGS, key=["H", "D"], prune_configs_by={"early_config_prune": within_head_dim("BD")})
 @triton.jit
 def _mass(Q, E, LSE, CH, OUT, scale, S, G, H, sq_b, sq_s, sq_h, se_b, se_g, sc_b, sc_s, so_b, so_s,
           D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):

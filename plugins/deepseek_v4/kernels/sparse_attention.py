@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import INTERPRET as _INTERPRET
 from . import new_output as _new
+from . import within_head_dim
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -53,12 +54,6 @@ _KV_CONFIGS = ([triton.Config({"BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_s
 # a pass over every key row).
 SCRATCH_BYTES = 2 ** 27
 DETERMINISTIC_SCRATCH_BYTES = 2 ** 30
-
-
-def _fit_head_dim(configs, nargs, **kwargs):
-    """kv-gradient configs whose D chunk fits the head dim (BLOCK_D <= D)."""
-    d = kwargs.get("D", nargs.get("D"))
-    return [c for c in configs if c.kwargs["BLOCK_D"] <= d]  # BLOCK_D 16 fits every allowed D
 
 
 @triton.jit
@@ -144,7 +139,7 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, 
 
 
 @triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"],
-                 prune_configs_by={"early_config_prune": _fit_head_dim})
+                 prune_configs_by={"early_config_prune": within_head_dim("BLOCK_D")})
 @triton.jit
 def _bwd_dkv(Q, DO, IDX, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
              D: tl.constexpr, BH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
