@@ -48,6 +48,21 @@ def poison(monkeypatch):
     monkeypatch.setattr(kernels, "POISON_OUTPUTS", True)
 
 
+def test_compact_keeps_every_valid_slot_in_order(seed):
+    """The attention kernels stop at each token's count of valid slots, so `compact` must keep
+    every valid slot, in order, and put only empties after them."""
+    g = torch.Generator().manual_seed(seed)
+    for t, k in ((7, 21), (3, 1), (5, 64 + 3)):
+        idx = torch.randint(0, 100, (t, k), generator=g, dtype=torch.int32)
+        idx[torch.rand(t, k, generator=g) < 0.4] = -1
+        idx[0] = -1
+        out, cnt = sa.compact(idx.to(DEV))
+        out, cnt = out.cpu(), cnt.cpu()
+        for row, got, n in zip(idx, out, cnt, strict=True):
+            kept = row[row >= 0]
+            assert n == len(kept) and torch.equal(got[:n], kept) and (got[n:] == -1).all()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("chunked", [False, True])

@@ -39,10 +39,14 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 # Heads are the matmul M dim (>= 16 for tl.dot); a [BLOCK_H, D] fp32 accumulator bounds BLOCK_H * D.
-# H100, D = 512 (2026-11-22): fwd BH64/BK64/w8/s2 1.33 ms, 255 regs, no spills; BH64 in the dq
-# kernel spills (its dq accumulator joins q and dO), BH16/BK64 is its best.
+# H100, D = 512 (2026-11-22): fwd BH64/BK64/w8/s2 1.27 ms, 255 regs, no spills; 16 warps ran 2x
+# slower, Triton's warp specialisation gained nothing, and keys as the M dim (no duplicated
+# Q.K^T per warpgroup, but cross-warpgroup max/sum every block) ran 1.37 ms at best.
 _Q_CONFIGS = _configs([(16, 16, 4, 1), (16, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2),
                        (64, 64, 8, 1), (64, 128, 8, 1)])
+# dq kernel (transposed tiles): H100, BH64/BK32/w8/s2, no spills; the whole backward 1-4% faster
+# than with the untransposed kernel (whose BH64 tiles spilled 70 registers)
+_DQ_CONFIGS = _configs([(64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 8, 3), (32, 32, 8, 2), (16, 32, 4, 2)])
 # (BLOCK_D, BLOCK_K, num_warps, num_stages) of the kv-gradient kernel
 _KV_CONFIGS = ([triton.Config({"BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
                [triton.Config({"BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=st)
@@ -77,7 +81,7 @@ def _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K: tl.constexpr, D: tl.conste
 
 @triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
-def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_h,
+def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_h,
          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -87,7 +91,7 @@ def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, tl.load(CNT + t), BLOCK_K):  # slots past the count are empty
         _, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
         s = tl.where(valid[None, :], _mm(q, tl.trans(kv), IEEE) * scale, float("-inf"))  # [BH, BK]
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -106,9 +110,9 @@ def _fwd(Q, KV, IDX, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_
     tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
 
 
-@triton.autotune(_Q_CONFIGS, key=["H", "D"])
+@triton.autotune(_DQ_CONFIGS, key=["H", "D"])
 @triton.jit
-def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t,
+def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t,
             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     tc = tl.program_id(0).to(tl.int64)  # token within the chunk
     t = T0 + tc
@@ -123,15 +127,17 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, 
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), for _bwd_dkv too
     tl.store(DELTA + t * H + offs_h, delta, mask=hmask)
     dq = tl.zeros([BLOCK_H, D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, tl.load(CNT + t), BLOCK_K):
         offs_k, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
-        p = tl.where(valid[None, :], tl.exp(_mm(q, tl.trans(kv), IEEE) * scale - lse[:, None]), 0.0)
-        ds = p * (_mm(do, tl.trans(kv), IEEE) - delta[:, None])
-        dq += _mm(ds.to(kv.dtype), kv, IEEE)
-        so = (tc * K + offs_k[None, :]) * H + offs_h[:, None]  # [BH, BK] into scratch [Tc, K, H]
-        smask = hmask[:, None] & (offs_k < K)[None, :]
-        tl.store(PT + so, p.to(PT.dtype.element_ty), mask=smask)
-        tl.store(DST + so, (ds * scale).to(DST.dtype.element_ty), mask=smask)
+        # transposed, keys as the M dim: [BK, BH] tiles need no reduction over keys (lse is
+        # known), so the warps split the keys instead of each recomputing all of Q.K^T
+        pt = tl.where(valid[:, None], tl.exp(_mm(kv, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
+        dst = pt * (_mm(kv, tl.trans(do), IEEE) - delta[None, :])
+        dq += _mm(tl.trans(dst.to(kv.dtype)), kv, IEEE)
+        so = (tc * K + offs_k[:, None]) * H + offs_h[None, :]  # [BK, BH] into scratch [Tc, K, H]
+        smask = (offs_k < K)[:, None] & hmask[None, :]
+        tl.store(PT + so, pt.to(PT.dtype.element_ty), mask=smask)
+        tl.store(DST + so, (dst * scale).to(DST.dtype.element_ty), mask=smask)
     tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
     # d lse / d sink = p_sink; the sink's logit gradient is p_sink * (0 - delta).
     sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
@@ -141,7 +147,7 @@ def _bwd_dq(Q, KV, IDX, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, 
 @triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"],
                  prune_configs_by={"early_config_prune": within_head_dim("BLOCK_D")})
 @triton.jit
-def _bwd_dkv(Q, DO, IDX, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
+def _bwd_dkv(Q, DO, IDX, CNT, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
              D: tl.constexpr, BH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
              IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr):
     tc = tl.program_id(1).to(tl.int64)  # token within the chunk
@@ -152,9 +158,10 @@ def _bwd_dkv(Q, DO, IDX, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
     qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
     q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)  # [BH, BD]
     do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
-    for k0 in range(0, K, BLOCK_K):
+    kn = tl.load(CNT + t)
+    for k0 in range(0, kn, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
+        kmask = offs_k < kn  # _bwd_dq wrote P and dS up to its own block edge only
         so = (tc * K + offs_k[:, None]) * H + offs_h[None, :]  # [BK, BH]
         smask = kmask[:, None] & hmask[None, :]
         pt = tl.load(PT + so, mask=smask, other=0.0)
@@ -191,22 +198,50 @@ def _check(q, kv, idx, sink):
                          f"idx {list(idx.shape)}, sink {list(sink.shape)} do not fit")
 
 
-def sparse_attn_fwd(q, kv, idx, sink, scale):
+@triton.jit
+def _compact(IDX, OUT, CNT, K, si_t, BLOCK: tl.constexpr):
+    """One token's valid slots moved first, in their order; -1 after them; their count."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ids = tl.load(IDX + t * si_t + offs, mask=offs < K, other=-1)
+    valid = ids >= 0
+    n = tl.sum(valid.to(tl.int32), 0)
+    tl.store(OUT + t * K + tl.cumsum(valid.to(tl.int32), 0) - 1, ids, mask=valid)
+    tl.store(OUT + t * K + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= n) & (offs < K))
+    tl.store(CNT + t, n)
+
+
+def compact(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx [T, K] with each token's valid slots moved first (in their order), and their count
+    [T] int32: the kernels' loops stop at the count, so empty slots (early tokens see few
+    compressed entries: 20% of a CSA layer's slots at S = 4096) cost nothing."""
+    idx = idx.to(torch.int32)
+    t, k = idx.shape
+    out = torch.empty_like(idx, memory_format=torch.contiguous_format)
+    cnt = torch.zeros(t, device=idx.device, dtype=torch.int32)
+    if t and k:
+        _compact[(t,)](idx, out, cnt, k, idx.stride(0), BLOCK=triton.next_power_of_2(k))
+    return out, cnt
+
+
+def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
+    """idx, cnt: as `compact` returns them."""
     _check(q, kv, idx, sink)
-    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
+    q, kv = q.contiguous(), kv.contiguous()
     t, h, d = q.shape
     k = idx.shape[1]
     o = _new(q.shape, q, q.dtype)
     lse = _new((t, h), q, torch.float32)
     if t:
         _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
-            q, kv, idx, sink.float().contiguous(), o, lse, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
+            q, kv, idx, cnt, sink.float().contiguous(), o, lse, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
             idx.stride(0), o.stride(0), o.stride(1), D=d, IEEE=q.dtype == torch.float32)
     return o, lse
 
 
-def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
-    q, kv, idx, do = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous(), do.contiguous()
+def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: bool):
+    """idx, cnt: as `compact` returns them."""
+    q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
     t, h, d = q.shape
     n, k = kv.shape[0], idx.shape[1]
     o = o.contiguous()
@@ -230,10 +265,10 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
     for t0 in range(0, t, chunk):
         tc = min(chunk, t - t0)
         _bwd_dq[lambda m, tc=tc: (tc, triton.cdiv(h, m["BLOCK_H"]))](
-            q, kv, idx, sinkf, o, do, lse, delta, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
+            q, kv, idx, cnt, sinkf, o, do, lse, delta, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
             q.stride(1), kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
         _bwd_dkv[lambda m, tc=tc: (triton.cdiv(d, m["BLOCK_D"]), tc)](
-            q, do, idx, pt, dst, dkv, buf, t0, h, k, q.stride(0), q.stride(1), idx.stride(0), D=d,
+            q, do, idx, cnt, pt, dst, dkv, buf, t0, h, k, q.stride(0), q.stride(1), idx.stride(0), D=d,
             BH=max(16, triton.next_power_of_2(h)), IEEE=ieee, DETERMINISTIC=deterministic)
         if deterministic:
             flat = idx[t0:t0 + tc].reshape(-1).long()
@@ -247,16 +282,17 @@ def sparse_attn_bwd(q, kv, idx, sink, scale, o, lse, do, deterministic: bool):
 class SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, deterministic):
-        o, lse = sparse_attn_fwd(q, kv, idx, sink, scale)
-        ctx.save_for_backward(q, kv, idx, sink, o, lse)
+        idx, cnt = compact(idx)
+        o, lse = sparse_attn_fwd(q, kv, idx, cnt, sink, scale)
+        ctx.save_for_backward(q, kv, idx, cnt, sink, o, lse)
         ctx.scale, ctx.deterministic = scale, deterministic
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, kv, idx, sink, o, lse = ctx.saved_tensors
-        dq, dkv, dsink = sparse_attn_bwd(q, kv, idx, sink, ctx.scale, o, lse, do, ctx.deterministic)
+        q, kv, idx, cnt, sink, o, lse = ctx.saved_tensors
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, idx, cnt, sink, ctx.scale, o, lse, do, ctx.deterministic)
         return dq, dkv, None, dsink.to(sink.dtype), None, None
 
 
