@@ -50,10 +50,11 @@ def poison(monkeypatch):
 
 def test_compact_keeps_every_valid_slot_in_order(seed):
     """The attention kernels stop at each token's count of valid slots, so `compact` must keep
-    every valid slot, in order, and put only empties after them."""
+    every valid slot, in order, and put only empties after them (also from a strided view)."""
     g = torch.Generator().manual_seed(seed)
-    for t, k in ((7, 21), (3, 1), (5, 64 + 3)):
-        idx = torch.randint(0, 100, (t, k), generator=g, dtype=torch.int32)
+    for t, k, strided in ((7, 21, False), (3, 1, False), (5, 64 + 3, False), (6, 19, True)):
+        idx = torch.randint(0, 100, (k, t) if strided else (t, k), generator=g, dtype=torch.int32)
+        idx = idx.t() if strided else idx
         idx[torch.rand(t, k, generator=g) < 0.4] = -1
         idx[0] = -1
         out, cnt = sa.compact(idx.to(DEV))

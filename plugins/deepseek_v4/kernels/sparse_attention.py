@@ -199,11 +199,11 @@ def _check(q, kv, idx, sink):
 
 
 @triton.jit
-def _compact(IDX, OUT, CNT, K, si_t, BLOCK: tl.constexpr):
+def _compact(IDX, OUT, CNT, K, BLOCK: tl.constexpr):
     """One token's valid slots moved first, in their order; -1 after them; their count."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    ids = tl.load(IDX + t * si_t + offs, mask=offs < K, other=-1)
+    ids = tl.load(IDX + t * K + offs, mask=offs < K, other=-1)
     valid = ids >= 0
     n = tl.sum(valid.to(tl.int32), 0)
     tl.store(OUT + t * K + tl.cumsum(valid.to(tl.int32), 0) - 1, ids, mask=valid)
@@ -215,12 +215,12 @@ def compact(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """idx [T, K] with each token's valid slots moved first (in their order), and their count
     [T] int32: the kernels' loops stop at the count, so empty slots (early tokens see few
     compressed entries: 20% of a CSA layer's slots at S = 4096) cost nothing."""
-    idx = idx.to(torch.int32)
+    idx = idx.to(torch.int32).contiguous()  # the kernel reads and writes rows of K adjacent slots
     t, k = idx.shape
-    out = torch.empty_like(idx, memory_format=torch.contiguous_format)
+    out = torch.empty_like(idx)
     cnt = torch.zeros(t, device=idx.device, dtype=torch.int32)
     if t and k:
-        _compact[(t,)](idx, out, cnt, k, idx.stride(0), BLOCK=triton.next_power_of_2(k))
+        _compact[(t,)](idx, out, cnt, k, BLOCK=triton.next_power_of_2(k))
     return out, cnt
 
 
