@@ -21,8 +21,10 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 # bf16 inputs: errors of a few bf16 ulps (2^-8) relative to the output scale; fp32 (ieee
 # dots in the interpreter): rounding only.
 TOL = 2e-2 if CUDA else 2e-5
-# (T, H, D, K, pool N): empty rows, T/K/H not multiples of the blocks, K < BLOCK_K
-SHAPES = ([(37, 24, 512, 640 + 3, 900), (300, 64, 512, 128 + 512, 1200), (64, 16, 128, 20, 80)] if CUDA
+# (T, H, D, K, pool N): empty rows, T/K/H not multiples of the blocks, K < BLOCK_K, two head
+# blocks of the H100 forward (H = 128), its smallest D half (D = 64)
+SHAPES = ([(37, 24, 512, 640 + 3, 900), (300, 64, 512, 128 + 512, 1200), (64, 16, 128, 20, 80),
+           (70, 128, 64, 45, 200)] if CUDA
           else [(9, 5, 64, 21, 40), (4, 16, 32, 7, 12)])
 
 
@@ -93,6 +95,25 @@ def test_kernel_matches_float64_reference(seed, shape, deterministic, chunked, m
     for got, ref, name in ((args[0].grad, ref_in[0].grad, "dq"), (args[1].grad, ref_in[1].grad, "dkv"),
                            (sk.grad, ref_in[2].grad, "dsink")):
         assert rel(got.float().cpu(), ref) < 2 * TOL, name
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="H100 (sm_90) only")
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0])
+def test_h100_forward_is_the_gluon_kernel_and_agrees_with_the_portable_one(seed, shape):
+    """On an H100 the bf16 forward takes the Gluon kernel (a silent fallback would leave it
+    untested); its o and lse agree with the portable Triton forward's within bf16 rounding."""
+    q, kv, idx, sink = make(seed, *shape)
+    q, kv, idx, sink = q.to(DEV, DTYPE), kv.to(DEV, DTYPE), idx.to(DEV), sink.to(DEV)
+    assert sa._sm90.supported(q, kv)
+    cidx, cnt = sa.compact(idx)
+    o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, shape[2] ** -0.5)
+    sa.SM90_FORWARD = False
+    try:
+        o_portable, lse_portable = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, shape[2] ** -0.5)
+    finally:
+        sa.SM90_FORWARD = True
+    assert rel(o.float(), o_portable.float()) < TOL
+    assert rel(lse, lse_portable) < 1e-5
 
 
 def test_deterministic_backward_is_bitwise_repeatable(seed):

@@ -5,7 +5,9 @@ Shapes: q [T, H, D] (T query tokens, H heads, D head dim, a power of two), kv [N
 pool, idx [T, K] int32 (-1 = empty slot), sink [H] fp32 in scaled-logit space.
 
 Forward: one program per (token, block of heads); all heads of a token share the gathered
-kv rows, so heads are the M dimension of the matmuls. Online softmax in fp32; the sink joins
+kv rows, so heads are the M dimension of the matmuls. On an H100 (bf16) the Gluon kernel in
+`sparse_attention_sm90` runs instead: it splits D between two warpgroups, where this one
+has each warpgroup recompute all of Q.K^T. Online softmax in fp32; the sink joins
 the denominator at the end; a row with no key gives o = 0 and lse = sink.
 
 Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)), over chunks
@@ -28,7 +30,12 @@ import triton.language as tl
 
 from . import INTERPRET as _INTERPRET
 from . import new_output as _new
+from . import sparse_attention_sm90 as _sm90
 from . import within_head_dim
+
+# bf16 forward on an H100 through the Gluon kernel (`sparse_attention_sm90`); the benchmark
+# turns it off to measure the portable Triton forward in the same process
+SM90_FORWARD = True
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -232,7 +239,9 @@ def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
     k = idx.shape[1]
     o = _new(q.shape, q, q.dtype)
     lse = _new((t, h), q, torch.float32)
-    if t:
+    if t and SM90_FORWARD and _sm90.supported(q, kv):
+        _sm90.sparse_attn_fwd(q, kv, idx, cnt, sink.float().contiguous(), scale, o, lse)
+    elif t:
         _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
             q, kv, idx, cnt, sink.float().contiguous(), o, lse, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
             idx.stride(0), o.stride(0), o.stride(1), D=d, IEEE=q.dtype == torch.float32)

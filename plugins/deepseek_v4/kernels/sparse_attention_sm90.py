@@ -1,0 +1,201 @@
+"""Hopper (sm_90) forward of the sparse attention core, in Gluon: the same contract as
+`sparse_attention._fwd` (bf16 q [T, H, D], kv pool [N, D], compacted idx [T, K] with counts,
+sink [H]; o [T, H, D], lse [T, H]), with the head dim split between two 4-warp partitions.
+
+Why: with 64 heads as the single wgmma row block, Triton gives each warpgroup half of the
+output columns, so each needs all of P and recomputes all of Q.K^T (3 units of tensor work
+for 2 useful). Here partition p owns the D half p: it gathers kv[:, half] into its own
+shared-memory stages (cp.async), computes the partial Q.K^T over its half, and the two halves
+are summed through shared memory; both then run the same online softmax (a + b == b + a, so
+they agree bitwise) and P.V for their own output half. The next block's Q.K^T is issued
+before this block's exchange and softmax, so those run while the tensor cores work.
+
+One program per (token, block of 64 heads); BK = 32 keys a block, 3 stages of gathered rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BH, BK, STAGES = 64, 32, 3
+WORKER_REGS = 240
+LOG2E = 1.4426950408889634
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Contiguous bf16 q and kv (16-byte aligned) on an sm_90 GPU; heads a multiple of 64
+    (the wgmma row block: fewer heads would leave rows idle, and the portable kernel tiles
+    them finer); head dim a power of two in [64, 512] (each half a wgmma N <= 256)."""
+    _, h, d = q.shape
+    aligned = q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0  # cp.async moves 16-byte pieces
+    return (q.is_cuda and q.dtype == kv.dtype == torch.bfloat16 and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and h % BH == 0 and 64 <= d <= 512 and d & (d - 1) == 0 and aligned)
+
+
+@triton.constexpr_function
+def _rows_layout(cols):
+    """[rows, cols] bf16 tiles moved as 16-byte pieces, a warp covering whole rows."""
+    per_row = min(32, cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _ids(IDX, t, si_t, k0, kn, BLOCK_K: gl.constexpr, DH: gl.constexpr):
+    offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _rows_layout(DH)))
+    return gl.load(IDX + t * si_t + offs_k, mask=offs_k < kn, other=-1)
+
+
+@gluon.jit
+def _gather(KV, ids, buf, skv, P: gl.constexpr, DH: gl.constexpr):
+    """Half P of the kv rows `ids` into `buf` [BK, DH] as one copy group; empty slots read as zeros."""
+    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _rows_layout(DH)))
+    async_copy.async_copy_global_to_shared(buf, KV + ids.to(gl.int64)[:, None] * skv + offs_d[None, :],
+                                           mask=(ids >= 0)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _exchange(s_mine, x_smem, bars, j, P: gl.constexpr):
+    """Q.K^T of block j: this half's partial sum plus the other half's, through shared memory
+    (two slots per half, so a half can run one block ahead)."""
+    slot = j % 2
+    x_smem.index(P * 2 + slot).store(s_mine)
+    gl.thread_barrier()  # all of this partition's rows are stored before the other half is told
+    mbarrier.arrive(bars.index(P * 2 + slot), count=1)
+    mbarrier.wait(bars.index((1 - P) * 2 + slot), phase=(j // 2) & 1)
+    return s_mine + x_smem.index((1 - P) * 2 + slot).load(s_mine.type.layout)
+
+
+@gluon.jit
+def _softmax(s, i, kn, m, l, scale, BLOCK_K: gl.constexpr):
+    """Online softmax of block i in base 2 (scale includes log2 e): p [BH, BK], the rescale of
+    the earlier blocks, the new max and the new sum."""
+    offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s.type.layout))
+    s = gl.where((offs_k < kn)[None, :], s * scale, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
+    alpha = gl.exp2(m - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv,
+          si_t, so_t, so_h):
+    # sizes from the buffers: warp_specialize hands partitions plain values, not constexprs
+    NS: gl.constexpr = kv_smem.type.shape[0] // 2
+    BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
+    DH: gl.constexpr = kv_smem.type.shape[2]
+    BLOCK_H: gl.constexpr = x_smem.type.shape[1]
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    rows: gl.constexpr = _rows_layout(DH)
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, rows))
+    q = q_smem.index(P)  # [BH, DH]; q joins block 0's copy group, so the two latencies overlap
+    async_copy.async_copy_global_to_shared(q, Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :],
+                                           mask=(offs_h < H)[:, None])
+    kn = gl.load(CNT + t)
+    nblk = gl.cdiv(kn, BLOCK_K)
+    for st in gl.static_range(NS - 1):
+        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
+    ids_next = _ids(IDX, t, si_t, (NS - 1) * BLOCK_K, kn, BLOCK_K, DH)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
+    if nblk > 0:
+        # block 0: Q.K^T and P; its P.V is issued together with block 1's Q.K^T
+        async_copy.wait_group(NS - 2)
+        gl.thread_barrier()
+        fence_async_shared()
+        s = _exchange(warpgroup_mma(q, kv_smem.index(P * NS).permute((1, 0)), zero_s, use_acc=False),
+                      x_smem, bars, 0, P)
+        _gather(KV, ids_next, kv_smem.index(P * NS + NS - 1), skv, P, DH)
+        ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, kn, BLOCK_K, DH)
+        p, alpha, m, l = _softmax(s, 0, kn, m, l, scale, BLOCK_K)
+        p = gl.convert_layout(p.to(gl.bfloat16), pa_l)
+        for i in range(1, nblk):
+            async_copy.wait_group(NS - 2)  # block i's rows (this thread's copies) are in
+            gl.thread_barrier()
+            fence_async_shared()
+            s_tok = warpgroup_mma(q, kv_smem.index(P * NS + i % NS).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc_tok = warpgroup_mma(p, kv_smem.index(P * NS + (i - 1) % NS), acc, is_async=True)
+            # block i's exchange and softmax run while the tensor cores do block i - 1's P.V
+            s = _exchange(warpgroup_mma_wait(1, deps=[s_tok]), x_smem, bars, i, P)
+            p, alpha, m, l = _softmax(s, i, kn, m, l, scale, BLOCK_K)
+            p = gl.convert_layout(p.to(gl.bfloat16), pa_l)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            # block i + NS - 1 into the stage of block i - 1, whose P.V is done
+            _gather(KV, ids_next, kv_smem.index(P * NS + (i + NS - 1) % NS), skv, P, DH)
+            ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma(p, kv_smem.index(P * NS + (nblk - 1) % NS), acc)
+    async_copy.wait_group(0)
+    gl.thread_barrier()  # every copy into q's buffer has landed before o reuses it
+    offs_hs = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    hmask = offs_hs < H
+    sink = gl.load(SINK + offs_hs, mask=hmask, other=0.0) * 1.4426950408889634  # base 2, as m
+    m_fin = gl.maximum(m, sink)  # the sink joins the denominator only
+    alpha = gl.exp2(m - m_fin)
+    l = l * alpha + gl.exp2(sink - m_fin)
+    o = acc * gl.convert_layout(alpha / l, gl.SliceLayout(1, o_l))[:, None]
+    # o leaves through q's buffer in 16-byte pieces; from the accumulator layout directly it
+    # would be 4-byte scattered stores
+    q.store(o.to(gl.bfloat16))
+    gl.thread_barrier()
+    gl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], q.load(rows), mask=(offs_h < H)[:, None])
+    if P == 0:
+        gl.store(LSE + t * H + offs_hs, (m_fin + gl.log2(l)) * 0.6931471805599453, mask=hmask)
+
+
+@gluon.jit
+def _half0(Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h):
+    _half(0, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h)
+
+
+@gluon.jit
+def _half1(Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h):
+    _half(1, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h)
+
+
+@gluon.jit
+def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h, D: gl.constexpr,
+         BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr):
+    DH: gl.constexpr = D // 2
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BLOCK_K, DH],  # [half * stage, keys, D half]
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, DH], gl.bfloat16))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, DH], gl.bfloat16))
+    # [half * slot, heads, keys] fp32; rows padded by 8 floats, since the accumulator layout
+    # writes 8 rows of 32 bytes per warp, which would otherwise share one group of banks
+    padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_K, 8]], [BLOCK_H, BLOCK_K], [1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H, BLOCK_K], padded)
+    bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(4):
+        mbarrier.init(bars.index(j), count=1)
+    args = (Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h)
+    gl.warp_specialize([(_half0, args), (_half1, args)], [4], [REGS])
+
+
+def sparse_attn_fwd(q, kv, idx, cnt, sink, scale, o, lse):
+    """Fills o [T, H, D] and lse [T, H] (contiguous q, kv; idx, cnt as `compact` returns them)."""
+    t, h, d = q.shape
+    _fwd[(t, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, lse, scale * LOG2E, h, q.stride(0), q.stride(1),
+                                  kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), D=d, BLOCK_H=BH,
+                                  BLOCK_K=BK, NS=STAGES, REGS=WORKER_REGS, num_warps=4)
