@@ -48,7 +48,8 @@ class SequenceLayout:
     doc: torch.Tensor  # [B, S] int64 document id, -1 = padding
     pos: torch.Tensor  # [B, S] int64 position inside the document
     _blocks: dict[int, Blocks] = field(default_factory=dict, repr=False)
-    _windows: dict = field(default_factory=dict, repr=False)
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _window_idx: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, batch: int, seq: int, device: torch.device, attention_mask: torch.Tensor | None = None,
@@ -91,15 +92,14 @@ class SequenceLayout:
     def window_index(self, window: int) -> torch.Tensor:
         """[B, S, W] the keys of window_mask as indices (query q, slot j: key q - j), -1 where
         that key is not visible; no [S, S] tensor is built."""
-        key = ("index", window)
-        if key not in self._windows:
+        if window not in self._window_idx:
             b, s = self.shape
             k = torch.arange(s, device=self.doc.device)[:, None] - torch.arange(window, device=self.doc.device)
             kc = k.clamp_min(0).expand(b, s, window)  # [B, S, W]
             same = (self.doc.gather(1, kc.reshape(b, -1)).view(b, s, window) == self.doc[:, :, None]) & (
                 self.doc[:, :, None] >= 0)
-            self._windows[key] = torch.where(same & (k >= 0), k, -1)
-        return self._windows[key]
+            self._window_idx[window] = torch.where(same & (k >= 0), k, -1)
+        return self._window_idx[window]
 
     def blocks(self, ratio: int) -> Blocks:
         if ratio not in self._blocks:

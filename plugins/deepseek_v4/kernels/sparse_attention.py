@@ -240,7 +240,7 @@ def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
     o = _new(q.shape, q, q.dtype)
     lse = _new((t, h), q, torch.float32)
     if t and SM90_FORWARD and _sm90.supported(q, kv):
-        _sm90.sparse_attn_fwd(q, kv, idx, cnt, sink.float().contiguous(), scale, o, lse)
+        _sm90.forward_into(q, kv, idx, cnt, sink.float().contiguous(), scale, o, lse)
     elif t:
         _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
             q, kv, idx, cnt, sink.float().contiguous(), o, lse, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),

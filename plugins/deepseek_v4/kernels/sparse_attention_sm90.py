@@ -193,7 +193,7 @@ def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, sq_t, sq_h, skv, si_t, so_t, s
     gl.warp_specialize([(_half0, args), (_half1, args)], [4], [REGS])
 
 
-def sparse_attn_fwd(q, kv, idx, cnt, sink, scale, o, lse):
+def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
     """Fills o [T, H, D] and lse [T, H] (contiguous q, kv; idx, cnt as `compact` returns them)."""
     t, h, d = q.shape
     _fwd[(t, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, lse, scale * LOG2E, h, q.stride(0), q.stride(1),
