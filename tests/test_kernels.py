@@ -97,6 +97,49 @@ def test_kernel_matches_float64_reference(seed, shape, deterministic, chunked, m
         assert rel(got.float().cpu(), ref) < 2 * TOL, name
 
 
+def make_banded(seed: int, s: int, h: int, d: int, window: int, ratio: int, picks: int):
+    """The model's kind of index sets: pool = [s raw keys ; s / ratio compressed entries];
+    token p picks its window (p - window + 1 .. p) and `picks` random entries among the
+    compressed ones it can see, so each key tile is picked by a narrow band of tokens (raw
+    keys) or by tokens from some point on (compressed)."""
+    g = torch.Generator().manual_seed(seed)
+    n_c = s // ratio
+    q, kv, sink = torch.randn(s, h, d, generator=g), torch.randn(s + n_c, d, generator=g), torch.randn(h, generator=g)
+    p = torch.arange(s)
+    win = p[:, None] - torch.arange(window)[None, :]
+    visible = torch.arange(n_c)[None, :] < ((p + 1) // ratio)[:, None]
+    score = torch.rand(s, n_c, generator=g).masked_fill(~visible, -1.0)
+    top = score.topk(min(picks, n_c), dim=-1)
+    idx = torch.cat((torch.where(win >= 0, win, -1), torch.where(top.values >= 0, top.indices + s, -1)), 1)
+    return q, kv, idx.int(), sink
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_key_major_kv_gradient_on_banded_index_sets(seed, deterministic, monkeypatch):
+    """The kv-gradient kernel visits, per key tile, only the tokens between the first and last
+    that pick one of its keys, split over programs: on the model's kind of index sets (narrow
+    bands, and ranges starting mid-chunk), with small splits and chunks so that splits and
+    chunks cut through the bands, every gradient matches float64."""
+    s, h, d, window, ratio, picks = (700, 64, 128, 64, 4, 48) if CUDA else (48, 4, 32, 6, 4, 5)
+    monkeypatch.setattr(sa, "TOKENS_PER_PROGRAM", 7)
+    monkeypatch.setattr(sa, "DETERMINISTIC_TOKENS_PER_PROGRAM", 5)
+    monkeypatch.setattr(sa, "SCRATCH_BYTES", (s // 3) * (window + picks) * 2 * h * DTYPE.itemsize)
+    q, kv, idx, sink = make_banded(seed, s, h, d, window, ratio, picks)
+    scale = d ** -0.5
+    ref_in = [x.double().requires_grad_() for x in (q, kv, sink)]
+    o_ref, _ = ops.sparse_attention_indexed(ref_in[0], ref_in[1], idx, ref_in[2], scale)
+    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
+    (o_ref * do.double()).sum().backward()
+    args = [x.to(DEV, DTYPE).requires_grad_() for x in (q, kv)]
+    sk = sink.to(DEV).requires_grad_()
+    o, _ = sa.sparse_attention(args[0], args[1], idx.to(DEV), sk, scale, deterministic=deterministic)
+    (o.float() * do.to(DEV)).sum().backward()
+    assert rel(o.float().cpu(), o_ref) < TOL
+    for got, ref, name in ((args[0].grad, ref_in[0].grad, "dq"), (args[1].grad, ref_in[1].grad, "dkv"),
+                           (sk.grad, ref_in[2].grad, "dsink")):
+        assert rel(got.float().cpu(), ref) < 2 * TOL, name
+
+
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="H100 (sm_90) only")
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0])
 def test_h100_forward_is_the_gluon_kernel_and_agrees_with_the_portable_one(seed, shape, monkeypatch):

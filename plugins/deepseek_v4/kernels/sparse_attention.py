@@ -14,12 +14,17 @@ Backward (FlashAttention-style recomputation from lse, delta = rowsum(dO * O)), 
 of tokens so the scratch stays bounded (`SCRATCH_BYTES`):
   * `_bwd_dq`: per (token, head block): delta, dq, the per-(token, head) sink-gradient terms,
     and P and dS*scale of every (slot, head) into scratch [Tc, K, H] (q.dtype, the precision
-    the kv-gradient matmuls take them in anyway).
-  * `_bwd_dkv`: per (D chunk, token): dkv[slot] = P^T dO + dS^T Q as [BK, H] x [H, BD]
-    matmuls with the token's q and dO chunk loaded once. Fast mode scatters each [BK, BD]
-    block with fp32 atomics (order-dependent rounding); deterministic mode stores it per
-    (token, slot) and `_segment_sum` adds the slots of each key row in a fixed order (no
-    atomics: bit-identical across runs).
+    the kv matmuls take them in anyway).
+  * `_bwd_dkv`, key-major: per (D tile, tile of key rows, split of the chunk's tokens) the
+    tile's gradient dkv = sum over tokens of P^T dO + dS^T Q ([BN, H] x [H, BD] per token,
+    P and dS rows gathered through a slot map [Tc, N]) stays in registers; only the tokens
+    between the first and last that pick a key of the tile are visited. The query-major
+    version it replaced scattered one fp32 atomic per (token, slot, d): 2.7e9 of them at
+    S = 8192, bound by L2. Fast mode adds each finished tile with atomics (order-dependent
+    rounding); deterministic mode stores it per token split and sums the splits in order
+    (no atomics: bit-identical across runs).
+A token's index set names each key at most once (window positions and a top-k are distinct):
+the slot map keeps one slot per (token, key).
 """
 
 from __future__ import annotations
@@ -54,12 +59,18 @@ _Q_CONFIGS = _configs([(16, 16, 4, 1), (16, 64, 8, 2), (32, 64, 8, 3), (64, 32, 
 # dq kernel (transposed tiles): H100, BH64/BK32/w8/s2, no spills; the whole backward 1-4% faster
 # than with the untransposed kernel (whose BH64 tiles spilled 70 registers)
 _DQ_CONFIGS = _configs([(64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 8, 3), (32, 32, 8, 2), (16, 32, 4, 2)])
-# (BLOCK_D, BLOCK_K, num_warps, num_stages) of the kv-gradient kernel
-_KV_CONFIGS = ([triton.Config({"BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
-               [triton.Config({"BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                for bd, bk, w, st in [(128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (256, 32, 8, 2),
-                                      (256, 64, 8, 2), (256, 64, 8, 3), (512, 32, 8, 2), (128, 128, 8, 2),
-                                      (16, 32, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2)]])
+# (BLOCK_N, BLOCK_D, num_warps, num_stages) of the key-major kv-gradient kernel. H100, D = 512,
+# whole backward (2026-11-23): BN128/BD128/w8/s3 best for CSA (4.03 ms at S = 4096, vs 4.19-5.9
+# for the others), BN64/BD128/w4/s2 for HCA; BD 256 spills (pointer tensors of the gathers).
+_KV_CONFIGS = ([triton.Config({"BLOCK_N": 16, "BLOCK_D": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
+               [triton.Config({"BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=st)
+                for bn, bd, w, st in [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 4, 3),
+                                      (64, 64, 4, 3), (128, 64, 8, 3), (16, 64, 4, 2)]])
+GROUP = 16  # keys per entry of the per-chunk token ranges (the smallest BLOCK_N)
+# tokens per kv-gradient program: its tile goes out by fp32 atomics (fast) or into a slot of
+# the per-split buffer (deterministic, summed in split order afterwards)
+TOKENS_PER_PROGRAM = 64
+DETERMINISTIC_TOKENS_PER_PROGRAM = 256
 # Bounds on the backward's per-chunk scratch: P and dS [Tc, K, H], and the deterministic
 # mode's per-(token, slot) kv gradients [Tc * K, D] fp32 (larger: each chunk adds a sort and
 # a pass over every key row).
@@ -154,46 +165,41 @@ def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, sc
 @triton.autotune(_KV_CONFIGS, key=["H", "D", "DETERMINISTIC"], reset_to_zero=["DKV"],
                  prune_configs_by={"early_config_prune": within_head_dim("BLOCK_D")})
 @triton.jit
-def _bwd_dkv(Q, DO, IDX, CNT, PT, DST, DKV, BUF, T0, H, K, sq_t, sq_h, si_t,
-             D: tl.constexpr, BH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-             IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr):
-    tc = tl.program_id(1).to(tl.int64)  # token within the chunk
-    t = T0 + tc
+def _bwd_dkv(Q, DO, PT, DST, SMAP, FIRST, LAST, DKV, BUF, T0, H, K, N, TSPLIT, sq_t, sq_h, ss_t,
+             D: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             GROUP: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """Key-major: program (D tile, key tile, token split) sums the [BN, BD] gradient of its keys
+    over the split's tokens in registers; per token, P^T and dS^T rows are gathered from the
+    scratch by the slot map (zero where the token did not pick the key) and the contraction is
+    over the token's heads: [BN, BH] x [BH, BD]."""
+    n0 = tl.program_id(1) * BLOCK_N
+    split = tl.program_id(2)
+    # tokens of this chunk that pick any key of the tile: the union of its key groups' ranges
+    groups = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
+    gmask = groups < tl.cdiv(N, GROUP)
+    lo = tl.maximum(tl.min(tl.load(FIRST + groups, mask=gmask, other=2 ** 30), 0), split * TSPLIT)
+    hi = tl.minimum(tl.max(tl.load(LAST + groups, mask=gmask, other=-1), 0) + 1, split * TSPLIT + TSPLIT)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
     offs_h = tl.arange(0, BH)  # all heads (padded to >= 16 with zero rows): the contraction dim
     hmask = offs_h < H
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
-    q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)  # [BH, BD]
-    do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
-    kn = tl.load(CNT + t)
-    for k0 in range(0, kn, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < kn  # _bwd_dq wrote P and dS up to its own block edge only
-        so = (tc * K + offs_k[:, None]) * H + offs_h[None, :]  # [BK, BH]
-        smask = kmask[:, None] & hmask[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for tc in range(lo.to(tl.int64), hi):  # int64 offsets from the token index
+        slots = tl.load(SMAP + tc * ss_t + offs_n, mask=nmask, other=-1)  # [BN]; -1: not picked
+        so = (tc * K + slots)[:, None] * H + offs_h[None, :]  # [BN, BH] rows of scratch [Tc, K, H]
+        smask = (slots >= 0)[:, None] & hmask[None, :]
         pt = tl.load(PT + so, mask=smask, other=0.0)
         dst = tl.load(DST + so, mask=smask, other=0.0)
-        dkv = _mm(pt, do, IEEE) + _mm(dst, q, IEEE)  # [BK, BD] fp32
-        if DETERMINISTIC:
-            tl.store(BUF + (tc * K + offs_k)[:, None] * D + offs_d[None, :], dkv, mask=kmask[:, None])
-        else:
-            ids = tl.load(IDX + t * si_t + offs_k, mask=kmask, other=-1)
-            tl.atomic_add(DKV + ids.to(tl.int64)[:, None] * D + offs_d[None, :], dkv, mask=(ids >= 0)[:, None])
-
-
-@triton.jit
-def _segment_sum(BUF, ORDER, START, OUT, D: tl.constexpr, BLOCK_J: tl.constexpr):
-    """OUT[n] += sum of BUF rows ORDER[START[n]:START[n+1]], in that order (deterministic)."""
-    n = tl.program_id(0).to(tl.int64)
-    lo = tl.load(START + n)
-    hi = tl.load(START + n + 1)
-    offs_d = tl.arange(0, D)
-    acc = tl.load(OUT + n * D + offs_d)
-    for j0 in range(lo, hi, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        rows = tl.load(ORDER + offs_j, mask=offs_j < hi, other=0)
-        acc += tl.sum(tl.load(BUF + rows[:, None] * D + offs_d[None, :], mask=(offs_j < hi)[:, None], other=0.0), 0)
-    tl.store(OUT + n * D + offs_d, acc)
+        qo = (T0 + tc) * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]  # [BH, BD]
+        q = tl.load(Q + qo, mask=hmask[:, None], other=0.0)
+        do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
+        acc += _mm(pt, do, IEEE) + _mm(dst, q, IEEE)
+    out = offs_n.to(tl.int64)[:, None] * D + offs_d[None, :]
+    if DETERMINISTIC:  # every program writes its slot (zeros if it had no token)
+        tl.store(BUF + split.to(tl.int64) * N * D + out, acc, mask=nmask[:, None])
+    elif hi > lo:
+        tl.atomic_add(DKV + out, acc, mask=nmask[:, None])
 
 
 def _check(q, kv, idx, sink):
@@ -248,6 +254,53 @@ def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
     return o, lse
 
 
+@triton.jit
+def _key_map_fill(IDX, SMAP, TOUCH, T0, K, si_t, ss_t, st_g, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Token tc of the chunk: SMAP[tc, key] = its slot, TOUCH[key // GROUP, tc] = 1."""
+    tc = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ids = tl.load(IDX + (T0 + tc) * si_t + offs, mask=offs < K, other=-1)
+    valid = ids >= 0
+    tl.store(SMAP + tc * ss_t + ids, offs, mask=valid)
+    tl.store(TOUCH + (ids // GROUP).to(tl.int64) * st_g + tc, tl.full([BLOCK], 1, tl.int8), mask=valid)
+
+
+@triton.jit
+def _token_range(TOUCH, FIRST, LAST, TC, st_g, BLOCK_T: tl.constexpr):
+    """Group g of keys: the first and last token of the chunk that picks one of them
+    (first > last when none does)."""
+    g = tl.program_id(0).to(tl.int64)
+    lo = TC
+    hi = -1
+    for t0 in range(0, TC, BLOCK_T):
+        offs = t0 + tl.arange(0, BLOCK_T)
+        hit = tl.load(TOUCH + g * st_g + offs, mask=offs < TC, other=0) != 0
+        lo = tl.minimum(lo, tl.min(tl.where(hit, offs, TC), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(hit, offs, -1), 0))
+    tl.store(FIRST + g, lo)
+    tl.store(LAST + g, hi)
+
+
+def _slot_type(k: int) -> torch.dtype:
+    return torch.int16 if k <= 2 ** 15 else torch.int32  # int16: half the bytes to fill and read
+
+
+def _key_map(idx: torch.Tensor, t0: int, tc: int, n: int):
+    """The key-major view of the index sets of tokens t0 .. t0 + tc: slot map [tc, N] (the
+    slot where token tc picked key j, or -1) and, per group of GROUP keys, the first and
+    last token of the chunk that picks one of them."""
+    k = idx.shape[1]
+    n_groups = triton.cdiv(n, GROUP)
+    smap = torch.full((tc, n), -1, device=idx.device, dtype=_slot_type(k))
+    touch = torch.zeros(n_groups, tc, device=idx.device, dtype=torch.int8)
+    first = torch.empty(n_groups, device=idx.device, dtype=torch.int32)
+    last = torch.empty_like(first)
+    _key_map_fill[(tc,)](idx, smap, touch, t0, k, idx.stride(0), smap.stride(0), touch.stride(0), GROUP=GROUP,
+                         BLOCK=triton.next_power_of_2(k))
+    _token_range[(n_groups,)](touch, first, last, tc, touch.stride(0), BLOCK_T=256 if tc > 64 else 16)
+    return smap, first, last
+
+
 def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: bool):
     """idx, cnt: as `compact` returns them."""
     q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
@@ -260,31 +313,32 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
     dkv = torch.zeros(n, d, device=q.device, dtype=torch.float32)
     ieee = q.dtype == torch.float32
     sinkf = sink.float().contiguous()
-    if not (t and k):  # no keys at all: o = 0, so delta = 0 and every gradient is zero
+    if not (t and k and n):  # no keys at all: o = 0, so delta = 0 and every gradient is zero
         dq.zero_()
         dsink_terms.zero_()
         return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
-    # tokens of a chunk are the kv kernel's grid dim 1 (at most 65535 programs)
-    chunk = max(1, min(t, 65535, SCRATCH_BYTES // (k * 2 * h * q.element_size())))
-    if deterministic:
-        chunk = max(1, min(chunk, DETERMINISTIC_SCRATCH_BYTES // (k * d * 4)))
+    # scratch per chunk: P and dS [Tc, K, H] and the slot map [Tc, N]
+    chunk = max(1, min(t, SCRATCH_BYTES // (k * 2 * h * q.element_size() + n * _slot_type(k).itemsize)))
+    tsplit = DETERMINISTIC_TOKENS_PER_PROGRAM if deterministic else TOKENS_PER_PROGRAM
+    if deterministic:  # the per-split buffer [splits, N, D] fp32 stays under its bound
+        tsplit = max(tsplit, triton.cdiv(chunk, max(1, DETERMINISTIC_SCRATCH_BYTES // (n * d * 4))))
     pt = torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)  # P, then dS * scale: [Tc, K, H]
     dst = torch.empty_like(pt)
-    buf = torch.empty(chunk * k if deterministic else 1, d, device=q.device, dtype=torch.float32)
+    buf = torch.empty(triton.cdiv(chunk, tsplit) if deterministic else 1, n, d, device=q.device,
+                      dtype=torch.float32)
     for t0 in range(0, t, chunk):
         tc = min(chunk, t - t0)
         _bwd_dq[lambda m, tc=tc: (tc, triton.cdiv(h, m["BLOCK_H"]))](
             q, kv, idx, cnt, sinkf, o, do, lse, delta, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
             q.stride(1), kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
-        _bwd_dkv[lambda m, tc=tc: (triton.cdiv(d, m["BLOCK_D"]), tc)](
-            q, do, idx, cnt, pt, dst, dkv, buf, t0, h, k, q.stride(0), q.stride(1), idx.stride(0), D=d,
-            BH=max(16, triton.next_power_of_2(h)), IEEE=ieee, DETERMINISTIC=deterministic)
+        smap, first, last = _key_map(idx, t0, tc, n)
+        splits = triton.cdiv(tc, tsplit)
+        _bwd_dkv[lambda m, splits=splits: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](
+            q, do, pt, dst, smap, first, last, dkv, buf, t0, h, k, n, tsplit, q.stride(0), q.stride(1),
+            smap.stride(0), D=d, BH=max(16, triton.next_power_of_2(h)), GROUP=GROUP, IEEE=ieee,
+            DETERMINISTIC=deterministic)
         if deterministic:
-            flat = idx[t0:t0 + tc].reshape(-1).long()
-            flat = torch.where(flat >= 0, flat, n)  # empty slots sort last, into a dropped segment
-            order = torch.sort(flat, stable=True).indices
-            start = torch.searchsorted(flat[order], torch.arange(n + 1, device=q.device))
-            _segment_sum[(n,)](buf, order, start, dkv, D=d, BLOCK_J=16)
+            dkv += buf[:splits].sum(0)  # in split order: no atomics anywhere
     return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
 
 
