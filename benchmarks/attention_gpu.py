@@ -4,9 +4,10 @@
 
 Shapes of a V4-Flash layer: H = 64 heads, D = 512, window 128; CSA picks 512 compressed
 entries (ratio 4), HCA attends every visible entry (ratio 128). Variants: the Triton
-kernels (fast and deterministic backward; on an H100 the forward is the Gluon kernel, and
-"portable fwd" times the Triton forward in its place), the PyTorch gather reference, and
-dense masked SDPA over [raw keys ; compressed entries] (no sink: a speed baseline only). The FLOP floor
+kernels (fast and deterministic backward; on an H100 the forward and the backward's dq
+pass are the Gluon kernels, and "portable" times the Triton ones in their place), the
+PyTorch gather reference, and dense masked SDPA over [raw keys ; compressed entries] (no
+sink: a speed baseline only). The FLOP floor
 counts the useful matmuls (forward 2 of Q.K and P.V, backward 5) over the valid keys only,
 at the bf16 matmul rate measured in the same run. Peak memory is the extra allocation
 over the inputs.
@@ -15,6 +16,7 @@ over the inputs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -100,13 +102,15 @@ def run_variant(name, fwd, inputs, flops_f, flops_fb, rows, case):
     rows.append(row)
 
 
-def portable_forward(fn):
-    """fn() with the Triton forward in place of the H100 Gluon one (the A/B of the two)."""
-    sa.SM90_FORWARD = False
+@contextlib.contextmanager
+def portable():
+    """The Triton forward and dq pass in place of the H100 Gluon ones (the A/B), for the
+    forward and the backward alike."""
+    sa.SM90_KERNELS = False
     try:
-        return fn()
+        yield
     finally:
-        sa.SM90_FORWARD = True
+        sa.SM90_KERNELS = True
 
 
 def check(q, pool, idx, sink) -> dict:
@@ -171,8 +175,9 @@ def main() -> None:
         inputs = [qg, pg, sg]
         run_variant("triton", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(qg, pg, idx, sg, scale)[0],
                     inputs, flops_f, flops_fb, rows, case)
-        run_variant("triton, portable fwd", lambda qg=qg, pg=pg, idx=idx, sg=sg: portable_forward(
-            lambda: sparse_attention(qg, pg, idx, sg, scale)[0]), inputs, flops_f, flops_fb, rows, case)
+        with portable():
+            run_variant("triton, portable", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
+                qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
         run_variant("triton determ.", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
             qg, pg, idx, sg, scale, deterministic=True)[0], inputs, flops_f, flops_fb, rows, case)
         run_variant("gather ref", lambda qg=qg, pg=pg, idx=idx, sg=sg: ops.sparse_attention_indexed(
@@ -190,7 +195,7 @@ def main() -> None:
               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         del q, pool, idx, sink, qg, pg, sg, inputs
         torch.cuda.empty_cache()
-    print("autotuned:", {n: str(getattr(sa, n).best_config) for n in ("_fwd", "_bwd_dq", "_bwd_dkv")})
+    print("autotuned:", {n: str(getattr(getattr(sa, n), "best_config", "-")) for n in ("_fwd", "_bwd_dq", "_bwd_dkv")})
     print("\nFLOP floor at the measured matmul rate (valid keys only):")
     for case, ff, ffb, k, kv in floors:
         print(f"  {case}: K slots {k}, valid keys/query {kv:.0f}: fwd {ff:.3f} ms, fwd+bwd {ffb:.3f} ms")

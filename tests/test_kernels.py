@@ -142,18 +142,23 @@ def test_key_major_kv_gradient_on_banded_index_sets(seed, deterministic, monkeyp
 
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="H100 (sm_90) only")
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0])
-def test_h100_forward_is_the_gluon_kernel_and_agrees_with_the_portable_one(seed, shape, monkeypatch):
-    """On an H100 the bf16 forward takes the Gluon kernel (a silent fallback would leave it
-    untested); its o and lse agree with the portable Triton forward's within bf16 rounding."""
+def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, shape, monkeypatch):
+    """On an H100 the bf16 forward and the backward's dq pass take the Gluon kernels (a silent
+    fallback would leave them untested); o, lse and every gradient agree with the portable
+    Triton kernels' within bf16 rounding."""
     q, kv, idx, sink = make(seed, *shape)
     q, kv, idx, sink = q.to(DEV, DTYPE), kv.to(DEV, DTYPE), idx.to(DEV), sink.to(DEV)
-    assert sa._sm90.supported(q, kv)
+    do = torch.randn_like(q)
+    assert sa._sm90.supported(q, kv, q, do)
     cidx, cnt = sa.compact(idx)
-    o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, shape[2] ** -0.5)
-    monkeypatch.setattr(sa, "SM90_FORWARD", False)
-    o_portable, lse_portable = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, shape[2] ** -0.5)
-    assert rel(o.float(), o_portable.float()) < TOL
-    assert rel(lse, lse_portable) < 1e-5
+    scale = shape[2] ** -0.5
+    results = []
+    for sm90 in (True, False):
+        monkeypatch.setattr(sa, "SM90_KERNELS", sm90)
+        o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, scale)
+        results.append((o, lse, *sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, False)))
+    for name, got, portable in zip(("o", "lse", "dq", "dkv", "dsink"), *results, strict=True):
+        assert rel(got.float(), portable.float()) < (1e-5 if name == "lse" else TOL), name
 
 
 def test_deterministic_backward_is_bitwise_repeatable(seed):

@@ -38,9 +38,9 @@ from . import new_output as _new
 from . import sparse_attention_sm90 as _sm90
 from . import within_head_dim
 
-# bf16 forward on an H100 through the Gluon kernel (`sparse_attention_sm90`); the benchmark
-# turns it off to measure the portable Triton forward in the same process
-SM90_FORWARD = True
+# bf16 forward and dq pass on an H100 through the Gluon kernels (`sparse_attention_sm90`); the
+# benchmark turns them off to measure the portable Triton kernels in the same process
+SM90_KERNELS = True
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -62,10 +62,11 @@ _DQ_CONFIGS = _configs([(64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 8, 3), (32, 32,
 # (BLOCK_N, BLOCK_D, num_warps, num_stages) of the key-major kv-gradient kernel. H100, D = 512,
 # whole backward (2026-11-23): BN128/BD128/w8/s3 best for CSA (4.03 ms at S = 4096, vs 4.19-5.9
 # for the others), BN64/BD128/w4/s2 for HCA; BD 256 spills (pointer tensors of the gathers).
+# The narrow tiles keep a config for every head dim down to 16 (the tiny test model's is 32).
 _KV_CONFIGS = ([triton.Config({"BLOCK_N": 16, "BLOCK_D": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
                [triton.Config({"BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=st)
                 for bn, bd, w, st in [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 4, 3),
-                                      (64, 64, 4, 3), (128, 64, 8, 3), (16, 64, 4, 2)]])
+                                      (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (32, 16, 4, 2)]])
 GROUP = 16  # keys per entry of the per-chunk token ranges (the smallest BLOCK_N)
 # tokens per kv-gradient program: its tile goes out by fp32 atomics (fast) or into a slot of
 # the per-split buffer (deterministic, summed in split order afterwards)
@@ -130,7 +131,7 @@ def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t
 
 @triton.autotune(_DQ_CONFIGS, key=["H", "D"])
 @triton.jit
-def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t,
+def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t,
             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     tc = tl.program_id(0).to(tl.int64)  # token within the chunk
     t = T0 + tc
@@ -142,8 +143,7 @@ def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DELTA, DQ, DSINK, PT, DST, T0, sc
     do = tl.load(DO + qo, mask=hmask[:, None], other=0.0)
     lse = tl.load(LSE + t * H + offs_h, mask=hmask, other=0.0)
     o = tl.load(O + qo, mask=hmask[:, None], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), for _bwd_dkv too
-    tl.store(DELTA + t * H + offs_h, delta, mask=hmask)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O)
     dq = tl.zeros([BLOCK_H, D], tl.float32)
     for k0 in range(0, tl.load(CNT + t), BLOCK_K):
         offs_k, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
@@ -245,7 +245,7 @@ def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
     k = idx.shape[1]
     o = _new(q.shape, q, q.dtype)
     lse = _new((t, h), q, torch.float32)
-    if t and SM90_FORWARD and _sm90.supported(q, kv):
+    if t and SM90_KERNELS and _sm90.supported(q, kv):
         _sm90.forward_into(q, kv, idx, cnt, sink.float().contiguous(), scale, o, lse)
     elif t:
         _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
@@ -307,7 +307,6 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
     t, h, d = q.shape
     n, k = kv.shape[0], idx.shape[1]
     o = o.contiguous()
-    delta = torch.empty(t, h, device=q.device, dtype=torch.float32)  # written by _bwd_dq
     dq = _new(q.shape, q, q.dtype)
     dsink_terms = _new((t, h), q, torch.float32)
     dkv = torch.zeros(n, d, device=q.device, dtype=torch.float32)
@@ -319,6 +318,7 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
         return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
     # scratch per chunk: P and dS [Tc, K, H] and the slot map [Tc, N]
     chunk = max(1, min(t, SCRATCH_BYTES // (k * 2 * h * q.element_size() + n * _slot_type(k).itemsize)))
+    sm90 = SM90_KERNELS and _sm90.supported(q, kv, o, do)
     tsplit = DETERMINISTIC_TOKENS_PER_PROGRAM if deterministic else TOKENS_PER_PROGRAM
     if deterministic:  # the per-split buffer [splits, N, D] fp32 stays under its bound
         tsplit = max(tsplit, triton.cdiv(chunk, max(1, DETERMINISTIC_SCRATCH_BYTES // (n * d * 4))))
@@ -328,9 +328,12 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
                       dtype=torch.float32)
     for t0 in range(0, t, chunk):
         tc = min(chunk, t - t0)
-        _bwd_dq[lambda m, tc=tc: (tc, triton.cdiv(h, m["BLOCK_H"]))](
-            q, kv, idx, cnt, sinkf, o, do, lse, delta, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
-            q.stride(1), kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
+        if sm90:
+            _sm90.bwd_dq_into(q, kv, idx, cnt, sinkf, scale, o, do, lse, dq, dsink_terms, pt, dst, t0, tc)
+        else:
+            _bwd_dq[lambda m, tc=tc: (tc, triton.cdiv(h, m["BLOCK_H"]))](
+                q, kv, idx, cnt, sinkf, o, do, lse, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
+                q.stride(1), kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
         smap, first, last = _key_map(idx, t0, tc, n)
         splits = triton.cdiv(tc, tsplit)
         _bwd_dkv[lambda m, splits=splits: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](

@@ -32,14 +32,16 @@ WORKER_REGS = 240
 LOG2E = 1.4426950408889634
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Contiguous bf16 q and kv (16-byte aligned) on an sm_90 GPU; heads a multiple of 64
-    (the wgmma row block: fewer heads would leave rows idle, and the portable kernel tiles
-    them finer); head dim a power of two in [64, 512] (each half a wgmma N <= 256)."""
+def supported(q: torch.Tensor, kv: torch.Tensor, *more: torch.Tensor) -> bool:
+    """Contiguous bf16 q and kv (and o, dO for the backward: `more`), 16-byte aligned, on an
+    sm_90 GPU; heads a multiple of 64 (the wgmma row block: fewer heads would leave rows idle,
+    and the portable kernel tiles them finer); head dim a power of two in [64, 512] (each half
+    a wgmma N <= 256)."""
     _, h, d = q.shape
-    aligned = q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0  # cp.async moves 16-byte pieces
-    return (q.is_cuda and q.dtype == kv.dtype == torch.bfloat16 and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and h % BH == 0 and 64 <= d <= 512 and d & (d - 1) == 0 and aligned)
+    aligned = all(x.data_ptr() % 16 == 0 for x in (q, kv, *more))  # cp.async moves 16-byte pieces
+    return (q.is_cuda and all(x.dtype == torch.bfloat16 for x in (q, kv, *more))
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and h % BH == 0 and 64 <= d <= 512
+            and d & (d - 1) == 0 and aligned)
 
 
 @triton.constexpr_function
@@ -199,3 +201,216 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
     _fwd[(t, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, lse, scale * LOG2E, h, q.stride(0), q.stride(1),
                                   kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), D=d, BLOCK_H=BH,
                                   BLOCK_K=BK, NS=STAGES, REGS=WORKER_REGS, num_warps=4)
+
+
+# --- backward: dq, P and dS ------------------------------------------------------------------
+# Same split of D: partition p holds q[:, half p] and dO[:, half p] in shared memory and
+# computes the partial S = Q.K^T and dP = dO.K^T over its half. Partition 1 hands its partials
+# to partition 0 through shared memory (fp32); partition 0 forms P = exp(S - lse) and
+# dS = P (dP - delta) scale and puts P and dS (bf16) in shared memory, where both take dS as
+# the A operand of dq[:, half p] += dS.K[:, half p], and partition 1 copies P and dS into the
+# scratch [Tc, K, H] that the key-major kv-gradient kernel reads. One slot per buffer, so four
+# mbarriers order the hand-overs (phase = block & 1).
+DQ_BK, DQ_STAGES = 32, 2
+
+
+@gluon.jit
+def _dq_scores(q, do, kv, zero_s, WAIT: gl.constexpr):
+    """Partial S = q.kv^T and dP = dO.kv^T over this half, once block's rows are in."""
+    async_copy.wait_group(WAIT)
+    gl.thread_barrier()
+    fence_async_shared()
+    s_tok = warpgroup_mma(q, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return warpgroup_mma_wait(1, deps=[s_tok]), warpgroup_mma_wait(0, deps=[dp_tok])
+
+
+@gluon.jit
+def _dq_put_partials(s, dp, x_s, x_dp, b_part):
+    """Partition 1: its partial S and dP to partition 0."""
+    x_s.store(s)
+    x_dp.store(dp)
+    gl.thread_barrier()
+    mbarrier.arrive(b_part, count=1)
+
+
+@gluon.jit
+def _dq_grads(s, dp, x_s, x_dp, b_part, b_xfree, i, kn, scale, lse2, delta, s_l: gl.constexpr):
+    """Partition 0: whole S and dP of block i (its partials plus partition 1's), then
+    P = exp(S - lse) (zero on empty slots) and dS = P (dP - delta) scale."""
+    BLOCK_K: gl.constexpr = s.type.shape[1]
+    mbarrier.wait(b_part, phase=i & 1)
+    s = s + x_s.load(s_l)
+    dp = dp + x_dp.load(s_l)
+    gl.thread_barrier()
+    mbarrier.arrive(b_xfree, count=1)
+    offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+    p = gl.where((offs_k < kn)[None, :], gl.exp2(s * scale - lse2[:, None]), 0.0)
+    return p, p * (dp - delta[:, None]) * (scale * 0.6931471805599453)  # scale carried log2 e
+
+
+@gluon.jit
+def _dq_put_pds(p, ds, p_smem, ds_smem, b_ds):
+    """Partition 0: P and dS (bf16) into shared memory, for both dq products and the scratch."""
+    p_smem.store(p.to(gl.bfloat16))
+    ds_smem.store(ds.to(gl.bfloat16))
+    gl.thread_barrier()
+    fence_async_shared()
+    mbarrier.arrive(b_ds, count=1)
+
+
+@gluon.jit
+def _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, i, h0, H, K, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Partition 1: P and dS of block i into the scratch [Tc, K, H], as [BK, BH] rows of
+    16-byte pieces."""
+    sc: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_H // 8), BLOCK_H // 8], [4, 1], [1, 0])
+    offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, sc))
+    offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, sc))
+    so = (tc * K + offs_k[:, None]) * H + offs_h[None, :]
+    smask = (offs_k < K)[:, None] & (offs_h < H)[None, :]
+    gl.store(PT + so, p_smem.permute((1, 0)).load(sc), mask=smask)
+    gl.store(DST + so, ds_smem.permute((1, 0)).load(sc), mask=smask)
+
+
+@gluon.jit
+def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h,
+             skv, si_t, sdq_t, sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars):
+    NS: gl.constexpr = kv_smem.type.shape[0] // 2
+    BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
+    DH: gl.constexpr = kv_smem.type.shape[2]
+    BLOCK_H: gl.constexpr = q_smem.type.shape[1]
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    rows: gl.constexpr = _rows_layout(DH)
+    tc = gl.program_id(0).to(gl.int64)  # token within the chunk
+    t = T0 + tc
+    h0 = gl.program_id(1) * BLOCK_H
+    offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, rows))
+    qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = q_smem.index(P)
+    do = do_smem.index(P)
+    async_copy.async_copy_global_to_shared(q, Q + qo, mask=(offs_h < H)[:, None])
+    async_copy.async_copy_global_to_shared(do, DO + qo, mask=(offs_h < H)[:, None])
+    kn = gl.load(CNT + t)
+    nblk = gl.cdiv(kn, BLOCK_K)
+    for st in gl.static_range(NS):
+        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
+    x_s = x_smem.index(0)
+    x_dp = x_smem.index(1)
+    p_smem = pd_smem.index(0)
+    ds_smem = pd_smem.index(1)
+    b_part, b_xfree, b_ds, b_dsfree = bars.index(0), bars.index(1), bars.index(2), bars.index(3)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
+    acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
+    offs_hs = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    hmask = offs_hs < H
+    if P == 0:
+        # delta = rowsum(dO * O) over the whole head dim, read in column pieces
+        cols: gl.constexpr = _rows_layout(64)
+        offs_hc = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, cols))
+        delta_c = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, cols))
+        for c in gl.static_range(2 * DH // 64):
+            offs_c = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, cols))
+            oc = t * sq_t + offs_hc[:, None] * sq_h + offs_c[None, :]
+            cm = (offs_hc < H)[:, None]
+            delta_c += gl.sum(gl.load(DO + oc, mask=cm, other=0.0).to(gl.float32)
+                              * gl.load(O + oc, mask=cm, other=0.0).to(gl.float32), 1)
+        delta = gl.convert_layout(delta_c, gl.SliceLayout(1, s_l))
+        lse = gl.load(LSE + t * H + offs_hs, mask=hmask, other=0.0)
+        sink = gl.load(SINK + offs_hs, mask=hmask, other=0.0)
+        gl.store(DSINK + t * H + offs_hs, -gl.exp(sink - lse) * delta, mask=hmask)
+        lse2 = lse * 1.4426950408889634
+    if nblk > 0:
+        # block 0: S, dP, the hand-over, P and dS; its dq product is issued with block 1's S, dP
+        s, dp = _dq_scores(q, do, kv_smem.index(P * NS), zero_s, NS - 1)
+        if P == 1:
+            _dq_put_partials(s, dp, x_s, x_dp, b_part)
+            mbarrier.wait(b_ds, phase=0)
+        else:
+            p, ds = _dq_grads(s, dp, x_s, x_dp, b_part, b_xfree, 0, kn, scale, lse2, delta, s_l)
+            _dq_put_pds(p, ds, p_smem, ds_smem, b_ds)
+        for i in range(1, nblk):
+            stage = P * NS + i % NS
+            prev = P * NS + (i - 1) % NS
+            async_copy.wait_group(NS - 2)  # block i's rows are in
+            gl.thread_barrier()
+            fence_async_shared()
+            s_tok = warpgroup_mma(q, kv_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do, kv_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(ds_smem, kv_smem.index(prev), acc, is_async=True)  # dq of block i - 1
+            s = warpgroup_mma_wait(2, deps=[s_tok])
+            dp = warpgroup_mma_wait(1, deps=[dp_tok])
+            if P == 1:
+                mbarrier.wait(b_xfree, phase=(i - 1) & 1)
+                _dq_put_partials(s, dp, x_s, x_dp, b_part)
+                _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, i - 1, h0, H, K, BLOCK_H, BLOCK_K)
+                acc = warpgroup_mma_wait(0, deps=[acc_tok])
+                gl.thread_barrier()
+                mbarrier.arrive(b_dsfree, count=1)
+                _gather(KV, _ids(IDX, t, si_t, (i - 1 + NS) * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(prev), skv,
+                        P, DH)
+                mbarrier.wait(b_ds, phase=i & 1)
+            else:
+                # block i's hand-over and softmax run while the tensor cores do block i - 1's dq
+                p, ds = _dq_grads(s, dp, x_s, x_dp, b_part, b_xfree, i, kn, scale, lse2, delta, s_l)
+                acc = warpgroup_mma_wait(0, deps=[acc_tok])
+                _gather(KV, _ids(IDX, t, si_t, (i - 1 + NS) * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(prev), skv,
+                        P, DH)
+                mbarrier.wait(b_dsfree, phase=(i - 1) & 1)
+                _dq_put_pds(p, ds, p_smem, ds_smem, b_ds)
+        acc = warpgroup_mma(ds_smem, kv_smem.index(P * NS + (nblk - 1) % NS), acc)
+        if P == 1:
+            _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, nblk - 1, h0, H, K, BLOCK_H, BLOCK_K)
+    async_copy.wait_group(0)
+    gl.thread_barrier()  # every copy into q's buffer has landed before dq reuses it
+    # dS carried scale already; dq leaves through q's buffer in 16-byte pieces
+    q.store(acc.to(gl.bfloat16))
+    gl.thread_barrier()
+    # (dq's own strides: an address tensor shared with q's copy would stay live through the loop)
+    gl.store(DQ + t * sdq_t + offs_h[:, None] * sdq_h + offs_d[None, :], q.load(rows), mask=(offs_h < H)[:, None])
+
+
+@gluon.jit
+def _dq_half0(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
+              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars):
+    _dq_half(0, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
+             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars)
+
+
+@gluon.jit
+def _dq_half1(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
+              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars):
+    _dq_half(1, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
+             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars)
+
+
+@gluon.jit
+def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t, sdq_h,
+            D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr):
+    DH: gl.constexpr = D // 2
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BLOCK_K, DH],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, DH], gl.bfloat16))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, DH], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH], q_layout)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH], q_layout)
+    padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_K, 8]], [BLOCK_H, BLOCK_K], [1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H, BLOCK_K], padded)  # partials S, dP of half 1
+    pd_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_K],  # P, dS
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
+    bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(4):
+        mbarrier.init(bars.index(j), count=1)
+    args = (Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t, sdq_h,
+            kv_smem, q_smem, do_smem, x_smem, pd_smem, bars)
+    gl.warp_specialize([(_dq_half0, args), (_dq_half1, args)], [4], [REGS])
+
+
+def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, dst, t0, tc):
+    """Tokens t0 .. t0 + tc of the backward's first pass: dq, the sink-gradient terms, and P,
+    dS * scale into the scratch pt, dst [Tc, K, H] (contiguous q, kv, o, do)."""
+    _, h, d = q.shape
+    _bwd_dq[(tc, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, do, lse, dq, dsink_terms, pt, dst, t0,
+                                      scale * LOG2E, h, idx.shape[1], q.stride(0), q.stride(1), kv.stride(0),
+                                      idx.stride(0), dq.stride(0), dq.stride(1), D=d, BLOCK_H=BH, BLOCK_K=DQ_BK,
+                                      NS=DQ_STAGES, REGS=WORKER_REGS, num_warps=4)
