@@ -72,9 +72,9 @@ GROUP = 16  # keys per entry of the per-chunk token ranges (the smallest BLOCK_N
 # the per-split buffer (deterministic, summed in split order afterwards)
 TOKENS_PER_PROGRAM = 64
 DETERMINISTIC_TOKENS_PER_PROGRAM = 256
-# Bounds on the backward's per-chunk scratch: P and dS [Tc, K, H], and the deterministic
-# mode's per-(token, slot) kv gradients [Tc * K, D] fp32 (larger: each chunk adds a sort and
-# a pass over every key row).
+# Bounds on the backward's per-chunk scratch: P and dS [Tc, K, H] with the slot map [Tc, N],
+# and the deterministic mode's per-split kv-gradient tiles [splits, N, D] fp32 (above it, the
+# splits grow longer: fewer programs).
 SCRATCH_BYTES = 2 ** 27
 DETERMINISTIC_SCRATCH_BYTES = 2 ** 30
 
