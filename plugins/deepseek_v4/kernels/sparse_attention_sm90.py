@@ -51,6 +51,12 @@ def _rows_layout(cols):
     return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [4, 1], [1, 0])
 
 
+@triton.constexpr_function
+def _acc_layout(cols):
+    """One warpgroup's wgmma accumulator for [64 rows, cols]."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _ids(IDX, t, si_t, k0, kn, BLOCK_K: gl.constexpr, DH: gl.constexpr):
     offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _rows_layout(DH)))
@@ -99,8 +105,8 @@ def _half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_sme
     BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
     DH: gl.constexpr = kv_smem.type.shape[2]
     BLOCK_H: gl.constexpr = x_smem.type.shape[1]
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    s_l: gl.constexpr = _acc_layout(BLOCK_K)
+    o_l: gl.constexpr = _acc_layout(DH)
     pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     rows: gl.constexpr = _rows_layout(DH)
     t = gl.program_id(0).to(gl.int64)
@@ -216,7 +222,7 @@ DQ_BK, DQ_STAGES = 32, 2
 
 @gluon.jit
 def _dq_scores(q, do, kv, zero_s, WAIT: gl.constexpr):
-    """Partial S = q.kv^T and dP = dO.kv^T over this half, once block's rows are in."""
+    """Partial S = q.kv^T and dP = dO.kv^T over this half, once the block's rows are in."""
     async_copy.wait_group(WAIT)
     gl.thread_barrier()
     fence_async_shared()
@@ -279,8 +285,8 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
     BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
     DH: gl.constexpr = kv_smem.type.shape[2]
     BLOCK_H: gl.constexpr = q_smem.type.shape[1]
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    s_l: gl.constexpr = _acc_layout(BLOCK_K)
+    o_l: gl.constexpr = _acc_layout(DH)
     rows: gl.constexpr = _rows_layout(DH)
     tc = gl.program_id(0).to(gl.int64)  # token within the chunk
     t = T0 + tc
