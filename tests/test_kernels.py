@@ -175,6 +175,54 @@ def test_deterministic_backward_is_bitwise_repeatable(seed):
         assert torch.equal(g1, g2)
 
 
+def _after_sleep(launch):
+    """launch, queued behind a GPU-side sleep of a few ms on the current stream."""
+    def run(*args, **kwargs):
+        torch.cuda._sleep(5_000_000)
+        return launch(*args, **kwargs)
+    return run
+
+
+class _Late:
+    """A Triton kernel whose launches queue behind a sleep (`kernel[grid](...)` as before)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return _after_sleep(self.kernel[grid])
+
+
+@pytest.mark.skipif(not CUDA, reason="the chunk overlap runs on CUDA streams only")
+@pytest.mark.parametrize("late", ["kv", "dq"])
+def test_overlapped_chunks_give_the_same_bits_as_sequential_ones(seed, late, monkeypatch):
+    """On CUDA, chunk i's kv gradient runs on a side stream beside chunk i + 1's dq pass, with
+    two scratch sets. Each stream in turn is made late (a sleep before each of its kernels),
+    so the other runs ahead as far as the waits let it: a missing wait (a set overwritten
+    while the kv gradient still reads it, or read before the dq pass wrote it) changes the
+    bits of the deterministic backward."""
+    if late == "kv":
+        monkeypatch.setattr(sa, "_bwd_dkv", _Late(sa._bwd_dkv))
+    else:
+        monkeypatch.setattr(sa, "_bwd_dq", _Late(sa._bwd_dq))
+        monkeypatch.setattr(sa._sm90, "bwd_dq_into", _after_sleep(sa._sm90.bwd_dq_into))
+    q, kv, idx, sink = make(seed, *SHAPES[1])
+    # chunks of ~22 tokens: 14 chunks, each scratch set reused 7 times
+    monkeypatch.setattr(sa, "SCRATCH_BYTES", 23 * idx.shape[1] * 2 * q.shape[1] * DTYPE.itemsize)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEV, DTYPE)
+    grads = []
+    for overlap in (False, True):
+        monkeypatch.setattr(sa, "OVERLAP_CHUNKS", overlap)
+        a = [x.to(DEV, DTYPE).requires_grad_() for x in (q, kv)]
+        s = sink.to(DEV).requires_grad_()
+        o, _ = sa.sparse_attention(a[0], a[1], idx.to(DEV), s, q.shape[-1] ** -0.5, deterministic=True)
+        o.backward(do)
+        grads.append([a[0].grad, a[1].grad, s.grad])
+    for name, g1, g2 in zip(("dq", "dkv", "dsink"), *grads, strict=True):
+        assert torch.isfinite(g1).all(), name
+        assert torch.equal(g1, g2), name
+
+
 def sinkhorn64(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """The Sinkhorn schedule of DSV4.md in float64 (oracle)."""
     m = torch.softmax(logits.double(), -1) + eps

@@ -23,6 +23,8 @@ of tokens so the scratch stays bounded (`SCRATCH_BYTES`):
     S = 8192, bound by L2. Fast mode adds each finished tile with atomics (order-dependent
     rounding); deterministic mode stores it per token split and sums the splits in order
     (no atomics: bit-identical across runs).
+On CUDA two scratch sets let chunk i's kv gradient run on a side stream beside chunk i + 1's
+dq pass (events order the reuse of a set), so neither kernel's last partial wave idles SMs.
 A token's index set names each key at most once (window positions and a top-k are distinct):
 the slot map keeps one slot per (token, key).
 """
