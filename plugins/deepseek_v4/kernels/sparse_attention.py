@@ -31,8 +31,6 @@ the slot map keeps one slot per (token, key).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -331,18 +329,14 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
     tsplit = DETERMINISTIC_TOKENS_PER_PROGRAM if deterministic else TOKENS_PER_PROGRAM
     if deterministic:  # the per-split buffer [splits, N, D] fp32 stays under its bound
         tsplit = max(tsplit, triton.cdiv(chunk, max(1, DETERMINISTIC_SCRATCH_BYTES // (n * d * 4))))
-    # two scratch sets on CUDA: chunk i's kv gradient (side stream) runs beside chunk i + 1's
-    # dq pass, so neither kernel's last partial wave leaves SMs idle
-    n_sets = 2 if OVERLAP_CHUNKS and q.is_cuda and t > chunk else 1
+    n_sets = 2 if OVERLAP_CHUNKS and q.is_cuda and t > chunk else 1  # 2: overlap (see OVERLAP_CHUNKS)
     scratch = [(torch.empty(chunk, k, h, device=q.device, dtype=q.dtype),  # P, then dS * scale: [Tc, K, H]
                 torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)) for _ in range(n_sets)]
     buf = torch.empty(triton.cdiv(chunk, tsplit) if deterministic else 1, n, d, device=q.device,
                       dtype=torch.float32)
-    main = torch.cuda.current_stream() if n_sets == 2 else None
+    main = torch.cuda.current_stream(q.device) if n_sets == 2 else None
     side = torch.cuda.Stream(q.device) if n_sets == 2 else None
-    if side is not None:
-        side.wait_stream(main)  # dkv and the inputs are ready
-    freed = [None] * n_sets
+    freed = [None] * n_sets  # per set: the event after the last kv gradient that read it
     for i, t0 in enumerate(range(0, t, chunk)):
         tc = min(chunk, t - t0)
         pt, dst = scratch[i % n_sets]
@@ -355,12 +349,11 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
                 q, kv, idx, cnt, sinkf, o, do, lse, dq, dsink_terms, pt, dst, t0, scale, h, k, q.stride(0),
                 q.stride(1), kv.stride(0), idx.stride(0), D=d, IEEE=ieee)
         smap, first, last = _key_map(idx, t0, tc, n)
-        with contextlib.ExitStack() as on_side:
-            if side is not None:
-                side.wait_stream(main)
-                for x in (smap, first, last):
-                    x.record_stream(side)  # not reused by the next chunk before the side stream is done
-                on_side.enter_context(torch.cuda.stream(side))
+        if side is not None:
+            side.wait_stream(main)  # this chunk's P, dS and slot map are written
+            for x in (smap, first, last):
+                x.record_stream(side)  # the allocator reuses their memory only after the side stream's reads
+        with torch.cuda.stream(side):  # no-op when side is None
             splits = triton.cdiv(tc, tsplit)
             _bwd_dkv[lambda m, splits=splits: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](
                 q, do, pt, dst, smap, first, last, dkv, buf, t0, h, k, n, tsplit, q.stride(0), q.stride(1),
@@ -368,8 +361,8 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
                 DETERMINISTIC=deterministic)
             if deterministic:
                 dkv += buf[:splits].sum(0)  # in split order: no atomics anywhere
-            if side is not None:
-                freed[i % n_sets] = side.record_event()
+        if side is not None:
+            freed[i % n_sets] = side.record_event()
     if side is not None:
         main.wait_stream(side)
     return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
