@@ -161,6 +161,30 @@ def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, 
         assert rel(got.float(), portable.float()) < (1e-5 if name == "lse" else TOL), name
 
 
+@pytest.mark.skipif(not CUDA, reason="the H100 forward's persistent grid")
+@pytest.mark.parametrize("h", [64, 128])
+def test_h100_forward_persistent_items_with_empty_and_short_rows(seed, h):
+    """The H100 forward runs one program per SM over many (token, head block) items, loading
+    each item's q during the item before and storing o while the next runs: rows with no key,
+    one key, and counts at the 32-key block edges sit at random places in every program's run
+    of items. o and lse against float64, outputs poisoned."""
+    t, d, k, n = 1000, 512, 100, 700  # ~7.6 items per program on 132 SMs (x2 with two head blocks)
+    g = torch.Generator().manual_seed(seed)
+    q, kv, sink = torch.randn(t, h, d, generator=g), torch.randn(n, d, generator=g), torch.randn(h, generator=g)
+    counts = torch.tensor([0, 1, 31, 32, 33, 64, 65, 100])[torch.randint(0, 8, (t,), generator=g)]
+    idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)]).int()
+    idx[torch.arange(k)[None, :] >= counts[:, None]] = -1
+    qd, kvd = q.to(DEV, DTYPE), kv.to(DEV, DTYPE)
+    assert sa._sm90.supported(qd, kvd)
+    cidx, cnt = sa.compact(idx.to(DEV))
+    o, lse = sa.sparse_attn_fwd(qd, kvd, cidx, cnt, sink.to(DEV), d ** -0.5)
+    o_ref, lse_ref = ops.sparse_attention_indexed(qd.double().cpu(), kvd.double().cpu(), idx, sink.double(), d ** -0.5)
+    assert rel(o.float().cpu(), o_ref) < TOL
+    assert rel(lse.cpu(), lse_ref) < 1e-5
+    empty = counts == 0
+    assert empty.any() and torch.equal(o[empty.to(DEV)].float().cpu(), torch.zeros(int(empty.sum()), h, d))
+
+
 def test_deterministic_backward_is_bitwise_repeatable(seed):
     """Deterministic mode has no atomics: two backward passes give identical bits."""
     q, kv, idx, sink = make(seed, *SHAPES[0])

@@ -10,7 +10,11 @@ are summed through shared memory; both then run the same online softmax (a + b =
 they agree bitwise) and P.V for their own output half. The next block's Q.K^T is issued
 before this block's exchange and softmax, so those run while the tensor cores work.
 
-One program per (token, block of 64 heads); BK = 32 keys a block, 3 stages of gathered rows.
+Persistent: one program per SM walks items (token, block of 64 heads) pid, pid + #SMs, ...;
+the next item's q comes by TMA into a second buffer while this one runs, and o leaves by a
+TMA store through the buffer of its own q. BK = 32 keys a block, 2 stages of gathered rows.
+H100, 2026-11-23 (fourth session), same-process A/B: 2 stages 2-3% faster than 3 on all three
+benchmark shapes; the persistent grid 1-2% more on CSA, 7% on HCA (5 key blocks per token).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-BH, BK, STAGES = 64, 32, 3
+BH, BK, STAGES = 64, 32, 2
 WORKER_REGS = 240
 LOG2E = 1.4426950408889634
 
@@ -98,8 +104,8 @@ def _softmax(s, i, kn, m, l, scale, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv,
-          si_t, so_t, so_h):
+def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv,
+          si_t):
     # sizes from the buffers: warp_specialize hands partitions plain values, not constexprs
     NS: gl.constexpr = kv_smem.type.shape[0] // 2
     BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
@@ -108,105 +114,130 @@ def _half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_sme
     s_l: gl.constexpr = _acc_layout(BLOCK_K)
     o_l: gl.constexpr = _acc_layout(DH)
     pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    rows: gl.constexpr = _rows_layout(DH)
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BLOCK_H
-    offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
-    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, rows))
-    q = q_smem.index(P)  # [BH, DH]; q joins block 0's copy group, so the two latencies overlap
-    async_copy.async_copy_global_to_shared(q, Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :],
-                                           mask=(offs_h < H)[:, None])
-    kn = gl.load(CNT + t)
-    nblk = gl.cdiv(kn, BLOCK_K)
-    for st in gl.static_range(NS - 1):
-        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
-    ids_next = _ids(IDX, t, si_t, (NS - 1) * BLOCK_K, kn, BLOCK_K, DH)
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-    l = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
-    acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
-    if nblk > 0:
-        # block 0: Q.K^T and P; its P.V is issued together with block 1's Q.K^T
-        async_copy.wait_group(NS - 2)
-        gl.thread_barrier()
-        fence_async_shared()
-        s = _exchange(warpgroup_mma(q, kv_smem.index(P * NS).permute((1, 0)), zero_s, use_acc=False),
-                      x_smem, bars, 0, P)
-        _gather(KV, ids_next, kv_smem.index(P * NS + NS - 1), skv, P, DH)
-        ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, kn, BLOCK_K, DH)
-        p, alpha, m, l = _softmax(s, 0, kn, m, l, scale, BLOCK_K)
-        p = gl.convert_layout(p.to(gl.bfloat16), pa_l)
-        for i in range(1, nblk):
-            async_copy.wait_group(NS - 2)  # block i's rows (this thread's copies) are in
+    q_bytes: gl.constexpr = BLOCK_H * DH * 2
+    n_hb = H // BLOCK_H
+    n_items = T * n_hb  # (token, head block) pairs, item w -> token w // n_hb
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    # persistent: this program takes items pid, pid + nprog, ...; q of the next item comes by
+    # TMA into the other of two buffers while this one runs, and o leaves through the buffer
+    # of its own q by a TMA store that the next item does not wait for
+    mbarrier.expect(qbars.index(P * 2), q_bytes)
+    tma.async_copy_global_to_shared(QD, [pid * BLOCK_H, P * DH], qbars.index(P * 2), q_smem.index(P * 2))
+    j = 0  # key blocks done by this program: the exchange slots' phase runs on across items
+    n = 0  # items done by this program
+    for w in range(pid, n_items, nprog):
+        t = (w // n_hb).to(gl.int64)
+        h0 = (w % n_hb) * BLOCK_H
+        b = n % 2
+        q = q_smem.index(P * 2 + b)  # [BH, DH]
+        if w + nprog < n_items:
+            tma.store_wait(0)  # o of the item before has left the other buffer
+            gl.thread_barrier()
+            mbarrier.expect(qbars.index(P * 2 + 1 - b), q_bytes)
+            tma.async_copy_global_to_shared(QD, [(w + nprog) * BLOCK_H, P * DH], qbars.index(P * 2 + 1 - b),
+                                            q_smem.index(P * 2 + 1 - b))
+        kn = gl.load(CNT + t)
+        nblk = gl.cdiv(kn, BLOCK_K)
+        for st in gl.static_range(NS - 1):
+            _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
+        ids_next = _ids(IDX, t, si_t, (NS - 1) * BLOCK_K, kn, BLOCK_K, DH)
+        m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
+        zero_s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
+        mbarrier.wait(qbars.index(P * 2 + b), phase=(n // 2) & 1)
+        if nblk > 0:
+            # block 0: Q.K^T and P; its P.V is issued together with block 1's Q.K^T
+            async_copy.wait_group(NS - 2)
             gl.thread_barrier()
             fence_async_shared()
-            s_tok = warpgroup_mma(q, kv_smem.index(P * NS + i % NS).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            acc_tok = warpgroup_mma(p, kv_smem.index(P * NS + (i - 1) % NS), acc, is_async=True)
-            # block i's exchange and softmax run while the tensor cores do block i - 1's P.V
-            s = _exchange(warpgroup_mma_wait(1, deps=[s_tok]), x_smem, bars, i, P)
-            p, alpha, m, l = _softmax(s, i, kn, m, l, scale, BLOCK_K)
+            s = _exchange(warpgroup_mma(q, kv_smem.index(P * NS).permute((1, 0)), zero_s, use_acc=False),
+                          x_smem, bars, j, P)
+            _gather(KV, ids_next, kv_smem.index(P * NS + NS - 1), skv, P, DH)
+            ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, kn, BLOCK_K, DH)
+            p, alpha, m, l = _softmax(s, 0, kn, m, l, scale, BLOCK_K)
             p = gl.convert_layout(p.to(gl.bfloat16), pa_l)
-            acc = warpgroup_mma_wait(0, deps=[acc_tok])
-            # block i + NS - 1 into the stage of block i - 1, whose P.V is done
-            _gather(KV, ids_next, kv_smem.index(P * NS + (i + NS - 1) % NS), skv, P, DH)
-            ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma(p, kv_smem.index(P * NS + (nblk - 1) % NS), acc)
-    async_copy.wait_group(0)
-    gl.thread_barrier()  # every copy into q's buffer has landed before o reuses it
-    offs_hs = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    hmask = offs_hs < H
-    sink = gl.load(SINK + offs_hs, mask=hmask, other=0.0) * 1.4426950408889634  # base 2, as m
-    m_fin = gl.maximum(m, sink)  # the sink joins the denominator only
-    alpha = gl.exp2(m - m_fin)
-    l = l * alpha + gl.exp2(sink - m_fin)
-    o = acc * gl.convert_layout(alpha / l, gl.SliceLayout(1, o_l))[:, None]
-    # o leaves through q's buffer in 16-byte pieces; from the accumulator layout directly it
-    # would be 4-byte scattered stores
-    q.store(o.to(gl.bfloat16))
-    gl.thread_barrier()
-    gl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], q.load(rows), mask=(offs_h < H)[:, None])
-    if P == 0:
-        gl.store(LSE + t * H + offs_hs, (m_fin + gl.log2(l)) * 0.6931471805599453, mask=hmask)
+            for i in range(1, nblk):
+                async_copy.wait_group(NS - 2)  # block i's rows (this thread's copies) are in
+                gl.thread_barrier()
+                fence_async_shared()
+                s_tok = warpgroup_mma(q, kv_smem.index(P * NS + i % NS).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                acc_tok = warpgroup_mma(p, kv_smem.index(P * NS + (i - 1) % NS), acc, is_async=True)
+                # block i's exchange and softmax run while the tensor cores do block i - 1's P.V
+                s = _exchange(warpgroup_mma_wait(1, deps=[s_tok]), x_smem, bars, j + i, P)
+                p, alpha, m, l = _softmax(s, i, kn, m, l, scale, BLOCK_K)
+                p = gl.convert_layout(p.to(gl.bfloat16), pa_l)
+                acc = warpgroup_mma_wait(0, deps=[acc_tok])
+                # block i + NS - 1 into the stage of block i - 1, whose P.V is done
+                _gather(KV, ids_next, kv_smem.index(P * NS + (i + NS - 1) % NS), skv, P, DH)
+                ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(p, kv_smem.index(P * NS + (nblk - 1) % NS), acc)
+        async_copy.wait_group(0)  # the (empty) copies past the last block land before the next item's
+        gl.thread_barrier()  # and every warp's last Q.K^T has read q before o overwrites it
+        offs_hs = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+        sink = gl.load(SINK + offs_hs) * 1.4426950408889634  # base 2, as m
+        m_fin = gl.maximum(m, sink)  # the sink joins the denominator only
+        alpha = gl.exp2(m - m_fin)
+        l = l * alpha + gl.exp2(sink - m_fin)
+        o = acc * gl.convert_layout(alpha / l, gl.SliceLayout(1, o_l))[:, None]
+        q.store(o.to(gl.bfloat16))  # the last Q.K^T has read q: its buffer carries o out
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(OD, [w * BLOCK_H, P * DH], q)  # row w * BH = t * H + h0
+        if P == 0:
+            gl.store(LSE + t * H + offs_hs, (m_fin + gl.log2(l)) * 0.6931471805599453)
+        j += nblk
+        n += 1
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _half0(Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h):
-    _half(0, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h)
+def _half0(QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t):
+    _half(0, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t)
 
 
 @gluon.jit
-def _half1(Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h):
-    _half(1, Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h)
+def _half1(QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t):
+    _half(1, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t)
 
 
 @gluon.jit
-def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h, D: gl.constexpr,
-         BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr):
-    DH: gl.constexpr = D // 2
+def _fwd(QD, OD, KV, IDX, CNT, SINK, LSE, scale, T, H, skv, si_t, BLOCK_K: gl.constexpr, NS: gl.constexpr,
+         REGS: gl.constexpr):
+    BLOCK_H: gl.constexpr = QD.block_type.shape[0]
+    DH: gl.constexpr = QD.block_type.shape[1]
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BLOCK_K, DH],  # [half * stage, keys, D half]
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_K, DH], gl.bfloat16))
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, DH], gl.bfloat16))
-    # [half * slot, heads, keys] fp32; rows padded by 8 floats, since the accumulator layout
-    # writes 8 rows of 32 bytes per warp, which would otherwise share one group of banks
-    padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_K, 8]], [BLOCK_H, BLOCK_K], [1, 0])
-    x_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H, BLOCK_K], padded)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, DH], QD.layout)  # [half * buffer, heads, D half]
+    # [half * slot, heads, keys] fp32. The accumulator layout writes 8 rows of 32 bytes per warp;
+    # unswizzled, all 8 would share one group of banks. Swizzled in 32-byte pieces by row % 4,
+    # each store takes the 2 wavefronts its 256 bytes need (padding rows would cost the 8 KB
+    # that the second q buffer needs).
+    x_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H, BLOCK_K], x_layout)
     bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    qbars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # [half * buffer]
     for j in gl.static_range(4):
         mbarrier.init(bars.index(j), count=1)
-    args = (Q, KV, IDX, CNT, SINK, O, LSE, kv_smem, q_smem, x_smem, bars, scale, H, sq_t, sq_h, skv, si_t, so_t, so_h)
+        mbarrier.init(qbars.index(j), count=1)
+    args = (QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t)
     gl.warp_specialize([(_half0, args), (_half1, args)], [4], [REGS])
 
 
 def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
-    """Fills o [T, H, D] and lse [T, H] (contiguous q, kv; idx, cnt as `compact` returns them)."""
+    """Fills o [T, H, D] and lse [T, H] (contiguous q, o, kv; idx, cnt as `compact` returns
+    them); a persistent grid of one program per SM."""
     t, h, d = q.shape
-    _fwd[(t, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, lse, scale * LOG2E, h, q.stride(0), q.stride(1),
-                                  kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), D=d, BLOCK_H=BH,
-                                  BLOCK_K=BK, NS=STAGES, REGS=WORKER_REGS, num_warps=4)
+    layout = gl.NVMMASharedLayout.get_default_for([BH, d // 2], gl.bfloat16)
+    qd = TensorDescriptor.from_tensor(q.view(t * h, d), [BH, d // 2], layout)  # rows: (token, head)
+    od = TensorDescriptor.from_tensor(o.view(t * h, d), [BH, d // 2], layout)
+    grid = min(t * (h // BH), torch.cuda.get_device_properties(q.device).multi_processor_count)
+    _fwd[(grid,)](qd, od, kv, idx, cnt, sink, lse, scale * LOG2E, t, h, kv.stride(0), idx.stride(0), BLOCK_K=BK,
+                  NS=STAGES, REGS=WORKER_REGS, num_warps=4)
 
 
 # --- backward: dq, P and dS ------------------------------------------------------------------
