@@ -252,6 +252,16 @@ DQ_BK, DQ_STAGES = 32, 2
 
 
 @gluon.jit
+def _opaque_zero(x):
+    """0, computed where the compiler cannot see it. A loop-invariant shared buffer used as a
+    wgmma A operand gets one 64-bit descriptor per 16-wide k step; the compiler hoists them all
+    out of the loop (64 registers for q and dO over a 256-wide half) and ptxas spills them, and
+    with 220 KB of shared memory the spills live in L2. Indexed by this inside the loop, the
+    descriptors are made there in a few uniform-register adds instead."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _dq_scores(q, do, kv, zero_s, WAIT: gl.constexpr):
     """Partial S = q.kv^T and dP = dO.kv^T over this half, once the block's rows are in."""
     async_copy.wait_group(WAIT)
@@ -373,9 +383,11 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
             async_copy.wait_group(NS - 2)  # block i's rows are in
             gl.thread_barrier()
             fence_async_shared()
-            s_tok = warpgroup_mma(q, kv_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(do, kv_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            acc_tok = warpgroup_mma(ds_smem, kv_smem.index(prev), acc, is_async=True)  # dq of block i - 1
+            z = _opaque_zero(i)  # the A operands' descriptors made here, not held in (spilled) registers
+            kv_t = kv_smem.index(stage).permute((1, 0))
+            s_tok = warpgroup_mma(q_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(pd_smem.index(1 + z), kv_smem.index(prev), acc, is_async=True)  # dq of i - 1
             s = warpgroup_mma_wait(2, deps=[s_tok])
             dp = warpgroup_mma_wait(1, deps=[dp_tok])
             if P == 1:
