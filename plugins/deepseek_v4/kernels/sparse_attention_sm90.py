@@ -343,6 +343,7 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
     nblk = gl.cdiv(kn, BLOCK_K)
     for st in gl.static_range(NS):
         _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
+    ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, kn, BLOCK_K, DH)  # loaded a block ahead of its gather
     x_s = x_smem.index(0)
     x_dp = x_smem.index(1)
     p_smem = pd_smem.index(0)
@@ -397,17 +398,18 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
                 acc = warpgroup_mma_wait(0, deps=[acc_tok])
                 gl.thread_barrier()
                 mbarrier.arrive(b_dsfree, count=1)
-                _gather(KV, _ids(IDX, t, si_t, (i - 1 + NS) * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(prev), skv,
-                        P, DH)
+                _gather(KV, ids_next, kv_smem.index(prev), skv, P, DH)
+                ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
                 mbarrier.wait(b_ds, phase=i & 1)
             else:
                 # block i's hand-over and softmax run while the tensor cores do block i - 1's dq
                 p, ds = _dq_grads(s, dp, x_s, x_dp, b_part, b_xfree, i, kn, scale, lse2, delta, s_l)
                 acc = warpgroup_mma_wait(0, deps=[acc_tok])
-                _gather(KV, _ids(IDX, t, si_t, (i - 1 + NS) * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(prev), skv,
-                        P, DH)
                 mbarrier.wait(b_dsfree, phase=(i - 1) & 1)
                 _dq_put_pds(p, ds, p_smem, ds_smem, b_ds)
+                # the gather after the hand-over: partition 1 waits on P, dS, not on these copies
+                _gather(KV, ids_next, kv_smem.index(prev), skv, P, DH)
+                ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
         acc = warpgroup_mma(ds_smem, kv_smem.index(P * NS + (nblk - 1) % NS), acc)
         if P == 1:
             _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, nblk - 1, h0, H, K, BLOCK_H, BLOCK_K)
