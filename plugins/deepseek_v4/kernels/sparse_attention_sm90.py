@@ -70,6 +70,16 @@ def _ids(IDX, t, si_t, k0, kn, BLOCK_K: gl.constexpr, DH: gl.constexpr):
 
 
 @gluon.jit
+def _item_head(IDX, CNT, t, K, si_t, BLOCK_K: gl.constexpr, DH: gl.constexpr):
+    """Token t's key count and its first two blocks of compacted ids (-1 past the count)."""
+    t = t.to(gl.int64)
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _rows_layout(DH)))
+    ids0 = gl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
+    ids1 = gl.load(IDX + t * si_t + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=-1)
+    return gl.load(CNT + t), ids0, ids1
+
+
+@gluon.jit
 def _gather(KV, ids, buf, skv, P: gl.constexpr, DH: gl.constexpr):
     """Half P of the kv rows `ids` into `buf` [BK, DH] as one copy group; empty slots read as zeros."""
     offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _rows_layout(DH)))
@@ -104,8 +114,8 @@ def _softmax(s, i, kn, m, l, scale, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv,
-          si_t):
+def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, K,
+          skv, si_t):
     # sizes from the buffers: warp_specialize hands partitions plain values, not constexprs
     NS: gl.constexpr = kv_smem.type.shape[0] // 2
     BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
@@ -126,6 +136,10 @@ def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_s
     tma.async_copy_global_to_shared(QD, [pid * BLOCK_H, P * DH], qbars.index(P * 2), q_smem.index(P * 2))
     j = 0  # key blocks done by this program: the exchange slots' phase runs on across items
     n = 0  # items done by this program
+    # an item's count and first two blocks of ids are loaded during the item before (compact's
+    # rows hold -1 past the count, so they need no mask by it)
+    gl.static_assert(NS == 2, "an item's first two blocks of ids come from the item before")
+    kn_next, ids0_next, ids1_next = _item_head(IDX, CNT, pid // n_hb, K, si_t, BLOCK_K, DH)
     for w in range(pid, n_items, nprog):
         t = (w // n_hb).to(gl.int64)
         h0 = (w % n_hb) * BLOCK_H
@@ -137,11 +151,12 @@ def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_s
             mbarrier.expect(qbars.index(P * 2 + 1 - b), q_bytes)
             tma.async_copy_global_to_shared(QD, [(w + nprog) * BLOCK_H, P * DH], qbars.index(P * 2 + 1 - b),
                                             q_smem.index(P * 2 + 1 - b))
-        kn = gl.load(CNT + t)
+        kn = kn_next
         nblk = gl.cdiv(kn, BLOCK_K)
-        for st in gl.static_range(NS - 1):
-            _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
-        ids_next = _ids(IDX, t, si_t, (NS - 1) * BLOCK_K, kn, BLOCK_K, DH)
+        _gather(KV, ids0_next, kv_smem.index(P * NS), skv, P, DH)
+        ids_next = ids1_next
+        kn_next, ids0_next, ids1_next = _item_head(IDX, CNT, gl.minimum(w + nprog, n_items - 1) // n_hb, K, si_t,
+                                                   BLOCK_K, DH)
         m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
@@ -162,8 +177,9 @@ def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_s
                 async_copy.wait_group(NS - 2)  # block i's rows (this thread's copies) are in
                 gl.thread_barrier()
                 fence_async_shared()
-                s_tok = warpgroup_mma(q, kv_smem.index(P * NS + i % NS).permute((1, 0)), zero_s, use_acc=False,
-                                      is_async=True)
+                z = _opaque_zero(i)  # q's descriptors made here, not held in registers through the loop
+                kv_t = kv_smem.index(P * NS + i % NS).permute((1, 0))
+                s_tok = warpgroup_mma(q_smem.index(P * 2 + b + z), kv_t, zero_s, use_acc=False, is_async=True)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
                 acc_tok = warpgroup_mma(p, kv_smem.index(P * NS + (i - 1) % NS), acc, is_async=True)
                 # block i's exchange and softmax run while the tensor cores do block i - 1's P.V
@@ -196,17 +212,17 @@ def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_s
 
 
 @gluon.jit
-def _half0(QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t):
-    _half(0, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t)
+def _half0(QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, K, skv, si_t):
+    _half(0, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, K, skv, si_t)
 
 
 @gluon.jit
-def _half1(QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t):
-    _half(1, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t)
+def _half1(QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, K, skv, si_t):
+    _half(1, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, K, skv, si_t)
 
 
 @gluon.jit
-def _fwd(QD, OD, KV, IDX, CNT, SINK, LSE, scale, T, H, skv, si_t, BLOCK_K: gl.constexpr, NS: gl.constexpr,
+def _fwd(QD, OD, KV, IDX, CNT, SINK, LSE, scale, T, H, K, skv, si_t, BLOCK_K: gl.constexpr, NS: gl.constexpr,
          REGS: gl.constexpr):
     BLOCK_H: gl.constexpr = QD.block_type.shape[0]
     DH: gl.constexpr = QD.block_type.shape[1]
@@ -224,7 +240,7 @@ def _fwd(QD, OD, KV, IDX, CNT, SINK, LSE, scale, T, H, skv, si_t, BLOCK_K: gl.co
     for j in gl.static_range(4):
         mbarrier.init(bars.index(j), count=1)
         mbarrier.init(qbars.index(j), count=1)
-    args = (QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, skv, si_t)
+    args = (QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_smem, bars, qbars, scale, T, H, K, skv, si_t)
     gl.warp_specialize([(_half0, args), (_half1, args)], [4], [REGS])
 
 
@@ -236,8 +252,8 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
     qd = TensorDescriptor.from_tensor(q.view(t * h, d), [BH, d // 2], layout)  # rows: (token, head)
     od = TensorDescriptor.from_tensor(o.view(t * h, d), [BH, d // 2], layout)
     grid = min(t * (h // BH), torch.cuda.get_device_properties(q.device).multi_processor_count)
-    _fwd[(grid,)](qd, od, kv, idx, cnt, sink, lse, scale * LOG2E, t, h, kv.stride(0), idx.stride(0), BLOCK_K=BK,
-                  NS=STAGES, REGS=WORKER_REGS, num_warps=4)
+    _fwd[(grid,)](qd, od, kv, idx, cnt, sink, lse, scale * LOG2E, t, h, idx.shape[1], kv.stride(0), idx.stride(0),
+                  BLOCK_K=BK, NS=STAGES, REGS=WORKER_REGS, num_warps=4)
 
 
 # --- backward: dq, P and dS ------------------------------------------------------------------
