@@ -64,19 +64,18 @@ def _acc_layout(cols):
 
 
 @gluon.jit
-def _ids(IDX, t, si_t, k0, kn, BLOCK_K: gl.constexpr, DH: gl.constexpr):
+def _ids(IDX, t, si_t, k0, bound, BLOCK_K: gl.constexpr, DH: gl.constexpr):
+    """Slots k0 .. k0 + BK of token t's compacted ids, -1 from `bound` on (the count, or the row
+    length K: compact's rows hold -1 past the count, so K serves before the count is loaded)."""
     offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _rows_layout(DH)))
-    return gl.load(IDX + t * si_t + offs_k, mask=offs_k < kn, other=-1)
+    return gl.load(IDX + t * si_t + offs_k, mask=offs_k < bound, other=-1)
 
 
 @gluon.jit
 def _item_head(IDX, CNT, t, K, si_t, BLOCK_K: gl.constexpr, DH: gl.constexpr):
     """Token t's key count and its first two blocks of compacted ids (-1 past the count)."""
     t = t.to(gl.int64)
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _rows_layout(DH)))
-    ids0 = gl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
-    ids1 = gl.load(IDX + t * si_t + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=-1)
-    return gl.load(CNT + t), ids0, ids1
+    return gl.load(CNT + t), _ids(IDX, t, si_t, 0, K, BLOCK_K, DH), _ids(IDX, t, si_t, BLOCK_K, K, BLOCK_K, DH)
 
 
 @gluon.jit
@@ -267,6 +266,12 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
 DQ_BK, DQ_STAGES = 32, 2
 
 
+@triton.constexpr_function
+def _piece(cols):
+    """Columns per piece of the delta reads: 64, or the whole half when it is narrower."""
+    return min(64, cols)
+
+
 @gluon.jit
 def _opaque_zero(x):
     """0, computed where the compiler cannot see it. A loop-invariant shared buffer used as a
@@ -337,7 +342,7 @@ def _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, i, h0, H, K, BLOCK_H: gl.con
 
 @gluon.jit
 def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h,
-             skv, si_t, sdq_t, sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars):
+             skv, si_t, sdq_t, sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
     NS: gl.constexpr = kv_smem.type.shape[0] // 2
     BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
     DH: gl.constexpr = kv_smem.type.shape[2]
@@ -357,9 +362,9 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
     async_copy.async_copy_global_to_shared(do, DO + qo, mask=(offs_h < H)[:, None])
     kn = gl.load(CNT + t)
     nblk = gl.cdiv(kn, BLOCK_K)
-    for st in gl.static_range(NS):
-        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, kn, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
-    ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, kn, BLOCK_K, DH)  # loaded a block ahead of its gather
+    for st in gl.static_range(NS):  # bounded by K, not the count: no wait for the count's load
+        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, K, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
+    ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, K, BLOCK_K, DH)  # loaded a block ahead of its gather
     x_s = x_smem.index(0)
     x_dp = x_smem.index(1)
     p_smem = pd_smem.index(0)
@@ -369,18 +374,25 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
     acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
     offs_hs = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
     hmask = offs_hs < H
-    if P == 0:
-        # delta = rowsum(dO * O) over the whole head dim, read in column pieces
-        cols: gl.constexpr = _rows_layout(64)
-        offs_hc = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, cols))
-        delta_c = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, cols))
-        for c in gl.static_range(2 * DH // 64):
-            offs_c = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, cols))
-            oc = t * sq_t + offs_hc[:, None] * sq_h + offs_c[None, :]
-            cm = (offs_hc < H)[:, None]
-            delta_c += gl.sum(gl.load(DO + oc, mask=cm, other=0.0).to(gl.float32)
-                              * gl.load(O + oc, mask=cm, other=0.0).to(gl.float32), 1)
-        delta = gl.convert_layout(delta_c, gl.SliceLayout(1, s_l))
+    # delta = rowsum(dO * O): each partition sums its D half (read in column pieces), and
+    # partition 1 hands its part to partition 0, which alone forms P and dS
+    CW: gl.constexpr = _piece(DH)
+    cols: gl.constexpr = _rows_layout(CW)
+    offs_hc = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, cols))
+    delta_c = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, cols))
+    for c in gl.static_range(DH // CW):
+        offs_c = P * DH + c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, cols))
+        oc = t * sq_t + offs_hc[:, None] * sq_h + offs_c[None, :]
+        cm = (offs_hc < H)[:, None]
+        delta_c += gl.sum(gl.load(DO + oc, mask=cm, other=0.0).to(gl.float32)
+                          * gl.load(O + oc, mask=cm, other=0.0).to(gl.float32), 1)
+    if P == 1:
+        d_smem.store(delta_c)
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(4), count=1)
+    else:
+        mbarrier.wait(bars.index(4), phase=0)
+        delta = gl.convert_layout(delta_c + d_smem.load(delta_c.type.layout), gl.SliceLayout(1, s_l))
         lse = gl.load(LSE + t * H + offs_hs, mask=hmask, other=0.0)
         sink = gl.load(SINK + offs_hs, mask=hmask, other=0.0)
         gl.store(DSINK + t * H + offs_hs, -gl.exp(sink - lse) * delta, mask=hmask)
@@ -440,16 +452,16 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
 
 @gluon.jit
 def _dq_half0(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars):
+              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
     _dq_half(0, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars)
+             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
 
 
 @gluon.jit
 def _dq_half1(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars):
+              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
     _dq_half(1, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, bars)
+             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
 
 
 @gluon.jit
@@ -465,11 +477,12 @@ def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H,
     x_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H, BLOCK_K], padded)  # partials S, dP of half 1
     pd_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_K],  # P, dS
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
-    bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(4):
+    d_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # delta part
+    bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # 4 hand-overs, delta
+    for j in gl.static_range(5):
         mbarrier.init(bars.index(j), count=1)
     args = (Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t, sdq_h,
-            kv_smem, q_smem, do_smem, x_smem, pd_smem, bars)
+            kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
     gl.warp_specialize([(_dq_half0, args), (_dq_half1, args)], [4], [REGS])
 
 
