@@ -262,7 +262,8 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
 # dS = P (dP - delta) scale and puts P and dS (bf16) in shared memory, where both take dS as
 # the A operand of dq[:, half p] += dS.K[:, half p], and partition 1 copies P and dS into the
 # scratch [Tc, K, H] that the key-major kv-gradient kernel reads. One slot per buffer, so four
-# mbarriers order the hand-overs (phase = block & 1).
+# mbarriers order the hand-overs (phase = block & 1); a fifth hands partition 1's half of
+# delta = rowsum(dO * O) to partition 0 once per token.
 DQ_BK, DQ_STAGES = 32, 2
 
 
@@ -488,7 +489,9 @@ def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H,
 
 def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, dst, t0, tc):
     """Tokens t0 .. t0 + tc of the backward's first pass: dq, the sink-gradient terms, and P,
-    dS * scale into the scratch pt, dst [Tc, K, H] (contiguous q, kv, o, do)."""
+    dS * scale into the scratch pt, dst [Tc, K, H] (contiguous q, kv, o, do; idx, cnt as
+    `compact` returns them: the first blocks' ids are read before the count, relying on its -1
+    past the count)."""
     _, h, d = q.shape
     _bwd_dq[(tc, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, do, lse, dq, dsink_terms, pt, dst, t0,
                                       scale * LOG2E, h, idx.shape[1], q.stride(0), q.stride(1), kv.stride(0),
