@@ -256,21 +256,16 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
 
 
 # --- backward: dq, P and dS ------------------------------------------------------------------
-# Same split of D: partition p holds q[:, half p] and dO[:, half p] in shared memory and
-# computes the partial S = Q.K^T and dP = dO.K^T over its half. Partition 1 hands its partials
+# Same split of D: partition p holds q[:, half p] and dO[:, half p] in shared memory (by TMA)
+# and computes the partial S = Q.K^T and dP = dO.K^T over its half. Partition 1 hands its partials
 # to partition 0 through shared memory (fp32); partition 0 forms P = exp(S - lse) and
 # dS = P (dP - delta) scale and puts P and dS (bf16) in shared memory, where both take dS as
 # the A operand of dq[:, half p] += dS.K[:, half p], and partition 1 copies P and dS into the
 # scratch [Tc, K, H] that the key-major kv-gradient kernel reads. One slot per buffer, so four
 # mbarriers order the hand-overs (phase = block & 1); a fifth hands partition 1's half of
-# delta = rowsum(dO * O) to partition 0 once per token.
+# delta = rowsum(dO * O) to partition 0 once per token, and one per partition says its q and dO
+# have landed. dq[:, half p] leaves through q's buffer by a TMA store.
 DQ_BK, DQ_STAGES = 32, 2
-
-
-@triton.constexpr_function
-def _piece(cols):
-    """Columns per piece of the delta reads: 64, or the whole half when it is narrower."""
-    return min(64, cols)
 
 
 @gluon.jit
@@ -342,25 +337,32 @@ def _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, i, h0, H, K, BLOCK_H: gl.con
 
 
 @gluon.jit
-def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h,
-             skv, si_t, sdq_t, sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
+def _dq_half(P: gl.constexpr, QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h,
+             skv, si_t, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
     NS: gl.constexpr = kv_smem.type.shape[0] // 2
     BLOCK_K: gl.constexpr = kv_smem.type.shape[1]
     DH: gl.constexpr = kv_smem.type.shape[2]
     BLOCK_H: gl.constexpr = q_smem.type.shape[1]
     s_l: gl.constexpr = _acc_layout(BLOCK_K)
     o_l: gl.constexpr = _acc_layout(DH)
-    rows: gl.constexpr = _rows_layout(DH)
     tc = gl.program_id(0).to(gl.int64)  # token within the chunk
     t = T0 + tc
     h0 = gl.program_id(1) * BLOCK_H
-    offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
-    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, rows))
-    qo = t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
+    row = (t * H + h0).to(gl.int32)  # of the [T * H, D] views behind the descriptors
     q = q_smem.index(P)
     do = do_smem.index(P)
-    async_copy.async_copy_global_to_shared(q, Q + qo, mask=(offs_h < H)[:, None])
-    async_copy.async_copy_global_to_shared(do, DO + qo, mask=(offs_h < H)[:, None])
+    # q and dO by TMA (no address registers). O, read only for delta = rowsum(dO * O), comes
+    # into registers by loads issued before anything waits and meets dO in shared memory: dO
+    # crosses HBM once (it was also read a second time for delta, in pieces: HCA dq pass
+    # 1.73 -> 1.45 ms with the TMA copies and the TMA store of dq)
+    b_qdo = bars.index(5 + P)
+    mbarrier.expect(b_qdo, 2 * BLOCK_H * DH * 2)
+    tma.async_copy_global_to_shared(QD, [row, P * DH], b_qdo, q)
+    tma.async_copy_global_to_shared(DOD, [row, P * DH], b_qdo, do)
+    rows: gl.constexpr = _rows_layout(DH)
+    offs_hr = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, rows))
+    o_half = gl.load(O + t * so_t + offs_hr[:, None] * so_h + offs_d[None, :])  # [BH, DH]
     kn = gl.load(CNT + t)
     nblk = gl.cdiv(kn, BLOCK_K)
     for st in gl.static_range(NS):  # bounded by K, not the count: no wait for the count's load
@@ -371,22 +373,11 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
     p_smem = pd_smem.index(0)
     ds_smem = pd_smem.index(1)
     b_part, b_xfree, b_ds, b_dsfree = bars.index(0), bars.index(1), bars.index(2), bars.index(3)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
-    acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
     offs_hs = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    hmask = offs_hs < H
-    # delta = rowsum(dO * O): each partition sums its D half (read in column pieces), and
-    # partition 1 hands its part to partition 0, which alone forms P and dS
-    CW: gl.constexpr = _piece(DH)
-    cols: gl.constexpr = _rows_layout(CW)
-    offs_hc = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, cols))
-    delta_c = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, cols))
-    for c in gl.static_range(DH // CW):
-        offs_c = P * DH + c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, cols))
-        oc = t * sq_t + offs_hc[:, None] * sq_h + offs_c[None, :]
-        cm = (offs_hc < H)[:, None]
-        delta_c += gl.sum(gl.load(DO + oc, mask=cm, other=0.0).to(gl.float32)
-                          * gl.load(O + oc, mask=cm, other=0.0).to(gl.float32), 1)
+    mbarrier.wait(b_qdo, phase=0)
+    # each partition sums its D half; partition 1 hands its part to partition 0, which alone
+    # forms P and dS
+    delta_c = gl.sum(do.load(rows).to(gl.float32) * o_half.to(gl.float32), 1)
     if P == 1:
         d_smem.store(delta_c)
         gl.thread_barrier()
@@ -394,10 +385,12 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
     else:
         mbarrier.wait(bars.index(4), phase=0)
         delta = gl.convert_layout(delta_c + d_smem.load(delta_c.type.layout), gl.SliceLayout(1, s_l))
-        lse = gl.load(LSE + t * H + offs_hs, mask=hmask, other=0.0)
-        sink = gl.load(SINK + offs_hs, mask=hmask, other=0.0)
-        gl.store(DSINK + t * H + offs_hs, -gl.exp(sink - lse) * delta, mask=hmask)
+        lse = gl.load(LSE + t * H + offs_hs)
+        sink = gl.load(SINK + offs_hs)
+        gl.store(DSINK + t * H + offs_hs, -gl.exp(sink - lse) * delta)
         lse2 = lse * 1.4426950408889634
+    zero_s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
+    acc = gl.zeros([BLOCK_H, DH], gl.float32, o_l)
     if nblk > 0:
         # block 0: S, dP, the hand-over, P and dS; its dq product is issued with block 1's S, dP
         s, dp = _dq_scores(q, do, kv_smem.index(P * NS), zero_s, NS - 1)
@@ -442,58 +435,59 @@ def _dq_half(P: gl.constexpr, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, 
         acc = warpgroup_mma(ds_smem, kv_smem.index(P * NS + (nblk - 1) % NS), acc)
         if P == 1:
             _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, nblk - 1, h0, H, K, BLOCK_H, BLOCK_K)
-    async_copy.wait_group(0)
-    gl.thread_barrier()  # every copy into q's buffer has landed before dq reuses it
-    # dS carried scale already; dq leaves through q's buffer in 16-byte pieces
+    async_copy.wait_group(0)  # the (empty) copies past the last block have landed
+    # dS carried scale already; dq leaves through q's buffer by a TMA store
     q.store(acc.to(gl.bfloat16))
+    fence_async_shared()
     gl.thread_barrier()
-    # (dq's own strides: an address tensor shared with q's copy would stay live through the loop)
-    gl.store(DQ + t * sdq_t + offs_h[:, None] * sdq_h + offs_d[None, :], q.load(rows), mask=(offs_h < H)[:, None])
+    tma.async_copy_shared_to_global(DQD, [row, P * DH], q)
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _dq_half0(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
-    _dq_half(0, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
+def _dq_half0(QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h, skv, si_t, kv_smem,
+              q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
+    _dq_half(0, QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h, skv, si_t,
+             kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
 
 
 @gluon.jit
-def _dq_half1(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-              sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
-    _dq_half(1, Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t,
-             sdq_h, kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
+def _dq_half1(QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h, skv, si_t, kv_smem,
+              q_smem, do_smem, x_smem, pd_smem, d_smem, bars):
+    _dq_half(1, QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h, skv, si_t,
+             kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
 
 
 @gluon.jit
-def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t, sdq_h,
-            D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr):
-    DH: gl.constexpr = D // 2
+def _bwd_dq(QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h, skv, si_t,
+            BLOCK_K: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr):
+    BLOCK_H: gl.constexpr = QD.block_type.shape[0]
+    DH: gl.constexpr = QD.block_type.shape[1]
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BLOCK_K, DH],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_K, DH], gl.bfloat16))
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, DH], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH], q_layout)
-    do_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH], q_layout)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH], QD.layout)  # [half, heads, D half]
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, DH], QD.layout)
     padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_K, 8]], [BLOCK_H, BLOCK_K], [1, 0])
     x_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H, BLOCK_K], padded)  # partials S, dP of half 1
     pd_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_K],  # P, dS
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
     d_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # delta part
-    bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # 4 hand-overs, delta
-    for j in gl.static_range(5):
+    bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())  # 4 hand-overs, delta, q and dO x 2
+    for j in gl.static_range(7):
         mbarrier.init(bars.index(j), count=1)
-    args = (Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t, sdq_t, sdq_h,
-            kv_smem, q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
+    args = (QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, PT, DST, T0, scale, H, K, so_t, so_h, skv, si_t, kv_smem,
+            q_smem, do_smem, x_smem, pd_smem, d_smem, bars)
     gl.warp_specialize([(_dq_half0, args), (_dq_half1, args)], [4], [REGS])
 
 
 def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, dst, t0, tc):
     """Tokens t0 .. t0 + tc of the backward's first pass: dq, the sink-gradient terms, and P,
-    dS * scale into the scratch pt, dst [Tc, K, H] (contiguous q, kv, o, do; idx, cnt as
+    dS * scale into the scratch pt, dst [Tc, K, H] (contiguous q, kv, o, do, dq; idx, cnt as
     `compact` returns them: the first blocks' ids are read before the count, relying on its -1
     past the count)."""
-    _, h, d = q.shape
-    _bwd_dq[(tc, triton.cdiv(h, BH))](q, kv, idx, cnt, sink, o, do, lse, dq, dsink_terms, pt, dst, t0,
-                                      scale * LOG2E, h, idx.shape[1], q.stride(0), q.stride(1), kv.stride(0),
-                                      idx.stride(0), dq.stride(0), dq.stride(1), D=d, BLOCK_H=BH, BLOCK_K=DQ_BK,
-                                      NS=DQ_STAGES, REGS=WORKER_REGS, num_warps=4)
+    t, h, d = q.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BH, d // 2], gl.bfloat16)
+    qd, dod, dqd = (TensorDescriptor.from_tensor(x.view(t * h, d), [BH, d // 2], layout) for x in (q, do, dq))
+    _bwd_dq[(tc, h // BH)](qd, dod, dqd, kv, idx, cnt, sink, o, lse, dsink_terms, pt, dst, t0, scale * LOG2E, h,
+                           idx.shape[1], o.stride(0), o.stride(1), kv.stride(0), idx.stride(0), BLOCK_K=DQ_BK,
+                           NS=DQ_STAGES, REGS=WORKER_REGS, num_warps=4)
