@@ -23,8 +23,8 @@ of tokens so the scratch stays bounded (`SCRATCH_BYTES`):
     S = 8192, bound by L2. Fast mode adds each finished tile with atomics (order-dependent
     rounding); deterministic mode stores it per token split and sums the splits in order
     (no atomics: bit-identical across runs).
-On CUDA two scratch sets let chunk i's kv gradient run on a side stream beside chunk i + 1's
-dq pass (events order the reuse of a set), so neither kernel's last partial wave idles SMs.
+Optionally (`OVERLAP_CHUNKS`, off by default) two scratch sets let chunk i's kv gradient run
+on a side stream beside chunk i + 1's dq pass (events order the reuse of a set).
 A token's index set names each key at most once (window positions and a top-k are distinct):
 the slot map keeps one slot per (token, key).
 """
@@ -77,12 +77,15 @@ DETERMINISTIC_TOKENS_PER_PROGRAM = 256
 # Bounds on the backward's per-chunk scratch: P and dS [Tc, K, H] with the slot map [Tc, N],
 # and the deterministic mode's per-split kv-gradient tiles [splits, N, D] fp32 (above it, the
 # splits grow longer: fewer programs).
-SCRATCH_BYTES = 2 ** 27
-# On CUDA the backward keeps two scratch sets (2 * SCRATCH_BYTES) and runs chunk i's kv
-# gradient on a side stream beside chunk i + 1's dq pass: H100, 2026-11-23, fwd+bwd 4-5%
-# faster (CSA S = 4096: 5.03 -> 4.84 ms, 8192: 12.35 -> 11.82). Two sets of 2^28 gave 7-8%
-# at 512 MiB of scratch; one set of 2^26 with overlap was slower than none.
-OVERLAP_CHUNKS = True
+SCRATCH_BYTES = 2 ** 28
+# With OVERLAP_CHUNKS (CUDA) the backward keeps two scratch sets of SCRATCH_BYTES and runs
+# chunk i's kv gradient on a side stream beside chunk i + 1's dq pass. Off by default since the
+# dq pass got faster: at the same 256 MiB of scratch, one set of 2^28 against two overlapped
+# sets of 2^27 (H100, 2026-11-23, sixth session, fwd+bwd ms, fast / deterministic / portable):
+# CSA S = 4096 4.20 -> 4.10, 4.71 -> 4.63, 5.10 -> 5.04; S = 8192 10.41 -> 10.43, 11.90 ->
+# 11.61, 12.41 -> 12.61; HCA S = 8192 3.65 -> 3.58, 4.70 -> 4.57, 4.58 -> 4.57. (Before, the
+# overlap had gained 4-5% over one set of 2^27.)
+OVERLAP_CHUNKS = False
 DETERMINISTIC_SCRATCH_BYTES = 2 ** 30
 
 
