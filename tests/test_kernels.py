@@ -220,8 +220,8 @@ class _Late:
 @pytest.mark.skipif(not CUDA, reason="the chunk overlap runs on CUDA streams only")
 @pytest.mark.parametrize("late", ["kv", "dq"])
 def test_overlapped_chunks_give_the_same_bits_as_sequential_ones(seed, late, monkeypatch):
-    """On CUDA, chunk i's kv gradient runs on a side stream beside chunk i + 1's dq pass, with
-    two scratch sets. Each stream in turn is made late (a sleep before each of its kernels),
+    """With OVERLAP_CHUNKS (CUDA), chunk i's kv gradient runs on a side stream beside chunk
+    i + 1's dq pass, with two scratch sets. Each stream in turn is made late (a sleep before each of its kernels),
     so the other runs ahead as far as the waits let it: a missing wait (a set overwritten
     while the kv gradient still reads it, or read before the dq pass wrote it) changes the
     bits of the deterministic backward."""

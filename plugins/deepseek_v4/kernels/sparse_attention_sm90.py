@@ -243,13 +243,19 @@ def _fwd(QD, OD, KV, IDX, CNT, SINK, LSE, scale, T, H, K, skv, si_t, BLOCK_K: gl
     gl.warp_specialize([(_half0, args), (_half1, args)], [4], [REGS])
 
 
+def _head_halves(x: torch.Tensor) -> TensorDescriptor:
+    """TMA descriptor of a contiguous [T, H, D] tensor viewed as rows (token, head) x D, in
+    blocks of 64 heads x one D half (what each partition loads or stores per item)."""
+    t, h, d = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BH, d // 2], gl.bfloat16)
+    return TensorDescriptor.from_tensor(x.view(t * h, d), [BH, d // 2], layout)
+
+
 def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
     """Fills o [T, H, D] and lse [T, H] (contiguous q, o, kv; idx, cnt as `compact` returns
     them); a persistent grid of one program per SM."""
-    t, h, d = q.shape
-    layout = gl.NVMMASharedLayout.get_default_for([BH, d // 2], gl.bfloat16)
-    qd = TensorDescriptor.from_tensor(q.view(t * h, d), [BH, d // 2], layout)  # rows: (token, head)
-    od = TensorDescriptor.from_tensor(o.view(t * h, d), [BH, d // 2], layout)
+    t, h, _ = q.shape
+    qd, od = _head_halves(q), _head_halves(o)
     grid = min(t * (h // BH), torch.cuda.get_device_properties(q.device).multi_processor_count)
     _fwd[(grid,)](qd, od, kv, idx, cnt, sink, lse, scale * LOG2E, t, h, idx.shape[1], kv.stride(0), idx.stride(0),
                   BLOCK_K=BK, NS=STAGES, REGS=WORKER_REGS, num_warps=4)
@@ -485,9 +491,8 @@ def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, d
     dS * scale into the scratch pt, dst [Tc, K, H] (contiguous q, kv, o, do, dq; idx, cnt as
     `compact` returns them: the first blocks' ids are read before the count, relying on its -1
     past the count)."""
-    t, h, d = q.shape
-    layout = gl.NVMMASharedLayout.get_default_for([BH, d // 2], gl.bfloat16)
-    qd, dod, dqd = (TensorDescriptor.from_tensor(x.view(t * h, d), [BH, d // 2], layout) for x in (q, do, dq))
+    h = q.shape[1]
+    qd, dod, dqd = _head_halves(q), _head_halves(do), _head_halves(dq)
     _bwd_dq[(tc, h // BH)](qd, dod, dqd, kv, idx, cnt, sink, o, lse, dsink_terms, pt, dst, t0, scale * LOG2E, h,
                            idx.shape[1], o.stride(0), o.stride(1), kv.stride(0), idx.stride(0), BLOCK_K=DQ_BK,
                            NS=DQ_STAGES, REGS=WORKER_REGS, num_warps=4)
