@@ -270,11 +270,13 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
 # scratch [Tc, K, H] that the key-major kv-gradient kernel reads. One slot per buffer, so four
 # mbarriers order the hand-overs (phase = block & 1); a fifth hands partition 1's half of
 # delta = rowsum(dO * O) to partition 0 once per token, and one per partition says its q and dO
-# have landed. dq[:, half p] leaves through q's buffer by a TMA store. In the key loop block
-# i - 1's dq product goes to the tensor cores before block i's S and dP: with two kv stages,
-# block i + 1's rows can only come into the stage that product frees, and this way they are
-# gathered while S and dP run (H100, 2026-11-23: dq pass 1-4% faster than S and dP first,
-# whose gather went out at the end of the iteration and waited its L2 latency at the next).
+# have landed. dq[:, half p] leaves through q's buffer by a TMA store. With two kv stages,
+# block i + 1's rows can only come into the stage that block i - 1's dq product frees: in the
+# key loop partition 0 issues that product before block i's S and dP and gathers as soon as
+# it is done, while partition 1 issues S and dP first (its partials are what partition 0
+# waits on) and gathers right after handing them over. H100, 2026-11-23, dq pass: 2-7%
+# faster than both partitions issuing S and dP first and gathering at the iteration's end
+# (whose rows then waited their L2 latency at the next iteration's start).
 DQ_BK, DQ_STAGES = 32, 2
 
 
@@ -418,25 +420,32 @@ def _dq_half(P: gl.constexpr, QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, P
             fence_async_shared()
             z = _opaque_zero(i)  # the A operands' descriptors made here, not held in (spilled) registers
             kv_t = kv_smem.index(stage).permute((1, 0))
-            # dq of block i - 1 first: its stage is free once it is done, and block i + 1's rows
-            # come in while the tensor cores do S and dP of block i
-            acc_tok = warpgroup_mma(pd_smem.index(1 + z), kv_smem.index(prev), acc, is_async=True)
-            s_tok = warpgroup_mma(q_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(do_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(2, deps=[acc_tok])
-            gl.thread_barrier()  # every warp's dq product has read the stage
-            _gather(KV, ids_next, kv_smem.index(prev), skv, P, DH)
-            ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            dp = warpgroup_mma_wait(0, deps=[dp_tok])
-            if P == 1:
+            if P == 1:  # S and dP first: its partials are what partition 0 waits on
+                s_tok = warpgroup_mma(q_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
+                dp_tok = warpgroup_mma(do_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
+                acc_tok = warpgroup_mma(pd_smem.index(1 + z), kv_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(2, deps=[s_tok])
+                dp = warpgroup_mma_wait(1, deps=[dp_tok])
                 mbarrier.wait(b_xfree, phase=(i - 1) & 1)
                 _dq_put_partials(s, dp, x_s, x_dp, b_part)
+                acc = warpgroup_mma_wait(0, deps=[acc_tok])
+                gl.thread_barrier()  # every warp's dq product has read the stage
+                _gather(KV, ids_next, kv_smem.index(prev), skv, P, DH)
+                ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
                 _dq_store_scratch(PT, DST, p_smem, ds_smem, tc, i - 1, h0, H, K, BLOCK_H, BLOCK_K)
                 gl.thread_barrier()
                 mbarrier.arrive(b_dsfree, count=1)
                 mbarrier.wait(b_ds, phase=i & 1)
-            else:
+            else:  # dq of block i - 1 first: block i + 1's rows come in while S and dP run
+                acc_tok = warpgroup_mma(pd_smem.index(1 + z), kv_smem.index(prev), acc, is_async=True)
+                s_tok = warpgroup_mma(q_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
+                dp_tok = warpgroup_mma(do_smem.index(P + z), kv_t, zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(2, deps=[acc_tok])
+                gl.thread_barrier()  # every warp's dq product has read the stage
+                _gather(KV, ids_next, kv_smem.index(prev), skv, P, DH)
+                ids_next = _ids(IDX, t, si_t, (i + NS) * BLOCK_K, kn, BLOCK_K, DH)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                dp = warpgroup_mma_wait(0, deps=[dp_tok])
                 p, ds = _dq_grads(s, dp, x_s, x_dp, b_part, b_xfree, i, kn, scale, lse2, delta, s_l)
                 mbarrier.wait(b_dsfree, phase=(i - 1) & 1)
                 _dq_put_pds(p, ds, p_smem, ds_smem, b_ds)
