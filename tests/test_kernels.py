@@ -221,10 +221,10 @@ class _Late:
 @pytest.mark.parametrize("late", ["kv", "dq"])
 def test_overlapped_chunks_give_the_same_bits_as_sequential_ones(seed, late, monkeypatch):
     """With OVERLAP_CHUNKS (CUDA), chunk i's kv gradient runs on a side stream beside chunk
-    i + 1's dq pass, with two scratch sets. Each stream in turn is made late (a sleep before each of its kernels),
-    so the other runs ahead as far as the waits let it: a missing wait (a set overwritten
-    while the kv gradient still reads it, or read before the dq pass wrote it) changes the
-    bits of the deterministic backward."""
+    i + 1's dq pass, with two scratch sets. Each stream in turn is made late (a sleep before
+    each of its kernels), so the other runs ahead as far as the waits let it: a missing wait
+    (a set overwritten while the kv gradient still reads it, or read before the dq pass wrote
+    it) changes the bits of the deterministic backward."""
     if late == "kv":
         monkeypatch.setattr(sa, "_bwd_dkv", _Late(sa._bwd_dkv))
     else:
