@@ -7,8 +7,9 @@ output columns, so each needs all of P and recomputes all of Q.K^T (3 units of t
 for 2 useful). Here partition p owns the D half p: it gathers kv[:, half] into its own
 shared-memory stages (cp.async), computes the partial Q.K^T over its half, and the two halves
 are summed through shared memory; both then run the same online softmax (a + b == b + a, so
-they agree bitwise) and P.V for their own output half. The next block's Q.K^T is issued
-before this block's exchange and softmax, so those run while the tensor cores work.
+they agree bitwise) and P.V for their own output half. Block i's Q.K^T is issued with
+block i - 1's P.V, so the exchange runs while the tensor cores do that P.V (ptxas waits for
+it before the softmax: the new P goes into the registers it reads).
 
 Persistent: one program per SM walks items (token, block of 64 heads) pid, pid + #SMs, ...;
 the next item's q comes by TMA into a second buffer while this one runs, and o leaves by a
@@ -63,11 +64,19 @@ def _acc_layout(cols):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
 
 
+@triton.constexpr_function
+def _gather_layout(cols):
+    """[rows, cols] of gathered kv rows: four lanes a row, each moving 16-byte pieces 64 bytes
+    apart, so a thread needs one row's id (a warp a row took 8 ids a thread: with the registers
+    that frees, H100 2026-11-23, forward 4-6% faster on CSA, dq pass 2-4% on all three shapes)."""
+    return gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+
+
 @gluon.jit
 def _ids(IDX, t, si_t, k0, bound, BLOCK_K: gl.constexpr, DH: gl.constexpr):
     """Slots k0 .. k0 + BK of token t's compacted ids, -1 from `bound` on (the count, or the row
     length K: compact's rows hold -1 past the count, so K serves before the count is loaded)."""
-    offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _rows_layout(DH)))
+    offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _gather_layout(DH)))
     return gl.load(IDX + t * si_t + offs_k, mask=offs_k < bound, other=-1)
 
 
@@ -81,7 +90,7 @@ def _item_head(IDX, CNT, t, K, si_t, BLOCK_K: gl.constexpr, DH: gl.constexpr):
 @gluon.jit
 def _gather(KV, ids, buf, skv, P: gl.constexpr, DH: gl.constexpr):
     """Half P of the kv rows `ids` into `buf` [BK, DH] as one copy group; empty slots read as zeros."""
-    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _rows_layout(DH)))
+    offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _gather_layout(DH)))
     async_copy.async_copy_global_to_shared(buf, KV + ids.to(gl.int64)[:, None] * skv + offs_d[None, :],
                                            mask=(ids >= 0)[:, None])
     async_copy.commit_group()
