@@ -151,10 +151,13 @@ def check(q, pool, idx, sink) -> dict:
 def kernel_times(q, pool, idx, sink, deterministic: bool) -> str:
     """CUDA time per kernel of one forward+backward (torch profiler), largest first."""
     qg, pg, sg = q.clone().requires_grad_(), pool.clone().requires_grad_(), sink.clone().requires_grad_()
+    do = torch.ones_like(q)  # made once, and the gradients cleared each step, as in `run_variant`: the
+    # profile then lists the attention's own kernels, not a cotangent fill and gradient accumulation
 
     def step():
-        o = sparse_attention(qg, pg, idx, sg, D ** -0.5, deterministic=deterministic)[0]
-        o.backward(torch.ones_like(o))
+        for x in (qg, pg, sg):
+            x.grad = None
+        sparse_attention(qg, pg, idx, sg, D ** -0.5, deterministic=deterministic)[0].backward(do)
 
     step()
     torch.cuda.synchronize()
