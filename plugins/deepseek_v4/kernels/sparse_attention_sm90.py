@@ -378,20 +378,22 @@ def _dq_half(P: gl.constexpr, QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, P
     # q and dO by TMA (no address registers). O, read only for delta = rowsum(dO * O), comes
     # into registers by loads issued before anything waits and meets dO in shared memory: dO
     # crosses HBM once (it was also read a second time for delta, in pieces: HCA dq pass
-    # 1.73 -> 1.45 ms with the TMA copies and the TMA store of dq)
-    b_qdo = bars.index(5 + P)
-    mbarrier.expect(b_qdo, 2 * BLOCK_H * DH * 2)
-    tma.async_copy_global_to_shared(QD, [row, P * DH], b_qdo, q)
-    tma.async_copy_global_to_shared(DOD, [row, P * DH], b_qdo, do)
+    # 1.73 -> 1.45 ms with the TMA copies and the TMA store of dq). The threads' own loads (the
+    # first blocks' rows, O, the count and ids) go out before the two 32 KB TMA copies, not
+    # behind them (H100: dq pass 4% faster on CSA, 9% on HCA)
+    for st in gl.static_range(NS):  # bounded by K, not the count: no wait for the count's load
+        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, K, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
     rows: gl.constexpr = _rows_layout(DH)
     offs_hr = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
     offs_d = P * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, rows))
     o_half = gl.load(O + t * so_t + offs_hr[:, None] * so_h + offs_d[None, :])  # [BH, DH]
     kn = gl.load(CNT + t)
     nblk = gl.cdiv(kn, BLOCK_K)
-    for st in gl.static_range(NS):  # bounded by K, not the count: no wait for the count's load
-        _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, K, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
     ids_next = _ids(IDX, t, si_t, NS * BLOCK_K, K, BLOCK_K, DH)  # loaded a block ahead of its gather
+    b_qdo = bars.index(5 + P)
+    mbarrier.expect(b_qdo, 2 * BLOCK_H * DH * 2)
+    tma.async_copy_global_to_shared(QD, [row, P * DH], b_qdo, q)
+    tma.async_copy_global_to_shared(DOD, [row, P * DH], b_qdo, do)
     x_s = x_smem.index(0)
     x_dp = x_smem.index(1)
     p_smem = pd_smem.index(0)
