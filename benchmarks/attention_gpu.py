@@ -88,6 +88,18 @@ def dense_mask(idx: torch.Tensor, n: int) -> torch.Tensor:
     return m[:, :n]
 
 
+def train_step(fwd, inputs, cotangent: dict | None) -> None:
+    """fwd(), and with a cotangent dict its backward: gradients cleared first (no accumulation
+    kernel) and dO made once and kept in the dict (a [S, H, D] fill is not attention work)."""
+    for x in inputs:
+        x.grad = None
+    out = fwd()
+    if cotangent is not None:
+        if "do" not in cotangent:
+            cotangent["do"] = torch.ones_like(out)
+        out.backward(cotangent["do"])
+
+
 def run_variant(name, fwd, inputs, flops_f, flops_fb, rows, case):
     for x in inputs:
         x.grad = None  # the variant before left its gradients: freed in our first step, they would offset the peak
@@ -97,13 +109,7 @@ def run_variant(name, fwd, inputs, flops_f, flops_fb, rows, case):
     for flops, with_bwd in ((flops_f, False), (flops_fb, True)):
         try:
             def step(with_bwd=with_bwd):
-                for x in inputs:
-                    x.grad = None
-                out = fwd()
-                if with_bwd:
-                    if "do" not in cotangent:
-                        cotangent["do"] = torch.ones_like(out)
-                    out.backward(cotangent["do"])
+                train_step(fwd, inputs, cotangent if with_bwd else None)
             step()  # first call: autotuning, whose trial runs would count in the peak below
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -151,13 +157,11 @@ def check(q, pool, idx, sink) -> dict:
 def kernel_times(q, pool, idx, sink, deterministic: bool) -> str:
     """CUDA time per kernel of one forward+backward (torch profiler), largest first."""
     qg, pg, sg = q.clone().requires_grad_(), pool.clone().requires_grad_(), sink.clone().requires_grad_()
-    do = torch.ones_like(q)  # made once, and the gradients cleared each step, as in `run_variant`: the
-    # profile then lists the attention's own kernels, not a cotangent fill and gradient accumulation
+    cotangent = {}  # as in `run_variant`, so the profile lists the attention's own kernels only
 
     def step():
-        for x in (qg, pg, sg):
-            x.grad = None
-        sparse_attention(qg, pg, idx, sg, D ** -0.5, deterministic=deterministic)[0].backward(do)
+        train_step(lambda: sparse_attention(qg, pg, idx, sg, D ** -0.5, deterministic=deterministic)[0],
+                   [qg, pg, sg], cotangent)
 
     step()
     torch.cuda.synchronize()
