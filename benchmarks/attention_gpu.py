@@ -5,7 +5,8 @@
 Shapes of a V4-Flash layer: H = 64 heads, D = 512, window 128; CSA picks 512 compressed
 entries (ratio 4), HCA attends every visible entry (ratio 128). Variants: the Triton
 kernels (fast and deterministic backward; on an H100 the forward and the backward's dq
-pass are the Gluon kernels, and "portable" times the Triton ones in their place), the
+pass and kv gradient are the Gluon kernels, and "portable" times the Triton ones in their
+place, "portable kv grad" the kv gradient's only), the
 PyTorch gather reference, and dense masked SDPA over [raw keys ; compressed entries] (no
 sink: a speed baseline only). The FLOP floor
 counts the useful matmuls (forward 2 of Q.K and P.V, backward 5) over the valid keys only,
@@ -123,14 +124,14 @@ def run_variant(name, fwd, inputs, flops_f, flops_fb, rows, case):
 
 
 @contextlib.contextmanager
-def portable():
-    """The Triton forward and dq pass in place of the H100 Gluon ones (the A/B), for the
-    forward and the backward alike."""
-    sa.SM90_KERNELS = False
+def portable(switch: str = "SM90_KERNELS"):
+    """The Triton kernels in place of the H100 Gluon ones (the A/B): all of them (forward, dq
+    pass, kv gradient) or, with switch "SM90_KV_GRADIENT", the kv gradient's only."""
+    setattr(sa, switch, False)
     try:
         yield
     finally:
-        sa.SM90_KERNELS = True
+        setattr(sa, switch, True)
 
 
 def check(q, pool, idx, sink) -> dict:
@@ -198,6 +199,9 @@ def main() -> None:
                     inputs, flops_f, flops_fb, rows, case)
         with portable():
             run_variant("triton, portable", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
+                qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
+        with portable("SM90_KV_GRADIENT"):
+            run_variant("triton, portable kv grad", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
                 qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
         run_variant("triton determ.", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
             qg, pg, idx, sg, scale, deterministic=True)[0], inputs, flops_f, flops_fb, rows, case)

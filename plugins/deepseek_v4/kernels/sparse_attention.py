@@ -43,6 +43,9 @@ from . import within_head_dim
 # bf16 forward and dq pass on an H100 through the Gluon kernels (`sparse_attention_sm90`); the
 # benchmark turns them off to measure the portable Triton kernels in the same process
 SM90_KERNELS = True
+# with them, the kv gradient on the H100 Gluon kernel too (`sparse_attention_sm90._bwd_dkv`);
+# off: the portable key-major kernel (the benchmark's A/B of the two)
+SM90_KV_GRADIENT = True
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -362,10 +365,13 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
                 x.record_stream(side)  # the allocator reuses their memory only after the side stream's reads
         with torch.cuda.stream(side):  # no-op when side is None
             splits = triton.cdiv(tc, tsplit)
-            _bwd_dkv[lambda m, splits=splits: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](
-                q, do, pt, dst, smap, first, last, dkv, buf, t0, h, k, n, tsplit, q.stride(0), q.stride(1),
-                smap.stride(0), triton.next_power_of_2(k), D=d, BH=max(16, triton.next_power_of_2(h)), GROUP=GROUP,
-                IEEE=ieee, DETERMINISTIC=deterministic)
+            if sm90 and SM90_KV_GRADIENT:
+                _sm90.bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, GROUP, deterministic)
+            else:
+                _bwd_dkv[lambda m, splits=splits: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](
+                    q, do, pt, dst, smap, first, last, dkv, buf, t0, h, k, n, tsplit, q.stride(0), q.stride(1),
+                    smap.stride(0), triton.next_power_of_2(k), D=d, BH=max(16, triton.next_power_of_2(h)),
+                    GROUP=GROUP, IEEE=ieee, DETERMINISTIC=deterministic)
             if deterministic:
                 dkv += buf[:splits].sum(0)  # in split order: no atomics anywhere
         if side is not None:

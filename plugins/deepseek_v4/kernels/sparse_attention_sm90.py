@@ -522,3 +522,131 @@ def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, d
     _bwd_dq[(tc, h // BH)](qd, dod, dqd, kv, idx, cnt, sink, o, lse, dsink_terms, pt, dst, t0, scale * LOG2E, h,
                            idx.shape[1], o.stride(0), o.stride(1), kv.stride(0), idx.stride(0), BLOCK_K=DQ_BK,
                            NS=DQ_STAGES, REGS=WORKER_REGS, num_warps=4)
+
+
+# --- backward: kv gradient -------------------------------------------------------------------
+# Key-major like the portable `_bwd_dkv` (program = D tile, key tile, split of the chunk's
+# tokens; the tile's gradient summed over the tokens in registers), in tiles of 128 keys x 256
+# of D with the products on wgmma from shared memory. Why: the portable kernel's 64 x 128 tiles
+# read each token's q and dO once per key tile that the token touches and P, dS once per D
+# tile; at HCA S = 8192 that is ~6.3 GB from L2 in 1.24 ms, about L2's rate. 128 x 256 tiles
+# read ~4.4 GB. Per item (token, 64-head block) a stage holds P and dS rows [128 keys, 64
+# heads] (cp.async through the slot map: zeros where the token did not pick the key, the
+# wgmma A operands as stored) and q, dO [64 heads, 256] by TMA (the B operands), 96 KB: two
+# stages. Items run in a ring: item i + 1 comes into the stage of item i - 1 once item i's
+# products are issued and item i - 1's are done, so the tensor cores always have a pair queued.
+KV_BN, KV_BD, KV_STAGES = 128, 256, 2
+
+
+@triton.constexpr_function
+def _pd_rows_layout(warps):
+    """[keys, 64 heads] bf16 rows of P or dS moved as 16-byte pieces, eight lanes a row."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _kv_slots(SMAP, tc, ss_t, n0, N, ok, BLOCK_N: gl.constexpr):
+    """Token tc's slots of keys n0 .. n0 + BN (-1: not picked; all -1 unless ok)."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _pd_rows_layout(gl.num_warps())))
+    return gl.load(SMAP + tc * ss_t + offs_n, mask=(offs_n < N) & ok, other=-1).to(gl.int32)
+
+
+@gluon.jit
+def _kv_issue(QD, DOD, PT, DST, slots, tc, T0, hb, H, K, dcol, p_s, ds_s, q_s, do_s, bar, ok):
+    """Item (token tc, head block hb) into one stage: its P and dS rows as one copy group
+    (empty when not ok, to keep the group count), q and dO by TMA."""
+    BLOCK_H: gl.constexpr = q_s.type.shape[0]
+    BD: gl.constexpr = q_s.type.shape[1]
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, _pd_rows_layout(gl.num_warps())))
+    so = ((tc * K + slots.to(gl.int64)) * H)[:, None] + offs_h[None, :]  # rows of the scratch [Tc, K, H]
+    picked = (slots >= 0)[:, None]
+    async_copy.async_copy_global_to_shared(p_s, PT + so, mask=picked)
+    async_copy.async_copy_global_to_shared(ds_s, DST + so, mask=picked)
+    async_copy.commit_group()
+    if ok:
+        row = ((T0 + tc) * H + hb * BLOCK_H).to(gl.int32)
+        mbarrier.expect(bar, 2 * BLOCK_H * BD * 2)
+        tma.async_copy_global_to_shared(QD, [row, dcol], bar, q_s)
+        tma.async_copy_global_to_shared(DOD, [row, dcol], bar, do_s)
+
+
+@gluon.jit
+def _bwd_dkv(QD, DOD, PT, DST, SMAP, FIRST, LAST, DKV, BUF, T0, H, K, N, D, TSPLIT, ss_t,
+             BLOCK_N: gl.constexpr, GROUP: gl.constexpr, NS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    BLOCK_H: gl.constexpr = QD.block_type.shape[0]
+    BD: gl.constexpr = QD.block_type.shape[1]
+    n0 = gl.program_id(1) * BLOCK_N
+    dcol = gl.program_id(0) * BD
+    split = gl.program_id(2)
+    # tokens of this split that pick any key of the tile: the union of its key groups' ranges
+    g_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    groups = n0 // GROUP + gl.arange(0, BLOCK_N // GROUP, layout=g_l)
+    gmask = groups < gl.cdiv(N, GROUP)
+    lo = gl.maximum(gl.min(gl.load(FIRST + groups, mask=gmask, other=2 ** 30), 0), split * TSPLIT)
+    hi = gl.minimum(gl.max(gl.load(LAST + groups, mask=gmask, other=-1), 0) + 1, split * TSPLIT + TSPLIT)
+    n_hb = H // BLOCK_H
+    n_items = gl.maximum(hi - lo, 0) * n_hb  # (token, head block), token-major
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                     instr_shape=[16, BD, 16])
+    acc = gl.zeros([BLOCK_N, BD], gl.float32, acc_l)  # two warpgroups, 64 keys each
+    pd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BLOCK_N, BLOCK_H], pd_layout)
+    ds_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BLOCK_N, BLOCK_H], pd_layout)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BLOCK_H, BD], QD.layout)
+    do_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BLOCK_H, BD], QD.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NS):
+        mbarrier.init(bars.index(j), count=1)
+    if n_items > 0:
+        for st in gl.static_range(NS - 1):
+            ok = st < n_items
+            tc = (lo + st // n_hb).to(gl.int64)
+            _kv_issue(QD, DOD, PT, DST, _kv_slots(SMAP, tc, ss_t, n0, N, ok, BLOCK_N), tc, T0, st % n_hb, H, K,
+                      dcol, p_s.index(st), ds_s.index(st), q_s.index(st), do_s.index(st), bars.index(st), ok)
+        slots_next = _kv_slots(SMAP, (lo + (NS - 1) // n_hb).to(gl.int64), ss_t, n0, N, NS - 1 < n_items, BLOCK_N)
+        for i in range(n_items):
+            s = i % NS
+            async_copy.wait_group(NS - 2)  # item i's P and dS rows are in
+            mbarrier.wait(bars.index(s), phase=(i // NS) & 1)  # and its q and dO
+            gl.thread_barrier()
+            fence_async_shared()
+            # dkv[keys, d] += P^T[keys, heads] dO[heads, d] + dS^T[keys, heads] q[heads, d]
+            acc = warpgroup_mma(p_s.index(s), do_s.index(s), acc, is_async=True)
+            acc = warpgroup_mma(ds_s.index(s), q_s.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(2, deps=[acc])  # item i - 1's products are done
+            gl.thread_barrier()  # in every warp: its stage is free
+            nxt = i + NS - 1
+            ok = nxt < n_items
+            r = nxt % NS
+            _kv_issue(QD, DOD, PT, DST, slots_next, (lo + nxt // n_hb).to(gl.int64), T0, nxt % n_hb, H, K, dcol,
+                      p_s.index(r), ds_s.index(r), q_s.index(r), do_s.index(r), bars.index(r), ok)
+            slots_next = _kv_slots(SMAP, (lo + (nxt + 1) // n_hb).to(gl.int64), ss_t, n0, N, nxt + 1 < n_items,
+                                   BLOCK_N)  # a whole item ahead of its copies
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)  # the empty groups past the last item
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+    offs_d = dcol + gl.arange(0, BD, layout=gl.SliceLayout(0, acc_l))
+    out = offs_n.to(gl.int64)[:, None] * D + offs_d[None, :]
+    nmask = (offs_n < N)[:, None]
+    if DETERMINISTIC:  # every program writes its slot (zeros if it had no token)
+        gl.store(BUF + split.to(gl.int64) * N * D + out, acc, mask=nmask)
+    elif n_items > 0:
+        gl.atomic_add(DKV + out, acc, mask=nmask)
+
+
+def bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, group, deterministic, bn=KV_BN, bd=KV_BD,
+                 ns=KV_STAGES):
+    """The kv gradient of tokens t0 .. t0 + Tc (Tc = smap's rows) from the dq pass's scratch pt,
+    dst [Tc, K, H]: added to dkv [N, D] fp32 by atomics, or (deterministic) stored per split of
+    tsplit tokens into buf [splits, N, D] fp32 for the caller to sum in order. smap, first, last:
+    as `sparse_attention._key_map` makes them, with `group` keys per entry. bn, bd, ns: the
+    tile (bn // 16 warps) and the stages (the benchmark's sweep)."""
+    t, h, d = q.shape
+    tc, n = smap.shape
+    bd = min(d, bd)
+    layout = gl.NVMMASharedLayout.get_default_for([BH, bd], gl.bfloat16)
+    qd = TensorDescriptor.from_tensor(q.view(t * h, d), [BH, bd], layout)
+    dod = TensorDescriptor.from_tensor(do.view(t * h, d), [BH, bd], layout)
+    grid = (d // bd, triton.cdiv(n, bn), triton.cdiv(tc, tsplit))
+    _bwd_dkv[grid](qd, dod, pt, dst, smap, first, last, dkv, buf, t0, h, pt.shape[1], n, d, tsplit, smap.stride(0),
+                   BLOCK_N=bn, GROUP=group, NS=ns, DETERMINISTIC=deterministic, num_warps=bn // 16)
