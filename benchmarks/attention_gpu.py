@@ -5,8 +5,8 @@
 Shapes of a V4-Flash layer: H = 64 heads, D = 512, window 128; CSA picks 512 compressed
 entries (ratio 4), HCA attends every visible entry (ratio 128). Variants: the Triton
 kernels (fast and deterministic backward; on an H100 the forward and the backward's dq
-pass and kv gradient are the Gluon kernels, and "portable" times the Triton ones in their
-place, "portable kv grad" the kv gradient's only), the
+pass are the Gluon kernels, and "portable" times the Triton ones in their place; "Gluon kv
+grad" adds the draft Gluon kv gradient, off by default), the
 PyTorch gather reference, and dense masked SDPA over [raw keys ; compressed entries] (no
 sink: a speed baseline only). The FLOP floor
 counts the useful matmuls (forward 2 of Q.K and P.V, backward 5) over the valid keys only,
@@ -124,14 +124,16 @@ def run_variant(name, fwd, inputs, flops_f, flops_fb, rows, case):
 
 
 @contextlib.contextmanager
-def portable(switch: str = "SM90_KERNELS"):
-    """The Triton kernels in place of the H100 Gluon ones (the A/B): all of them (forward, dq
-    pass, kv gradient) or, with switch "SM90_KV_GRADIENT", the kv gradient's only."""
-    setattr(sa, switch, False)
+def switched(name: str, value: bool):
+    """A kernel switch of `sparse_attention` set for the variant (the A/Bs): SM90_KERNELS off
+    times the portable Triton kernels in place of the H100 Gluon ones, SM90_KV_GRADIENT on the
+    Gluon kv gradient in place of the portable one."""
+    before = getattr(sa, name)
+    setattr(sa, name, value)
     try:
         yield
     finally:
-        setattr(sa, switch, True)
+        setattr(sa, name, before)
 
 
 def check(q, pool, idx, sink) -> dict:
@@ -197,11 +199,11 @@ def main() -> None:
         inputs = [qg, pg, sg]
         run_variant("triton", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(qg, pg, idx, sg, scale)[0],
                     inputs, flops_f, flops_fb, rows, case)
-        with portable():
+        with switched("SM90_KERNELS", False):
             run_variant("triton, portable", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
                 qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
-        with portable("SM90_KV_GRADIENT"):
-            run_variant("triton, portable kv grad", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
+        with switched("SM90_KV_GRADIENT", True):
+            run_variant("triton, Gluon kv grad", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
                 qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
         run_variant("triton determ.", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
             qg, pg, idx, sg, scale, deterministic=True)[0], inputs, flops_f, flops_fb, rows, case)

@@ -143,9 +143,9 @@ def test_key_major_kv_gradient_on_banded_index_sets(seed, deterministic, monkeyp
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="H100 (sm_90) only")
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0])
 def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, shape, monkeypatch):
-    """On an H100 the bf16 forward and the backward's dq pass and kv gradient take the Gluon
-    kernels (a silent fallback would leave them untested); o, lse and every gradient agree
-    with the portable Triton kernels' within bf16 rounding."""
+    """On an H100 the bf16 forward and the backward's dq pass take the Gluon kernels (a silent
+    fallback would leave them untested); o, lse and every gradient agree with the portable
+    Triton kernels' within bf16 rounding."""
     q, kv, idx, sink = make(seed, *shape)
     q, kv, idx, sink = q.to(DEV, DTYPE), kv.to(DEV, DTYPE), idx.to(DEV), sink.to(DEV)
     do = torch.randn_like(q)
@@ -159,6 +159,34 @@ def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, 
         results.append((o, lse, *sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, False)))
     for name, got, portable in zip(("o", "lse", "dq", "dkv", "dsink"), *results, strict=True):
         assert rel(got.float(), portable.float()) < (1e-5 if name == "lse" else TOL), name
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="H100 (sm_90) only")
+@pytest.mark.parametrize("case", [s for s in SHAPES if s[1] % 64 == 0] + ["banded"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_h100_gluon_kv_gradient_agrees_with_the_portable_one(seed, case, deterministic, monkeypatch):
+    """The Gluon kv gradient (`SM90_KV_GRADIENT`, off by default until it has been measured)
+    on the same inputs as the portable kernel, with token splits of a few tokens so that they
+    cut through each key tile's range: dkv agrees within bf16 rounding of fp32 sums taken in
+    another order (a lost head block, token or key would be off by far more), dq and dsink
+    (the same dq pass) are bit-identical, and the deterministic mode repeats its bits."""
+    monkeypatch.setattr(sa, "TOKENS_PER_PROGRAM", 7)
+    monkeypatch.setattr(sa, "DETERMINISTIC_TOKENS_PER_PROGRAM", 5)
+    q, kv, idx, sink = make_banded(seed, 700, 64, 128, 64, 4, 48) if case == "banded" else make(seed, *case)
+    q, kv, idx, sink = q.to(DEV, DTYPE), kv.to(DEV, DTYPE), idx.to(DEV), sink.to(DEV)
+    do = torch.randn_like(q)
+    cidx, cnt = sa.compact(idx)
+    scale = q.shape[-1] ** -0.5
+    o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, scale)
+    runs = []
+    for gluon in (True, True, False):
+        monkeypatch.setattr(sa, "SM90_KV_GRADIENT", gluon)
+        runs.append(sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, deterministic))
+    (dq, dkv, dsink), again, (dq_p, dkv_p, dsink_p) = runs
+    assert rel(dkv.float(), dkv_p.float()) < 1e-2
+    assert torch.equal(dq, dq_p) and torch.equal(dsink, dsink_p)
+    if deterministic:
+        assert torch.equal(dkv, again[1])
 
 
 @pytest.mark.skipif(not CUDA, reason="the H100 forward's persistent grid")
