@@ -36,7 +36,7 @@ def chunk_scratch(q, pool, idx0, sink):
     do = torch.randn_like(q)
     t, h, _ = q.shape
     n, k = pool.shape[0], idx.shape[1]
-    tc = max(1, min(t, sa.SCRATCH_BYTES // (k * 2 * h * q.element_size() + n * sa._slot_type(k).itemsize)))
+    tc, _ = sa.chunking(q, n, k, deterministic=False)
     pt, dst = (torch.empty(tc, k, h, device="cuda", dtype=q.dtype) for _ in range(2))
     dq, dsink = torch.empty_like(q), torch.empty(t, h, device="cuda")
     sm.bwd_dq_into(q, pool, idx, cnt, sink.float(), scale, o, do, lse, dq, dsink, pt, dst, 0, tc)
@@ -47,18 +47,16 @@ def chunk_scratch(q, pool, idx0, sink):
 def sweep(case: str, q, do, pt, dst, smap, first, last, det: bool, rows: list) -> None:
     """The portable kernel, then each Gluon tile, on one chunk's scratch (fast or deterministic)."""
     tc, n = smap.shape
-    h, d, k = q.shape[1], q.shape[2], pt.shape[1]
+    d = q.shape[2]
     mode = "determ." if det else "fast"
-    tsplit = sa.DETERMINISTIC_TOKENS_PER_PROGRAM if det else sa.TOKENS_PER_PROGRAM
+    _, tsplit = sa.chunking(q, n, pt.shape[1], det)
     splits = triton.cdiv(tc, tsplit)
     buf = torch.empty(splits if det else 1, n, d, device="cuda")
     dkv = torch.zeros(n, d, device="cuda")
 
     def portable():
         dkv.zero_()
-        sa._bwd_dkv[lambda m: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](
-            q, do, pt, dst, smap, first, last, dkv, buf, 0, h, k, n, tsplit, q.stride(0), q.stride(1),
-            smap.stride(0), triton.next_power_of_2(k), D=d, BH=64, GROUP=sa.GROUP, IEEE=False, DETERMINISTIC=det)
+        sa.kv_gradient_into(q, do, pt, dst, smap, first, last, dkv, buf, 0, tsplit, det, sm90=False)
 
     def result():
         torch.cuda.synchronize()

@@ -319,6 +319,34 @@ def _key_map(idx: torch.Tensor, t0: int, tc: int, n: int):
     return smap, first, last
 
 
+def chunking(q: torch.Tensor, n: int, k: int, deterministic: bool) -> tuple[int, int]:
+    """Tokens per backward chunk (its scratch, P and dS [Tc, K, H] and the slot map [Tc, N],
+    under SCRATCH_BYTES) and per kv-gradient program (deterministic: the per-split buffer
+    [splits, N, D] fp32 under DETERMINISTIC_SCRATCH_BYTES)."""
+    t, h, d = q.shape
+    chunk = max(1, min(t, SCRATCH_BYTES // (k * 2 * h * q.element_size() + n * _slot_type(k).itemsize)))
+    if not deterministic:
+        return chunk, TOKENS_PER_PROGRAM
+    return chunk, max(DETERMINISTIC_TOKENS_PER_PROGRAM,
+                      triton.cdiv(chunk, max(1, DETERMINISTIC_SCRATCH_BYTES // (n * d * 4))))
+
+
+def kv_gradient_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, deterministic, sm90: bool):
+    """One chunk's kv gradient from the dq pass's scratch (tokens t0 .. t0 + smap's rows): into
+    dkv [N, D] fp32 by atomics, or (deterministic) per split of tsplit tokens into buf; on the
+    H100 Gluon kernel (`sm90`) or the portable key-major `_bwd_dkv`."""
+    if sm90:
+        _sm90.bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, GROUP, deterministic)
+        return
+    h, d = q.shape[1:]
+    tc, n = smap.shape
+    k = pt.shape[1]
+    _bwd_dkv[lambda m: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), triton.cdiv(tc, tsplit))](
+        q, do, pt, dst, smap, first, last, dkv, buf, t0, h, k, n, tsplit, q.stride(0), q.stride(1), smap.stride(0),
+        triton.next_power_of_2(k), D=d, BH=max(16, triton.next_power_of_2(h)), GROUP=GROUP,
+        IEEE=q.dtype == torch.float32, DETERMINISTIC=deterministic)
+
+
 def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: bool):
     """idx, cnt: as `compact` returns them."""
     q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
@@ -334,12 +362,8 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
         dq.zero_()
         dsink_terms.zero_()
         return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
-    # scratch per chunk: P and dS [Tc, K, H] and the slot map [Tc, N]
-    chunk = max(1, min(t, SCRATCH_BYTES // (k * 2 * h * q.element_size() + n * _slot_type(k).itemsize)))
+    chunk, tsplit = chunking(q, n, k, deterministic)
     sm90 = SM90_KERNELS and _sm90.supported(q, kv, o, do)
-    tsplit = DETERMINISTIC_TOKENS_PER_PROGRAM if deterministic else TOKENS_PER_PROGRAM
-    if deterministic:  # the per-split buffer [splits, N, D] fp32 stays under its bound
-        tsplit = max(tsplit, triton.cdiv(chunk, max(1, DETERMINISTIC_SCRATCH_BYTES // (n * d * 4))))
     n_sets = 2 if OVERLAP_CHUNKS and q.is_cuda and t > chunk else 1  # 2: overlap (see OVERLAP_CHUNKS)
     scratch = [(torch.empty(chunk, k, h, device=q.device, dtype=q.dtype),  # P, then dS * scale: [Tc, K, H]
                 torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)) for _ in range(n_sets)]
@@ -365,16 +389,10 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
             for x in (smap, first, last):
                 x.record_stream(side)  # the allocator reuses their memory only after the side stream's reads
         with torch.cuda.stream(side):  # no-op when side is None
-            splits = triton.cdiv(tc, tsplit)
-            if sm90 and SM90_KV_GRADIENT:
-                _sm90.bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, GROUP, deterministic)
-            else:
-                _bwd_dkv[lambda m, splits=splits: (triton.cdiv(d, m["BLOCK_D"]), triton.cdiv(n, m["BLOCK_N"]), splits)](
-                    q, do, pt, dst, smap, first, last, dkv, buf, t0, h, k, n, tsplit, q.stride(0), q.stride(1),
-                    smap.stride(0), triton.next_power_of_2(k), D=d, BH=max(16, triton.next_power_of_2(h)),
-                    GROUP=GROUP, IEEE=ieee, DETERMINISTIC=deterministic)
+            kv_gradient_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, deterministic,
+                             sm90 and SM90_KV_GRADIENT)
             if deterministic:
-                dkv += buf[:splits].sum(0)  # in split order: no atomics anywhere
+                dkv += buf[:triton.cdiv(tc, tsplit)].sum(0)  # in split order: no atomics anywhere
         if side is not None:
             freed[i % n_sets] = side.record_event()
     if side is not None:

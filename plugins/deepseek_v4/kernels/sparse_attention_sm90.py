@@ -255,12 +255,14 @@ def _fwd(QD, OD, KV, IDX, CNT, SINK, LSE, scale, T, H, K, skv, si_t, BLOCK_K: gl
     gl.warp_specialize([(_half0, args), (_half1, args)], [4], [REGS])
 
 
-def _head_halves(x: torch.Tensor) -> TensorDescriptor:
+def _head_halves(x: torch.Tensor, cols: int | None = None) -> TensorDescriptor:
     """TMA descriptor of a contiguous [T, H, D] tensor viewed as rows (token, head) x D, in
-    blocks of 64 heads x one D half (what each partition loads or stores per item)."""
+    blocks of 64 heads x one D half (what each partition loads or stores per item), or x
+    `cols` of D."""
     t, h, d = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([BH, d // 2], gl.bfloat16)
-    return TensorDescriptor.from_tensor(x.view(t * h, d), [BH, d // 2], layout)
+    cols = cols or d // 2
+    layout = gl.NVMMASharedLayout.get_default_for([BH, cols], gl.bfloat16)
+    return TensorDescriptor.from_tensor(x.view(t * h, d), [BH, cols], layout)
 
 
 def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
@@ -533,8 +535,9 @@ def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, d
 # read ~4.4 GB. Per item (token, 64-head block) a stage holds P and dS rows [128 keys, 64
 # heads] (cp.async through the slot map: zeros where the token did not pick the key, the
 # wgmma A operands as stored) and q, dO [64 heads, 256] by TMA (the B operands), 96 KB: two
-# stages. Items run in a ring: item i + 1 comes into the stage of item i - 1 once item i's
-# products are issued and item i - 1's are done, so the tensor cores always have a pair queued.
+# stages. Items run in a ring: item i + NS - 1 comes into the stage of item i - 1 once item
+# i's products are issued and item i - 1's are done, so the tensor cores always have a pair
+# queued.
 KV_BN, KV_BD, KV_STAGES = 128, 256, 2
 
 
@@ -588,7 +591,7 @@ def _bwd_dkv(QD, DOD, PT, DST, SMAP, FIRST, LAST, DKV, BUF, T0, H, K, N, D, TSPL
     n_items = gl.maximum(hi - lo, 0) * n_hb  # (token, head block), token-major
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                      instr_shape=[16, BD, 16])
-    acc = gl.zeros([BLOCK_N, BD], gl.float32, acc_l)  # two warpgroups, 64 keys each
+    acc = gl.zeros([BLOCK_N, BD], gl.float32, acc_l)  # a warpgroup per 64 keys
     pd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BLOCK_N, BLOCK_H], pd_layout)
     ds_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BLOCK_N, BLOCK_H], pd_layout)
@@ -641,12 +644,10 @@ def bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, group,
     tsplit tokens into buf [splits, N, D] fp32 for the caller to sum in order. smap, first, last:
     as `sparse_attention._key_map` makes them, with `group` keys per entry. bn, bd, ns: the
     tile (bn // 16 warps) and the stages (the benchmark's sweep)."""
-    t, h, d = q.shape
+    h, d = q.shape[1:]
     tc, n = smap.shape
     bd = min(d, bd)
-    layout = gl.NVMMASharedLayout.get_default_for([BH, bd], gl.bfloat16)
-    qd = TensorDescriptor.from_tensor(q.view(t * h, d), [BH, bd], layout)
-    dod = TensorDescriptor.from_tensor(do.view(t * h, d), [BH, bd], layout)
+    qd, dod = _head_halves(q, bd), _head_halves(do, bd)
     grid = (d // bd, triton.cdiv(n, bn), triton.cdiv(tc, tsplit))
     _bwd_dkv[grid](qd, dod, pt, dst, smap, first, last, dkv, buf, t0, h, pt.shape[1], n, d, tsplit, smap.stride(0),
                    BLOCK_N=bn, GROUP=group, NS=ns, DETERMINISTIC=deterministic, num_warps=bn // 16)
