@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.train import losses
+from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 
 
@@ -60,9 +62,11 @@ def bench(name: str, cfg: DeepSeekV4Config, batch: int, seq: int, iters: int) ->
     v4 = DeepSeekV4ForCausalLM(cfg).train()
     dense = DenseBaseline(cfg).train()
 
+    mb = MicroBatch.lm(ids, ids)
+
     def v4_step():
         v4.zero_grad(set_to_none=True)
-        v4(ids, labels=ids).losses["total"].backward()
+        losses.compute(v4, mb)[1].loss.backward()
 
     def dense_step():
         dense.zero_grad(set_to_none=True)

@@ -66,12 +66,13 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--profile", action="store_true", help="print where one V4 step's time goes")
     a = ap.parse_args()
+    from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
 
     cfg = config_1b(a.seq)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
-    mbs = [(ids[i:i + 1, :-1], ids[i:i + 1, 1:]) for i in range(a.batch)]
+    mbs = [MicroBatch.lm(ids[i:i + 1, :-1], ids[i:i + 1, 1:].contiguous()) for i in range(a.batch)]
     tokens = a.batch * a.seq
 
     w = TrainWorker(0, 1)
@@ -112,7 +113,7 @@ def main() -> None:
 
     dense = DenseBaseline(cfg).cuda().to(torch.bfloat16)
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, fused=True)
-    dev = [(i.cuda(), lab.cuda()) for i, lab in mbs]
+    dev = [(mb.input_ids.cuda(), mb.labels.cuda()) for mb in mbs]
 
     def dense_step():
         opt.zero_grad(set_to_none=True)

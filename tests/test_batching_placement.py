@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.cluster.placement import plan_bundles
-from miles.train.batching import micro_batches, pack, to_tensors
+from miles.train.batching import MicroBatch, micro_batches, pack, to_tensors
 from plugins.deepseek_v4.model import IGNORE_INDEX
 
 
@@ -86,14 +86,17 @@ def test_packed_rows_compute_what_the_samples_compute_alone(seed):
     (with one document id per row instead, lm differs by ~0.5)."""
     from conftest import assert_close, tiny_model
 
+    from miles.train import losses
+
     model = tiny_model(seed)
     samples = [(ids, ids[1:] + [IGNORE_INDEX]) for ids, _ in _samples(seed, 6)]
     ids, lab, doc = to_tensors(pack(samples, max_tokens=48), pad_to_multiple=2)
-    packed = model(ids, labels=lab, doc_ids=doc, loss_normalizer=1.0).losses
-    alone = {k: 0.0 for k in ("lm", "mtp")}
+    ones = {k: torch.tensor(1.0) for k in ("lm", "mtp", "indexer", "balance")}
+    packed = losses.compute(model, MicroBatch.lm(ids, lab, doc), norm=ones)[1].metrics
+    alone = {k: 0.0 for k in ("lm_loss", "mtp_loss")}
     for s_ids, s_lab in samples:
-        out = model(torch.tensor([s_ids]), labels=torch.tensor([s_lab]), loss_normalizer=1.0).losses
+        out = losses.compute(model, MicroBatch.lm(torch.tensor([s_ids]), torch.tensor([s_lab])), norm=ones)[1].metrics
         for k in alone:
-            alone[k] = alone[k] + out[k].detach()
+            alone[k] = alone[k] + out[k]
     for k in alone:
-        assert_close(packed[k].detach(), torch.as_tensor(alone[k]), atol=1e-4, rtol=1e-5, what=k)
+        assert_close(packed[k], torch.as_tensor(alone[k]), atol=1e-4, rtol=1e-5, what=k)

@@ -203,7 +203,8 @@ BAD_CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("bool for int equal to 1", _set("num_key_value_heads", True), "num_key_value_heads"),
     ("bool for float", _set("swiglu_limit", True), "swiglu_limit"),
     ("int for bool", _set("norm_topk_prob", 1), "norm_topk_prob"),
-    ("string for knob bool", _set("indexer_loss", "yes"), "indexer_loss"),
+    ("string for knob float", _set("router_bias_update_rate", "1e-3"), "router_bias_update_rate"),
+    ("unknown kernels backend", _set("kernels", "cuda"), "kernels"),
     ("unknown field", _set("hc_mults", 4), "hc_mults"),
     ("ratio 1", _set_ratio(5, 1), "compress_ratios"),
     ("negative ratio", _set_ratio(2, -4), "compress_ratios"),
@@ -291,8 +292,8 @@ def test_save_load_round_trip_is_exact(tmp_path: Path, variant: str) -> None:
     if variant == "tiny":
         cfg = DeepSeekV4Config.tiny()
     elif variant == "tiny_knobs_no_yarn":
-        cfg = DeepSeekV4Config.tiny(rope_scaling=None, mtp_loss_coef=0.1, indexer_loss=False,
-                                    indexer_loss_coef=0.05, balance_loss_coef=1e-4, hc_init_std=0.02)
+        cfg = DeepSeekV4Config.tiny(rope_scaling=None, router_bias_update_rate=2e-3, hc_init_std=0.02,
+                                    kernels="torch")
     else:
         raw = FLASH if variant == "flash" else PRO
         write_config(tmp_path / "orig", raw)

@@ -7,6 +7,8 @@ import hashlib
 import torch
 
 from miles.data.synthetic import progressions
+from miles.train import losses
+from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.determinism import disable_deterministic, enable_deterministic
 
@@ -21,7 +23,7 @@ def _run(seed: int, steps: int = 2) -> list[tuple[str, str]]:
         out = []
         for step in range(steps):
             ids = progressions(2, 37, cfg.vocab_size, seed=seed + step)
-            loss = model(ids[:, :-1], labels=ids[:, 1:]).losses["total"]
+            loss = losses.compute(model, MicroBatch.lm(ids[:, :-1], ids[:, 1:].contiguous()))[1].loss
             opt.zero_grad()
             loss.backward()
             h = hashlib.md5()

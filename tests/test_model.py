@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import assert_close, assert_finite, random_ids, tiny_model
 
+from miles.train import losses
+from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import IGNORE_INDEX, Gate, balanced_hash_table
 
@@ -31,30 +33,30 @@ def test_forward_backward_all_features_finite(seed):
     """No NaN anywhere: a full forward+backward with every feature on gives finite losses
     and a finite, non-zero gradient for every parameter. A routed expert's gradient is zero
     when it received no tokens, and non-zero when it received a token that a loss reaches:
-    one before the last position (the LM's target) or, in MTP block k, before the last k + 2
-    (its target is k + 2 ahead). Tokens only at the tail may leave it zero (seed 1058792008:
-    one token, MTP's last position)."""
+    one before the last position (whose label is ignored); in the MTP block also not the
+    first, which has no MTP prediction. Tokens only there may leave it zero (seed 1058792008:
+    one token, MTP's last position; seed 513830750: one token, MTP's first)."""
     model = tiny_model(seed).train()
     ids = random_ids(seed, 3, SEQ)
     routed, reached = {}, {}
 
     def record(moe_name):
-        tail = int(moe_name.split(".")[1]) + 2 if moe_name.startswith("mtp.") else 1
+        head = 1 if moe_name.startswith("mtp.") else 0
 
         def hook(m, a, o):
             experts = o[0].view(len(ids), SEQ, -1)  # [B, S, top-k]
             routed.setdefault(moe_name, set()).update(experts.flatten().tolist())
-            reached.setdefault(moe_name, set()).update(experts[:, :SEQ - tail].flatten().tolist())
+            reached.setdefault(moe_name, set()).update(experts[:, head:SEQ - 1].flatten().tolist())
         return hook
 
     for name, mod in model.named_modules():
         if isinstance(mod, Gate):
             mod.register_forward_hook(record(name.removesuffix(".gate")))
-    out = model(ids, labels=labels_of(ids))
-    for k in ("lm", "mtp", "indexer", "total"):
-        assert_finite(out.losses[k], what=k)
-        assert out.losses[k] > 0, k
-    out.losses["total"].backward()
+    _, res = losses.compute(model, MicroBatch.lm(ids, labels_of(ids)))
+    for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss"):
+        assert_finite(res.metrics[k], what=k)
+        assert res.metrics[k] > 0, k
+    res.loss.backward()
     for name, p in model.named_parameters():
         if ".experts." in name:
             moe, e = name.split(".experts.")[0], int(name.split(".experts.")[1].split(".")[0])
@@ -75,11 +77,12 @@ def test_empty_index_sets_give_finite_results(seed):
     that is all padding: outputs and gradients stay finite."""
     model = tiny_model(seed, sliding_window=1).train()
     ids = random_ids(seed, 3, 6)
-    mask = torch.ones(3, 6, dtype=torch.long)
-    mask[2] = 0  # a row of padding only
-    out = model(ids, labels=labels_of(ids), attention_mask=mask)
-    out.losses["total"].backward()
-    assert_finite(out.logits, out.mtp_logits, out.losses["total"])
+    docs = torch.zeros(3, 6, dtype=torch.long)
+    docs[2] = -1  # a row of padding only
+    lab = torch.where(docs >= 0, labels_of(ids), IGNORE_INDEX)
+    out, res = losses.compute(model, MicroBatch.lm(ids, lab, docs))
+    res.loss.backward()
+    assert_finite(out.logits, out.mtp_logits, res.loss)
     for name, p in model.named_parameters():
         if p.grad is not None:
             assert_finite(p.grad, what=name)
@@ -150,70 +153,17 @@ def test_batched_equals_unbatched_with_padding_and_packing(seed):
         assert_close(p.mtp_logits[0, 42:64], alone[2].mtp_logits[0, 1:], atol=1e-5, what="packed mtp")
 
 
-def test_packed_loss_equals_separate_losses(seed):
-    """Token losses of packed documents equal the separate runs (summed, same normaliser),
-    including the MTP loss, whose first token of each document has no prediction."""
-    model = tiny_model(seed).eval()
-    a, b = random_ids(seed, 1, 37), random_ids(seed + 1, 1, 29)
-    with torch.no_grad():
-        la, lb = model(a, labels=labels_of(a), loss_normalizer=1.0), model(b, labels=labels_of(b), loss_normalizer=1.0)
-        ids = torch.cat((a, b), 1)
-        lab = torch.cat((labels_of(a), labels_of(b)), 1)
-        docs = torch.tensor([[0] * 37 + [1] * 29])
-        lp = model(ids, labels=lab, doc_ids=docs, loss_normalizer=1.0)
-    for k in ("lm", "mtp"):
-        assert_close(lp.losses[k], la.losses[k] + lb.losses[k], atol=1e-4, what=k)
-
-
-def test_loss_values_and_mask(seed):
-    """lm / mtp losses are token means of cross-entropy over supervised tokens only:
-    loss_mask and IGNORE_INDEX positions contribute nothing."""
-    model = tiny_model(seed).eval()
-    ids = random_ids(seed, 2, 30)
-    lab = labels_of(ids)
-    lm = torch.zeros_like(ids)
-    lm[:, 10:25] = 1
-    with torch.no_grad():
-        out = model(ids, labels=lab, loss_mask=lm)
-    ce = torch.nn.functional.cross_entropy(out.logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
-    mce = torch.nn.functional.cross_entropy(out.mtp_logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
-    assert_close(out.losses["lm"], ce, atol=1e-5)
-    assert_close(out.losses["mtp"], mce, atol=1e-5)
-    c = model.config
-    expect = out.losses["lm"] + c.mtp_loss_coef * out.losses["mtp"] + c.indexer_loss_coef * out.losses["indexer"]
-    assert_close(out.losses["total"], expect, atol=1e-6)
-
-
-def test_micro_batches_sum_to_full_batch_gradients(seed):
-    """With a global token normaliser, 1 micro-batch of 4 equals 4 micro-batches of 1 in
-    every gradient, MTP and indexer auxiliary losses included."""
-    model = tiny_model(seed).train()
-    ids = random_ids(seed, 4, 40)
-    lab = labels_of(ids)
-    n = (lab != IGNORE_INDEX).sum()
-    model(ids, labels=lab, loss_normalizer=n).losses["total"].backward()
-    full = {k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
-    model.zero_grad()
-    for i in range(4):
-        model(ids[i:i + 1], labels=lab[i:i + 1], loss_normalizer=n).losses["total"].backward()
-    for k, p in model.named_parameters():
-        got = torch.zeros_like(p) if p.grad is None else p.grad
-        # fp32 sums in a different order: ~1e-7 relative; 1e-6 + 1e-4 relative leaves margin.
-        assert_close(got, full[k], atol=1e-6, rtol=1e-4, what=k)
-
-
 def test_indexer_trained_only_by_its_aux_loss(seed):
     """Top-k has no gradient: with the indexer loss off, indexer weights get no gradient and
     every other gradient is unchanged when it is switched on (detached inputs)."""
     ids = random_ids(seed, 2, SEQ)
     grads = {}
     for on in (False, True):
-        model = tiny_model(seed, indexer_loss=on).train()
-        out = model(ids, labels=labels_of(ids))
-        out.losses["total"].backward()
+        model = tiny_model(seed).train()
+        _, res = losses.compute(model, MicroBatch.lm(ids, labels_of(ids)), losses.LossCoefs(indexer=0.01 * on))
+        res.loss.backward()
         grads[on] = {k: p.grad for k, p in model.named_parameters()}
-        if not on:
-            assert out.losses["indexer"] == 0
+        assert ("indexer_loss" in res.metrics) == on
     idx = [k for k in grads[True] if ".indexer." in k]
     assert idx
     for k in idx:
@@ -284,7 +234,7 @@ def test_anomaly_mode_forward_backward(seed):
     model = tiny_model(seed).train()
     ids = random_ids(seed, 2, 36)
     with torch.autograd.detect_anomaly():
-        model(ids, labels=labels_of(ids)).losses["total"].backward()
+        losses.compute(model, MicroBatch.lm(ids, labels_of(ids)))[1].loss.backward()
 
 
 def test_hash_table_balanced_and_deterministic():
@@ -320,7 +270,7 @@ def test_router_bias_moves_toward_underloaded_experts(seed):
     mean load and falls for those above; counts reset after the update."""
     model = tiny_model(seed).train()
     ids = random_ids(seed, 2, 40)
-    model(ids, labels=labels_of(ids))
+    model(ids)
     gates = [m for m in model.modules() if isinstance(m, Gate) and not m.is_hash]
     loads = [g.expert_load.clone() for g in gates]
     before = [g.bias.clone() for g in gates]

@@ -25,6 +25,8 @@ from conftest import assert_close, random_ids
 
 pytest.importorskip("megatron.core")
 
+from miles.train import losses  # noqa: E402
+from miles.train.batching import MicroBatch  # noqa: E402
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM  # noqa: E402
 from plugins.deepseek_v4.model import IGNORE_INDEX  # noqa: E402
 
@@ -44,14 +46,16 @@ WORST: dict[str, float] = {}  # GPU: largest (layout error / single-process bf16
 LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "dp2": {}}
 
 
-def _batch(seed: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """4 sequences with ragged supervision (per-rank and per-chunk token counts differ)."""
+def _batch(seed: int, step: int = 0) -> MicroBatch:
+    """4 sequences with ragged supervision (per-rank and per-chunk token counts differ): row 1
+    trains only its last 11 positions, row 3 all but its first 5 (a prompt)."""
     ids = random_ids(seed + 101 * step, BATCH, SEQ)
     lab = torch.roll(ids, -1, 1)
     lab[:, -1] = IGNORE_INDEX
-    lab[1, :20] = IGNORE_INDEX
-    lab[3, :5] = IGNORE_INDEX
-    return ids, lab
+    mask = (lab != IGNORE_INDEX).float()
+    mask[1, :20] = 0
+    mask[3, :5] = 0
+    return MicroBatch(ids, lab, mask)
 
 
 def _cuts(name: str, dp: int, dp_rank: int) -> list[tuple[int, int]]:
@@ -66,8 +70,8 @@ def _cuts(name: str, dp: int, dp_rank: int) -> list[tuple[int, int]]:
     return [(0, 1), (1, 2)] if dp_rank == 0 else [(2, 4)]
 
 
-def _split(name: str, ids: torch.Tensor, lab: torch.Tensor, x: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(ids[a:b], lab[a:b]) for a, b in _cuts(name, x["dp"], x["dp_rank"])]
+def _split(name: str, mb: MicroBatch, x: dict) -> list[MicroBatch]:
+    return [mb.rows(a, b) for a, b in _cuts(name, x["dp"], x["dp_rank"])]
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +86,10 @@ def reference():
     init = {k: v.clone() for k, v in model.state_dict().items()}
     steps = []
     for step in range(STEPS):
-        ids, lab = _batch(seed, step)
         opt.zero_grad()
-        out = model(ids, labels=lab, loss_normalizer=(lab != IGNORE_INDEX).sum())
-        out.losses["total"].backward()
-        lp = -torch.nn.functional.cross_entropy(out.logits.detach().flatten(0, 1), lab.clamp_min(0).flatten(),
-                                                reduction="none").view_as(lab)
-        rec = {"losses": {k: v.item() for k, v in out.losses.items()},
-               "logprobs": torch.where(lab != IGNORE_INDEX, lp, 0.0),
+        _, res = losses.compute(model, _batch(seed, step))  # one micro-batch: its counts are the global ones
+        res.loss.backward()
+        rec = {"losses": {k: v.item() for k, v in res.metrics.items()}, "logprobs": res.logprobs,
                "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None},
                "grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()}
         opt.step()
@@ -99,13 +99,9 @@ def reference():
     single16 = None
     if GPU:  # the single-process bf16 run: the yardstick for layouts' bf16 error
         m16 = DeepSeekV4ForCausalLM(cfg, dtype=DTYPE, seed=seed).train().cuda()
-        ids, lab = _batch(seed, 0)
-        out = m16(ids.cuda(), labels=lab.cuda(), loss_normalizer=(lab != IGNORE_INDEX).sum().cuda())
-        out.losses["total"].backward()
-        lp = -torch.nn.functional.cross_entropy(out.logits.detach().flatten(0, 1).float().cpu(),
-                                                lab.clamp_min(0).flatten(), reduction="none").view_as(lab)
-        single16 = {"losses": {k: v.item() for k, v in out.losses.items()},
-                    "logprobs": torch.where(lab != IGNORE_INDEX, lp, 0.0),
+        _, res = losses.compute(m16, _batch(seed, 0).to(torch.device("cuda")))
+        res.loss.backward()
+        single16 = {"losses": {k: v.item() for k, v in res.metrics.items()}, "logprobs": res.logprobs.cpu(),
                     "grads": {k: p.grad.float().cpu() for k, p in m16.named_parameters() if p.grad is not None}}
     return {"seed": seed, "cfg": cfg, "init": init, "steps": steps, "single16": single16}
 
@@ -134,7 +130,8 @@ def _check_forward_backward(reference, layout: list[dict], ranks: list[dict], na
     ref, s16 = reference["steps"][0], reference["single16"]
     for lay, r in zip(layout, ranks, strict=True):
         who = f"{name} rank {lay['rank']}"
-        for k in ("lm", "mtp", "indexer", "total"):
+        assert r["losses"].keys() == ref["losses"].keys(), f"{who}: reported {sorted(r['losses'])}"
+        for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss"):
             if GPU:
                 _close(torch.tensor(r["losses"][k]), torch.tensor(ref["losses"][k]),
                        torch.tensor(s16["losses"][k]), f"{who} {k}")
@@ -188,14 +185,14 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
         if name == "dp2":
             assert [x["dp"] for x in lay] == [2, 2], "the layout silently fell back to one rank"
         group.call("build_model", cfg.to_dict(), seed, dtype=str(DTYPE).removeprefix("torch."))
-        ids, lab = _batch(seed, 0)
-        ranks = group.call_each("loss_and_grads", [(_split(name, ids, lab, x),) for x in lay])
+        batch = _batch(seed, 0)
+        ranks = group.call_each("loss_and_grads", [(_split(name, batch, x),) for x in lay])
         _check_sharding(name, ranks)
         _check_forward_backward(reference, lay, ranks, name)
 
         # The forward-only path (old/reference logprobs in RL) gives the same per-token
         # logprobs, whole sequences (CP chunks gathered), from the last stage only.
-        fwd = group.call_each("forward_logprobs", [(_split(name, ids, lab, x),) for x in lay])
+        fwd = group.call_each("forward_logprobs", [(_split(name, batch, x),) for x in lay])
         for x, lps in zip(lay, fwd, strict=True):
             assert (lps is not None) == (x["pp_rank"] == x["pp"] - 1)
             s16 = reference["single16"]
@@ -211,13 +208,12 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
         for k, v in reference["init"].items():
             assert torch.equal(exported[k], v.to(exported[k].dtype)), f"{name}: exported {k} differs"
 
-        group.call("setup_training", LR, adam_eps=EPS)
+        group.call("setup_training", LR, eps=EPS, decay="constant")
         for step in range(STEPS):
-            ids, lab = _batch(seed, step)
-            logs = group.call_each("train_step", [(_split(name, ids, lab, x),) for x in lay])
+            logs = group.call_each("train_step", [(_split(name, _batch(seed, step), x),) for x in lay])
             ref = reference["steps"][step]
             for x, log in zip(lay, logs, strict=True):
-                assert log["total"] == pytest.approx(ref["losses"]["total"], rel=2e-2 if GPU else 1e-5), \
+                assert log["loss"] == pytest.approx(ref["losses"]["loss"], rel=2e-2 if GPU else 1e-5), \
                     f"rank {x['rank']} step {step} loss"
                 assert log["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2 if GPU else 1e-4), \
                     f"rank {x['rank']} step {step} grad norm"
@@ -250,22 +246,23 @@ def test_one_micro_batch_of_8_equals_8_micro_batches_of_1(ray_cluster, seed):
     try:
         for g in groups:
             g.call("build_model", cfg.to_dict(), seed)
-            g.call("setup_training", LR, adam_eps=EPS)
+            g.call("setup_training", LR, eps=EPS, decay="constant")
         logs = []
         for step in range(STEPS):
             ids = random_ids(seed + 10 * step, 8, 29)
             lab = torch.roll(ids, -1, 1)
             lab[:, -1] = IGNORE_INDEX
             lab[2, :11] = IGNORE_INDEX
-            whole = groups[0].workers[0].train_step.remote([(ids, lab)])
-            split = groups[1].workers[0].train_step.remote([(ids[i:i + 1], lab[i:i + 1]) for i in range(8)])
+            mb = MicroBatch.lm(ids, lab)
+            whole = groups[0].workers[0].train_step.remote([mb])
+            split = groups[1].workers[0].train_step.remote([mb.rows(i, i + 1) for i in range(8)])
             logs.append(ray_cluster.get([whole, split]))
         states = [g.call("state")[0] for g in groups]
     finally:
         for g in groups:
             g.shutdown()
     for whole, split in logs:
-        for k in ("lm", "mtp", "indexer", "total", "grad_norm"):
+        for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss", "grad_norm"):
             assert split[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-7), k
     for k, v in states[0].items():
         assert_close(states[1][k].float(), v.float(), atol=1e-6, rtol=1e-5, what=k)
@@ -281,9 +278,8 @@ def test_sleep_and_wake_up_free_and_restore_everything(ray_cluster, seed):
     group = TrainGroup(1, resources=RESOURCES)
     try:
         group.call("build_model", cfg.to_dict(), seed)
-        group.call("setup_training", LR, adam_eps=EPS)
-        ids, lab = _batch(seed, 0)
-        first = group.call("train_step", [(ids, lab)])[0]
+        group.call("setup_training", LR, eps=EPS, decay="constant")
+        first = group.call("train_step", [_batch(seed, 0)])[0]
         resident, digest = group.call("resident_bytes")[0], group.call("state_digest")[0]
         n_params = sum(p.numel() for p in DeepSeekV4ForCausalLM(cfg, seed=None).parameters())
         assert resident >= 4 * n_params * 4, "weights, gradients and two Adam moments (fp32)"
@@ -294,7 +290,7 @@ def test_sleep_and_wake_up_free_and_restore_everything(ray_cluster, seed):
         group.call("wake_up")
         assert group.call("resident_bytes")[0] == resident
         assert group.call("state_digest")[0] == digest, "wake_up did not restore the training state"
-        second = group.call("train_step", [(ids, lab)])[0]
+        second = group.call("train_step", [_batch(seed, 0)])[0]
     finally:
         group.shutdown()
-    assert second["total"] < first["total"], "training goes on from the restored state"
+    assert second["loss"] < first["loss"], "training goes on from the restored state"

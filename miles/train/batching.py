@@ -1,5 +1,6 @@
-"""Micro-batching by token budget and sequence packing: small pure functions.
+"""The trainer's micro-batch, and how samples become micro-batches (small pure functions).
 
+`MicroBatch` is what a TrainWorker consumes: typed [B, S] tensors, validated once when made.
 A sample is a token list with labels. `pack` concatenates samples into rows of at most
 `max_tokens`, giving each sample its own document id, so attention, compression blocks
 and MTP never cross samples (the model derives positions and masks from the ids).
@@ -8,11 +9,71 @@ and MTP never cross samples (the model derives positions and masks from the ids)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from miles.data.sample import Sample
 from plugins.deepseek_v4.model import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch, every tensor [B, S]. Every rank of a data-parallel replica (its TP,
+    PP and CP peers) receives the same micro-batches.
+
+    input_ids   int64 token ids.
+    labels      int64: the token that position t's logits must predict (normally
+                input_ids[b, t+1]); IGNORE_INDEX where there is none.
+    loss_mask   float32 weight of position t in the loss: 1 trained, 0 not (prompt, padding,
+                positions without a label). Losses are sums over weighted positions divided
+                by the global batch's total weight.
+    doc_ids     int64 packed documents (equal ids in contiguous runs, -1 = padding), or None:
+                one document per row, no padding.
+    advantages, old_logprobs, rollout_logprobs   float32 per position, for policy losses (RL).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.input_ids.shape)
+        if len(shape) != 2:
+            raise ValueError(f"micro-batch: input_ids must be [B, S], got {list(shape)}")
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"micro-batch: {f.name} has shape {list(t.shape)}, input_ids {list(shape)}")
+        for name in ("input_ids", "labels") + (("doc_ids",) if self.doc_ids is not None else ()):
+            if getattr(self, name).dtype != torch.long:
+                raise ValueError(f"micro-batch: {name} must be int64, got {getattr(self, name).dtype}")
+        if (self.loss_mask.masked_select(self.labels == IGNORE_INDEX) != 0).any():
+            raise ValueError("micro-batch: loss_mask trains positions whose label is IGNORE_INDEX")
+
+    @classmethod
+    def lm(cls, input_ids: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None) -> MicroBatch:
+        """Every labelled position trained (loss_mask = labels != IGNORE_INDEX)."""
+        return cls(input_ids, labels, (labels != IGNORE_INDEX).float(), doc_ids)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def to(self, device: torch.device | None) -> MicroBatch:
+        if device is None:
+            return self
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def rows(self, start: int, stop: int) -> MicroBatch:
+        """Rows [start, stop) as a micro-batch of their own."""
+        return replace(self, **{f.name: getattr(self, f.name)[start:stop] for f in fields(self)
+                                if getattr(self, f.name) is not None})
 
 
 @dataclass
@@ -71,3 +132,32 @@ def micro_batches(row_tokens: list[int], max_tokens: int) -> list[list[int]]:
         cur.append(i)
         longest = max(longest, n)
     return groups + ([cur] if cur else [])
+
+
+def to_micro_batch(samples: list[Sample], pad_to_multiple: int = 1) -> MicroBatch:
+    """Samples, one per row, as a micro-batch: position t reads tokens[t] and predicts
+    tokens[t + 1] (trained where loss_mask[t + 1]); rows padded to the longest, rounded up to
+    `pad_to_multiple` (e.g. the context-parallel size)."""
+    n = max(len(s.tokens) - 1 for s in samples)
+    n = -(-n // pad_to_multiple) * pad_to_multiple
+    ids = torch.zeros(len(samples), n, dtype=torch.long)
+    lab = torch.full((len(samples), n), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(len(samples), n)
+    doc = torch.full((len(samples), n), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        k = len(s.tokens) - 1
+        ids[i, :k], lab[i, :k] = torch.tensor(s.tokens[:-1]), torch.tensor(s.tokens[1:])
+        mask[i, :k], doc[i, :k] = torch.tensor(s.loss_mask[1:], dtype=torch.float32), 0
+    return MicroBatch(ids, lab, mask, None if bool((doc >= 0).all()) else doc)
+
+
+def replica_micro_batches(samples: list[Sample], dp: int, micro_batch_size: int,
+                          pad_to_multiple: int = 1) -> list[list[MicroBatch]]:
+    """A global batch split over `dp` data-parallel replicas (contiguous, equal counts), each
+    share cut into micro-batches of `micro_batch_size` samples."""
+    if len(samples) % (dp * micro_batch_size):
+        raise ValueError(f"{len(samples)} samples do not split into {dp} replicas x micro-batches of "
+                         f"{micro_batch_size}")
+    per = len(samples) // dp
+    return [[to_micro_batch(samples[r * per + i: r * per + i + micro_batch_size], pad_to_multiple)
+             for i in range(0, per, micro_batch_size)] for r in range(dp)]

@@ -148,9 +148,20 @@ class MegatronContext(ParallelContext):
         dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
         return t
 
-    def lm_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        shard = torch.nn.functional.linear(tp.copy_to_tensor_model_parallel_region(y.float()), weight.float())
-        return tp.gather_from_tensor_model_parallel_region(shard)
+    def max_over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        return t
+
+    def vocab_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # The hidden state is replicated over TP, each rank's logits a vocabulary shard: its
+        # gradient sums over the ranks.
+        return torch.nn.functional.linear(tp.copy_to_tensor_model_parallel_region(y.float()), weight.float())
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return tp.gather_from_tensor_model_parallel_region(logits) if self.tp_size > 1 else logits
 
     def mark_expert(self, module: nn.Module) -> None:
         # Megatron DDP reduces parameters with allreduce=False over the expert-data-parallel

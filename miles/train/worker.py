@@ -5,9 +5,10 @@ Megatron-core's parallel state (TP, PP, EP, CP, DP), and the plugin's model buil
 MegatronContext. Every forward/backward goes through Megatron's pipeline schedules (1F1B
 when PP > 1), so the same code path serves one rank and many.
 
-A micro-batch is `(input_ids [B, S], labels [B, S])` or, for packed rows,
-`(input_ids, labels, doc_ids [B, S])` (see miles.train.batching); every rank of a
-data-parallel replica (its TP, PP and CP peers) receives the same micro-batches.
+The worker consumes `MicroBatch`es (miles.train.batching) and trains with a loss function
+chosen by name (miles.train.losses): the model returns logits and auxiliary sums, the loss
+function turns them into the loss. Every rank of a data-parallel replica (its TP, PP and CP
+peers) receives the same micro-batches.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from __future__ import annotations
 import hashlib
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from miles.observe.alignment import grad_checksums
+from miles.train import losses
+from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import IGNORE_INDEX, Gate
-
-MicroBatch = tuple[torch.Tensor, ...]  # (input_ids, labels[, doc_ids])
 
 
 class _ScheduleView:
@@ -37,11 +38,19 @@ class _ScheduleView:
         self.module, self.config, self.model_type = module, config, ModelType.encoder_or_decoder
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) per token [B, S] (0 where the label is IGNORE_INDEX), from fp32 logits."""
-    lp = -F.cross_entropy(logits.detach().flatten(0, 1).float(), labels.clamp_min(0).flatten(),
-                          reduction="none").view_as(labels)
-    return torch.where(labels != IGNORE_INDEX, lp, 0.0)
+class _AttachLoss(torch.autograd.Function):
+    """Identity on a pipeline stage's output whose backward also starts the backward of the
+    stage's auxiliary loss (gradient 1): those terms train the stage's parameters when its
+    output gets its gradient from the next stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, torch.ones(ctx.loss_shape, dtype=torch.float32, device=g.device)
 
 
 class TrainWorker:
@@ -49,6 +58,9 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
         self.model: DeepSeekV4ForCausalLM | None = None
         self.ddp = self.opt = self.sched = None
+        self.loss_fn, self.coef = losses.get("lm"), losses.LossCoefs()
+        self._metric_keys: list[str] | None = None
+        self._profile = None
         self._asleep: list | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -123,12 +135,22 @@ class TrainWorker:
             num_moe_experts=cfg.n_routed_experts if ps.get_expert_model_parallel_world_size() > 1 else None)
         return sum(p.numel() for p in self.model.parameters())
 
-    def setup_training(self, lr: float, weight_decay: float = 0.0, clip_grad: float = 1.0, warmup_steps: int = 0,
-                       total_steps: int = 1000, min_lr: float = 0.0, adam_eps: float = 1e-8,
-                       betas: tuple[float, float] = (0.9, 0.999)) -> None:
-        """Megatron DDP + DistributedOptimizer (AdamW, sharded state) + warm-up/cosine schedule.
-        Gradients are summed over DP x CP (calculate_per_token_loss): the loss is already
-        divided by the global batch's token count."""
+    def set_loss(self, name: str, mtp: float = 0.3, indexer: float = 0.01, balance: float = 0.0) -> None:
+        """The loss function (miles.train.losses, by name) and the auxiliary terms' weights."""
+        if balance > 0 and self.model.ctx.cp_size > 1:
+            raise ValueError("the sequence balance loss is per whole sequence: it cannot be split over "
+                             "context-parallel ranks (use cp=1 or balance weight 0)")
+        self.loss_fn, self.coef = losses.get(name), losses.LossCoefs(mtp, indexer, balance)
+        self._metric_keys = None
+
+    def setup_training(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine",
+                       weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                       clip_grad: float = 1.0, total_steps: int = 1000) -> None:
+        """Megatron DDP + DistributedOptimizer (AdamW, sharded state) + LR schedule: step k
+        (1-indexed) trains at lr(k), rising linearly to `lr` at k = warmup_steps, then decaying
+        (cosine, linear or constant) to `min_lr` at k = total_steps. Gradients are summed over
+        DP x CP (calculate_per_token_loss): the losses are already divided by global counts.
+        The arguments are a job's `train.optim` group."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -138,74 +160,87 @@ class TrainWorker:
         self.ddp = DistributedDataParallel(self.tcfg, DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True), self.model)
         self.opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", adam_eps=adam_eps, adam_beta1=betas[0], adam_beta2=betas[1], lr=lr, min_lr=min_lr,
+            optimizer="adam", adam_eps=eps, adam_beta1=beta1, adam_beta2=beta2, lr=lr, min_lr=min_lr,
             weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
             use_distributed_optimizer=True), [self.ddp])
         self.sched = OptimizerParamScheduler(
             self.opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
-            lr_decay_steps=total_steps, lr_decay_style="cosine" if total_steps > warmup_steps else "constant",
+            lr_decay_steps=total_steps, lr_decay_style=decay if total_steps > warmup_steps else "constant",
             start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
 
     # ------------------------------------------------------------------ forward / backward
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
-        return [tuple(t.to(self.device) for t in mb) for mb in mbs] if self.device else mbs
+        return [mb.to(self.device) for mb in mbs]
 
-    def _global_tokens(self, mbs: list[MicroBatch]) -> torch.Tensor:
-        """Supervised tokens of the global batch: summed over data-parallel replicas (the
-        TP/PP/CP peers of a replica hold the same micro-batches)."""
+    def _global_counts(self, mbs: list[MicroBatch]) -> dict[str, torch.Tensor]:
+        """Each loss term's positions in the global batch (losses.counts), summed over the
+        data-parallel replicas (the TP/PP/CP peers of a replica hold the same micro-batches);
+        at least 1, so an empty term is 0, not NaN."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_group()
         if self.model.ctx.ep_size > 1:  # the expert exchange is a collective per micro-batch
-            counts = [torch.zeros((), device=self.device) for _ in range(dist.get_world_size(dp))]
-            dist.all_gather(counts, torch.tensor(float(len(mbs)), device=self.device), group=dp)
-            if len({int(c) for c in counts}) > 1:
+            n = [torch.zeros((), device=self.device) for _ in range(dist.get_world_size(dp))]
+            dist.all_gather(n, torch.tensor(float(len(mbs)), device=self.device), group=dp)
+            if len({int(c) for c in n}) > 1:
                 raise ValueError(f"expert parallelism needs the same number of micro-batches on every "
-                                 f"data-parallel rank, got {[int(c) for c in counts]}")
-        n = torch.tensor(float(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in mbs)), device=self.device)
-        dist.all_reduce(n, group=dp)
-        return n
+                                 f"data-parallel rank, got {[int(c) for c in n]}")
+        per = [losses.counts(self.model, mb) for mb in mbs]
+        keys = sorted(per[0])
+        total = torch.stack([sum(c[k] for c in per).double() for k in keys])
+        dist.all_reduce(total, group=dp)
+        return {k: v.float().clamp_min(1) for k, v in zip(keys, total, strict=True)}
 
-    def _schedule(self, module, mbs: list[MicroBatch], normalizer, forward_only: bool) -> tuple[list, dict]:
+    def _schedule(self, module, mbs: list[MicroBatch], norm: dict | None, forward_only: bool) -> tuple[list, dict]:
         """Megatron's forward-backward over the micro-batches. Returns, on the last pipeline
-        stage, per micro-batch {losses, logprobs [B, s]}; and this stage's summed share of
-        the auxiliary losses (earlier stages compute some of the indexer KL)."""
+        stage, per micro-batch {metrics, logprobs [B, s]} (forward-only: logprobs); and this
+        stage's summed auxiliary metrics (earlier stages compute some auxiliary terms)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        stage_aux: dict[str, torch.Tensor] = {}
-        q = self.model.ctx.seq_chunk(mbs[0][0].shape[1]) if self.model.ctx.cp_size > 1 else slice(None)
+        stage_metrics: dict[str, torch.Tensor] = {}
+        ctx = self.model.ctx
+        q = ctx.seq_chunk(mbs[0].shape[1]) if ctx.cp_size > 1 else slice(None)
 
         def step(data, model):
-            ids, lab, *doc = next(data)
-            out = module(ids, labels=lab, doc_ids=doc[0] if doc else None, loss_normalizer=normalizer)
+            mb = next(data)
+            out = module(mb.input_ids, doc_ids=mb.doc_ids, aux=() if forward_only else self.coef.aux_terms)
             if out.logits is None:  # an earlier stage: its output goes to the next stage
-                for k, v in out.losses.items():
-                    stage_aux[k] = stage_aux.get(k, 0.0) + v
-                return out.hidden, None
+                if forward_only:
+                    return out.hidden, None
+                aux, metrics = losses.aux_loss(out.aux, norm, self.coef)
+                for k, v in dict(metrics, loss=aux.detach()).items():
+                    stage_metrics[k] = stage_metrics.get(k, 0.0) + v
+                return (_AttachLoss.apply(out.hidden, aux) if aux.requires_grad else out.hidden), None
+            if forward_only:
+                lp = ctx.token_logprobs(out.logits, mb.labels[:, q])
+                lp = torch.where(mb.labels[:, q] != IGNORE_INDEX, lp, 0.0)
+                return lp, lambda t: (t, torch.ones((), dtype=torch.int), {"logprobs": t})
+            res = self.loss_fn(out, mb, norm, self.coef, ctx)
+            return res.loss, lambda t: (t, torch.ones((), dtype=torch.int),
+                                        {"metrics": res.metrics, "logprobs": res.logprobs})
 
-            def loss_func(total):
-                return total, torch.ones((), dtype=torch.int), {
-                    "losses": {k: v.detach() for k, v in out.losses.items()},
-                    "logprobs": token_logprobs(out.logits, lab[:, q])}
-            return out.losses["total"], loss_func
-
-        s, b = mbs[0][0].shape[1], mbs[0][0].shape[0]
+        s, b = mbs[0].shape[1], mbs[0].shape[0]
         res = get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(mbs), model=[_ScheduleView(module, self.tcfg)],
             num_microbatches=len(mbs), seq_length=s, micro_batch_size=b, forward_only=forward_only)
-        return res, stage_aux
+        return res, stage_metrics
 
-    def _reported(self, res: list, stage_aux: dict) -> dict[str, float]:
-        """Loss values of the global batch: micro-batches summed, then summed over DP x CP (each
-        holds its share of the global mean) and over PP (earlier stages' auxiliary shares)."""
+    def _reported(self, res: list, stage_metrics: dict) -> dict[str, float]:
+        """Loss metrics of the global batch: micro-batches summed, then summed over DP x CP (each
+        holds its share of the global mean) and over PP (earlier stages' auxiliary shares). The
+        same keys on every rank, whatever its stage."""
         from megatron.core import parallel_state as ps
 
-        keys = ("lm", "mtp", "indexer", "balance", "total")
+        mine = sorted(set().union(*(r["metrics"] for r in res), stage_metrics))
+        if self._metric_keys is None:  # stages report different terms: agree on the union once
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            self._metric_keys = sorted(set().union(*every))
+        keys = self._metric_keys
         vals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
-        for r in res:
-            vals += torch.stack([r["losses"][k].double() for k in keys])
-        for k, v in stage_aux.items():
-            vals[keys.index(k)] += v.double()
+        for metrics in [r["metrics"] for r in res] + [stage_metrics]:
+            for k, v in metrics.items():
+                vals[keys.index(k)] += v.double()
         dist.all_reduce(vals, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
@@ -230,7 +265,7 @@ class TrainWorker:
 
         mbs = self._to_device(micro_batches)
         self.model.zero_grad(set_to_none=True)
-        res, aux = self._schedule(self.model, mbs, self._global_tokens(mbs), forward_only=False)
+        res, aux = self._schedule(self.model, mbs, self._global_counts(mbs), forward_only=False)
         params = dict(self.model.named_parameters())
         for p in params.values():
             if p.grad is not None:
@@ -253,30 +288,32 @@ class TrainWorker:
         """Per-token log p(label) [B, S] of each micro-batch (whole sequence: CP chunks are
         gathered); None on ranks that are not the last pipeline stage."""
         mbs = self._to_device(micro_batches)
-        res, _ = self._schedule(self.model, mbs, None if self.model.ctx.cp_size == 1 else 1.0, forward_only=True)
+        res, _ = self._schedule(self.model, mbs, None, forward_only=True)
         return [self.model.ctx.gather_seq(r["logprobs"]).cpu() for r in res] if self.model.ctx.last_stage else None
 
     def train_step(self, micro_batches: list[MicroBatch], checksums: bool = False) -> dict:
-        """One optimizer step over this rank's micro-batches. Token losses (lm, MTP, indexer)
-        are normalised by the global batch's supervised-token count, so neither micro-batching
-        nor the layout changes the gradient. Returns the global batch's losses, grad norm, lr
-        and, with `checksums`, an MD5 per parameter group of this rank's reduced gradients
-        (alignment records; it copies every gradient to the host)."""
+        """One optimizer step over this rank's micro-batches. Each loss term is normalised by
+        its global count of positions, so neither micro-batching nor the layout changes the
+        gradient. Returns the global batch's loss metrics, grad norm, lr and, with `checksums`,
+        an MD5 per parameter group of this rank's reduced gradients (alignment records; it
+        copies every gradient to the host)."""
         from megatron.core import parallel_state as ps
 
         mbs = self._to_device(micro_batches)
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        res, aux = self._schedule(self.ddp, mbs, self._global_tokens(mbs), forward_only=False)
+        res, aux = self._schedule(self.ddp, mbs, self._global_counts(mbs), forward_only=False)
         self.ddp.finish_grad_sync()
         if self.model.embed is not None:
             self._sync_embedding_grads([self.model.embed.weight.main_grad])
         grad_md5 = (grad_checksums([(n, getattr(p, "main_grad", None)) for n, p in self.model.named_parameters()])
                     if checksums else None)
+        self.sched.step(increment=1)  # Megatron's scheduler counts steps done: step k trains at lr(k)
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
-        self.sched.step(increment=1)
+        if self.opt.config.clip_grad == 0:  # Megatron measures the norm only to clip
+            grad_norm = self.opt.get_grad_norm()
         dpcp = ps.get_data_parallel_group(with_context_parallel=True)
         for mod in self.model.modules():  # aux-loss-free balancing sees the global expert loads
             if isinstance(mod, Gate) and not mod.is_hash:
@@ -285,6 +322,24 @@ class TrainWorker:
         out = self._reported(res, aux)
         out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5)
         return out
+
+    # ------------------------------------------------------------------ profiling
+    def start_profile(self, trace_dir: str, record_shapes: bool = False, with_stack: bool = False,
+                      profile_memory: bool = False) -> None:
+        """Profile this rank until stop_profile(), which writes <trace_dir>/rank<N>.json
+        (miles.observe.profiler)."""
+        from miles.observe.profiler import Profile
+
+        if self._profile is not None:
+            raise RuntimeError(f"rank {self.rank}: a profile is already running")
+        self._profile = Profile(Path(trace_dir) / f"rank{self.rank}.json", record_shapes, with_stack, profile_memory)
+
+    def stop_profile(self) -> str:
+        """Write the trace (Chrome format); returns its path."""
+        if self._profile is None:
+            raise RuntimeError(f"rank {self.rank}: stop_profile() without start_profile()")
+        path, self._profile = self._profile.stop(), None
+        return str(path)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

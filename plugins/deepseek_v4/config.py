@@ -71,12 +71,9 @@ class DeepSeekV4Config:
     eos_token_id: int = 1
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
-    # --- miles training knobs (not in DeepSeek's file; defaults documented in the README) ---
-    mtp_loss_coef: float = 0.3
-    indexer_loss: bool = True  # train the lightning indexer with the KL auxiliary loss
-    indexer_loss_coef: float = 0.01
+    # --- miles model knobs (not in DeepSeek's file; defaults documented in the README). The
+    # loss coefficients (MTP, indexer KL, balance) are the job's (`algo` in a job file). ---
     router_bias_update_rate: float = 1e-3
-    balance_loss_coef: float = 0.0  # optional sequence-level balance loss (V3 used 1e-4)
     hc_init_std: float = 0.01  # mHC gating init (Megatron's choice; DeepSeek's is not public)
     # GPU kernels (attention core, Sinkhorn, grouped expert GEMMs): "auto" = on CUDA when
     # triton is installed, "torch" = the PyTorch reference everywhere, "triton" = always
@@ -142,8 +139,7 @@ class DeepSeekV4Config:
                      "routed_scaling_factor"):
             need(getattr(self, name) > 0, name, "must be positive")
         for name in ("n_shared_experts", "num_hash_layers", "num_nextn_predict_layers",
-                     "mtp_loss_coef", "indexer_loss_coef", "router_bias_update_rate",
-                     "balance_loss_coef", "initializer_range", "hc_init_std"):
+                     "router_bias_update_rate", "initializer_range", "hc_init_std"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         need(self.num_key_value_heads == 1, "num_key_value_heads", "must be 1 (V4 attention is MQA, K = V)")
         need(self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.head_dim,

@@ -23,6 +23,7 @@ from .layout import Blocks, SequenceLayout
 from .parallel import ParallelContext
 
 IGNORE_INDEX = -100
+AUX_LOSSES = frozenset({"indexer", "balance"})
 
 
 def use_kernels(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
@@ -65,10 +66,9 @@ class Fwd:
     layout: SequenceLayout
     ropes: dict[str, Rope]
     q: slice = field(default_factory=lambda: slice(None))
-    indexer_loss: bool = False
+    aux: frozenset[str] = frozenset()  # auxiliary losses to compute: "indexer", "balance"
     indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
-    indexer_rows: list[torch.Tensor] = field(default_factory=list)
-    balance_terms: list[torch.Tensor] = field(default_factory=list)
+    balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
     states: list | None = None  # filled by prefill
 
 
@@ -263,7 +263,7 @@ class Attention(nn.Module):
                 state = (Compressor.init_state(self.ratio, cz, comp),
                          Compressor.init_state(self.ratio, ki_cz, ki_entries)
                          if self.indexer is not None else None)
-        want_kl = self.indexer is not None and fwd.indexer_loss and torch.is_grad_enabled()
+        want_kl = self.indexer is not None and "indexer" in fwd.aux and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
         o, mass_c = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
         if want_kl:
@@ -308,7 +308,8 @@ class Attention(nn.Module):
     @staticmethod
     def _indexer_kl(target: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:
         """KL(main-attention mass over the chosen entries [B, S, G], summed over all heads and
-        renormalised || softmax of the indexer scores over the same entries), summed over rows."""
+        renormalised || softmax of the indexer scores over the same entries), summed over rows
+        (those without a chosen entry add 0; `loss_rows` counts the rows that have one)."""
         total = target.sum(-1, keepdim=True)
         rows = chosen.any(-1) & (total[..., 0] > 0)
         target = torch.where(chosen, target / total.clamp_min(1e-30), 0.0)
@@ -316,7 +317,6 @@ class Attention(nn.Module):
         logp = torch.log_softmax(scores.masked_fill(~chosen, -1e30), -1)
         kl = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - logp), 0.0).sum(-1)
         fwd.indexer_terms.append(torch.where(rows, kl, 0.0).sum())
-        fwd.indexer_rows.append(rows.sum())
 
     def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope]) -> torch.Tensor:
         """One token per row at position `pos`: x [B, 1, d] -> [B, 1, d]; updates st."""
@@ -436,12 +436,12 @@ class MoE(nn.Module):
             if self.training and torch.is_grad_enabled():
                 with torch.no_grad():
                     self.gate.expert_load += torch.bincount(idx[v].flatten(), minlength=s.shape[-1]).float()
-            if fwd is not None and self.cfg.balance_loss_coef > 0 and torch.is_grad_enabled():
+            if fwd is not None and "balance" in fwd.aux and torch.is_grad_enabled():
                 fwd.balance_terms.append(self._balance(idx, s, valid))
         return out.to(x.dtype).reshape(shape)
 
     def _balance(self, idx: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Sequence-level balance loss sum_e f_e * P_e, averaged over rows (V3 form)."""
+        """Sequence-level balance loss sum_e f_e * P_e (V3 form), summed over rows with tokens."""
         b, t = valid.shape
         e, k = s.shape[-1], idx.shape[-1]
         v = valid.float()
@@ -449,7 +449,7 @@ class MoE(nn.Module):
         counts = F.one_hot(idx, e).sum(-2).view(b, t, e).float() * v[..., None]
         f = counts.sum(1) * e / (k * n[:, None])
         p = ((s / s.sum(-1, keepdim=True)).view(b, t, e) * v[..., None]).sum(1) / n[:, None]
-        return (f * p).sum(-1).mean()
+        return ((f * p).sum(-1) * (v.sum(1) > 0)).sum()
 
 
 # =========================================================================== blocks
@@ -538,36 +538,28 @@ class LayerStack(nn.ModuleDict):
         return self._modules[str(i)]
 
 
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `x` whose backward also starts the backward of `loss` (gradient 1): a
-    pipeline stage's auxiliary losses train their parameters when the stage's output gets
-    its gradient from the next stage."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_shape = loss.shape
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g, torch.ones(ctx.loss_shape, dtype=torch.float32, device=g.device)
-
-
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor | None  # [B, s, V] fp32 (None before the last pipeline stage)
-    mtp_logits: torch.Tensor | None = None  # [B, s, V] fp32; index j predicts t_{j+1} from (X_{j-1}, t_j)
-    losses: dict[str, torch.Tensor] | None = None
+    """What one forward returns. Losses are not computed here: a loss function (the trainer's,
+    chosen by name) combines the logits with labels, and the auxiliary sums with their counts.
+    Under context parallelism every [B, s, ...] tensor covers this rank's chunk of tokens."""
+
+    logits: torch.Tensor | None  # [B, s, V/tp] fp32, this TP rank's vocabulary shard (None before the last stage)
+    mtp_logits: torch.Tensor | None = None  # [B, s, V/tp] fp32; index j predicts t_{j+1} from (X_{j-1}, t_j)
+    mtp_rows: torch.Tensor | None = None  # [B, s] bool: positions that have an MTP prediction
     hidden: torch.Tensor | None = None  # [B, s, n*d] streams sent to the next pipeline stage
+    # Auxiliary loss sums of this stage (asked for with `aux=`), each the mean over the model's
+    # layers of a per-layer sum over rows: "indexer" (KL, rows of `loss_rows()["indexer"]`),
+    # "balance" (sequence balance term, rows with tokens). Divide by their global counts.
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class DeepSeekV4ForCausalLM(nn.Module):
     """DeepSeek-V4 causal LM.
 
-    `model(input_ids, labels=None, loss_mask=None, attention_mask=None, doc_ids=None)`.
-    labels[b, t] is the token logits[b, t] must predict (normally input_ids[b, t+1]);
-    IGNORE_INDEX (-100) or loss_mask 0 skips a position. Returns CausalLMOutput with
-    losses {lm, mtp, indexer, balance, total} when labels are given.
+    `model(input_ids, attention_mask=None, doc_ids=None, aux=())` -> CausalLMOutput: logits
+    (logits[b, t] predicts input_ids[b, t+1]), MTP logits and the auxiliary loss sums asked
+    for. Losses are the trainer's (a loss function chosen by name): the model holds no labels.
     """
 
     def __init__(self, config: DeepSeekV4Config, dtype: torch.dtype = torch.float32,
@@ -644,28 +636,28 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return h[:, :, None, :].expand(*h.shape[:2], self.config.hc_mult, h.shape[-1]).contiguous()
 
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
-        return self.ctx.lm_logits(y, self.head.weight)
+        """fp32 logits of this TP rank's vocabulary shard."""
+        return self.ctx.vocab_logits(y, self.head.weight)
 
     def set_input_tensor(self, t: torch.Tensor | list | None) -> None:
         """Pipeline schedules hand a later stage its input here ([B, s, n*d] streams)."""
         self._stage_input = t[0] if isinstance(t, list) else t
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, loss_normalizer: float | torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, aux: tuple[str, ...] | frozenset[str] = (),
                 _states: list | None = None) -> CausalLMOutput:
-        """input_ids [B, S] (the whole sequence on every rank). loss_normalizer: divide summed
-        token losses by this (e.g. the global batch's supervised-token count) instead of the
-        local count. Under context parallelism outputs cover this rank's chunk s of S; before
-        the last pipeline stage the output is `hidden` (auxiliary losses attached to it)."""
+        """input_ids [B, S] (the whole sequence on every rank); attention_mask (padding) or
+        doc_ids (packed documents). `aux`: the auxiliary loss sums to compute ("indexer",
+        "balance"; training forwards only). Under context parallelism outputs cover this
+        rank's chunk s of S; before the last pipeline stage the output is `hidden`."""
         b, s = input_ids.shape
         ctx, cfg = self.ctx, self.config
+        unknown = set(aux) - AUX_LOSSES
+        if unknown:
+            raise ValueError(f"unknown auxiliary losses {sorted(unknown)}; known: {sorted(AUX_LOSSES)}")
         q = ctx.seq_chunk(s) if ctx.cp_size > 1 else slice(None)
-        if ctx.cp_size > 1 and labels is not None and loss_normalizer is None:
-            raise ValueError("context parallel losses need a loss_normalizer (the global token count)")
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
-        fwd = Fwd(layout, self._ropes(layout.pos), q=q, states=_states,
-                  indexer_loss=labels is not None and cfg.indexer_loss)
+        fwd = Fwd(layout, self._ropes(layout.pos), q=q, states=_states, aux=frozenset(aux))
         ids = input_ids[:, q]
         if ctx.first_stage:
             x = self._streams(self.embed(ids))  # [B, s, n, d]
@@ -673,77 +665,55 @@ class DeepSeekV4ForCausalLM(nn.Module):
             x = self._stage_input.view(b, ids.shape[1], cfg.hc_mult, cfg.hidden_size)
         for layer in self.layers:
             x = layer(x, fwd, ids)
-        aux = self._aux_losses(fwd, labels is not None, loss_normalizer)
         if not ctx.last_stage:
-            hidden = x.flatten(2)
-            if labels is not None and aux["weighted"].requires_grad:
-                hidden = _AttachLoss.apply(hidden, aux["weighted"])
-            # This stage's shares: "total" is their weighted sum (what its backward adds).
-            return CausalLMOutput(None, hidden=hidden, losses={
-                "indexer": aux["indexer"].detach(), "balance": aux["balance"].detach(),
-                "total": aux["weighted"].detach()})
-        logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V]
-        mtp_logits = None
+            return CausalLMOutput(None, hidden=x.flatten(2), aux=self._aux_sums(fwd))
+        logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V/tp]
+        out = CausalLMOutput(logits)
         if self.mtp and _states is None:
-            mtp_logits = self._mtp(x, ids, layout, fwd, labels is not None, loss_normalizer, aux)
-        losses = None if labels is None else self._losses(logits, mtp_logits, labels[:, q],
-                                                          None if loss_mask is None else loss_mask[:, q],
-                                                          layout, fwd, loss_normalizer, aux)
-        return CausalLMOutput(logits, mtp_logits, losses)
+            out.mtp_logits, mfwd = self._mtp(x, ids, layout, fwd)
+            out.mtp_rows = self.loss_rows(layout)["mtp"][:, q]
+            main, mtp = self._aux_sums(fwd), self._aux_sums(mfwd)
+            out.aux = {k: v + mtp[k] for k, v in main.items()}
+        else:
+            out.aux = self._aux_sums(fwd)
+        return out
 
-    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd, want_loss: bool,
-             normalizer, aux: dict) -> torch.Tensor:
+    def loss_rows(self, layout: SequenceLayout) -> dict[str, torch.Tensor]:
+        """[B, S] bool, per loss term, the positions it can cover (whole sequence): "tokens"
+        (not padding), "mtp" (an MTP prediction exists: not a document's first token),
+        "indexer" (the query sees a compressed entry of a CSA layer, whose indexer KL it
+        adds). Trainers count these over the global batch to normalise each term."""
+        tokens = layout.doc >= 0
+        csa = [r for r in self.config.compress_ratios if self.config.is_csa(r)]
+        return {"tokens": tokens, "mtp": tokens & (layout.pos >= 1),
+                "indexer": tokens & (layout.pos >= csa[0] - 1) if csa else torch.zeros_like(tokens)}
+
+    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd) -> tuple[torch.Tensor, Fwd]:
         # Index j combines X_{j-1} (same document) with embed(t_j): the MTP sequence of a
         # document starts at its second token, at position pos - 1; first tokens are dead.
         alive = (layout.pos >= 1) & (layout.doc >= 0)
         mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0))
-        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), q=fwd.q, indexer_loss=fwd.indexer_loss)
+        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), q=fwd.q, aux=fwd.aux)
         x_all = self.ctx.gather_seq(x)  # the shift crosses context-parallel chunks
         x_prev = torch.cat((torch.zeros_like(x_all[:, :1]), x_all[:, :-1]), 1)[:, fwd.q]
         blk = self.mtp[0]
         h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, s, n, d]
         h = blk(h, mfwd, ids)
-        for k, v in self._aux_losses(mfwd, want_loss, normalizer).items():
-            aux[k] = aux[k] + v
-        return self._logits(head_collapse(blk, self.config, h))
+        return self._logits(head_collapse(blk, self.config, h)), mfwd
 
-    def _aux_losses(self, fwd: Fwd, want: bool, normalizer) -> dict[str, torch.Tensor]:
-        """This stage's share of the indexer KL and balance losses: each layer's term divided
-        by the model's layer count (and the indexer's by the token count), so the shares of
-        all pipeline stages sum to the whole-model loss."""
-        c = self.config
+    def _aux_sums(self, fwd: Fwd) -> dict[str, torch.Tensor]:
+        """This stage's share of the auxiliary sums: each layer's term divided by the model's
+        layer count of that kind, so the shares of all pipeline stages add up to the mean over
+        the model's layers."""
         zero = torch.zeros((), device=fwd.layout.doc.device)
-        ind, bal = zero, zero
-        if want and fwd.indexer_terms:
-            rows = fwd.indexer_rows[0].clamp_min(1) if normalizer is None else normalizer
-            ind = torch.stack(fwd.indexer_terms).sum() / (self._n_indexer_layers * rows)
-        if want and fwd.balance_terms:
-            bal = torch.stack(fwd.balance_terms).sum() / self._n_balance_layers
-        return {"indexer": ind, "balance": bal,
-                "weighted": c.indexer_loss_coef * ind + c.balance_loss_coef * bal}
-
-    def _losses(self, logits, mtp_logits, labels, loss_mask, layout, fwd, normalizer, aux) -> dict[str, torch.Tensor]:
-        c = self.config
-        doc, pos = layout.doc[:, fwd.q], layout.pos[:, fwd.q]
-        mask = (labels != IGNORE_INDEX) & (doc >= 0)
-        if loss_mask is not None:
-            mask = mask & loss_mask.bool()
-        tgt = labels.clamp_min(0)
-        denom = mask.sum().clamp_min(1) if normalizer is None else normalizer
-        ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
-        losses = {"lm": (ce * mask).sum() / denom}
-        total = losses["lm"]
-        if mtp_logits is not None:
-            mmask = mask & (pos >= 1)
-            mdenom = mmask.sum().clamp_min(1) if normalizer is None else normalizer
-            mce = F.cross_entropy(mtp_logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
-            losses["mtp"] = (mce * mmask).sum() / mdenom
-            total = total + c.mtp_loss_coef * losses["mtp"]
-        else:
-            losses["mtp"] = logits.new_zeros(())
-        losses["indexer"], losses["balance"] = aux["indexer"], aux["balance"]
-        losses["total"] = total + aux["weighted"]
-        return losses
+        out = {}
+        if "indexer" in fwd.aux:
+            out["indexer"] = torch.stack(fwd.indexer_terms).sum() / self._n_indexer_layers if fwd.indexer_terms \
+                else zero
+        if "balance" in fwd.aux:
+            out["balance"] = torch.stack(fwd.balance_terms).sum() / self._n_balance_layers if fwd.balance_terms \
+                else zero
+        return out
 
     # ------------------------------------------------------------------ router bias
     @torch.no_grad()
@@ -765,7 +735,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         the decoding state. Returns logits [B, S, V] and the state."""
         states: list[AttnState] = []
         out = self.forward(input_ids, _states=states)
-        return out.logits, DecodeState(states, input_ids.shape[1])
+        return self.ctx.gather_vocab(out.logits), DecodeState(states, input_ids.shape[1])
 
     @torch.no_grad()
     def decode_step(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
@@ -779,7 +749,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         for layer, st in zip(self.layers, state.layers, strict=True):
             x = layer.step(x, st, pos, ropes, ids)
         state.pos += 1
-        return self._logits(head_collapse(self, self.config, x))[:, 0]
+        return self.ctx.gather_vocab(self._logits(head_collapse(self, self.config, x)))[:, 0]
 
     # ------------------------------------------------------------------ HF layout
     def save_pretrained(self, directory: str | Path, max_shard_bytes: int = 2 ** 30) -> None:

@@ -79,9 +79,30 @@ class ParallelContext:
         """Sum of a detached per-rank partial (attention mass of the local heads)."""
         return t
 
-    def lm_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Full fp32 logits from the (possibly vocab-split) head weight."""
+    def max_over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over TP ranks of a detached tensor."""
+        return t
+
+    def vocab_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., V/tp] of this rank's vocabulary shard (the head's weight rows)."""
         return F.linear(y.float(), weight.float())
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocabulary shards of all TP ranks -> full logits [..., V] (decoding only: training
+        losses work on the shards)."""
+        return logits
+
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """log p(labels) [...] from vocabulary-sharded fp32 logits [..., V/tp], differentiable,
+        without gathering the vocabulary: log-sum-exp and the label's logit are each one sum
+        over TP ranks. Labels outside [0, V) (IGNORE_INDEX) give an arbitrary finite value."""
+        v = logits.shape[-1]
+        m = self.max_over_tp(logits.detach().amax(-1))  # [...]; any shift works, the max avoids overflow
+        lse = m + torch.log(self.reduce_from_tp(torch.exp(logits - m[..., None]).sum(-1)))
+        local = labels - self.tp_rank * v
+        mine = (local >= 0) & (local < v)
+        picked = logits.gather(-1, local.clamp(0, v - 1)[..., None])[..., 0]
+        return self.reduce_from_tp(torch.where(mine, picked, 0.0)) - lse
 
     # ------------------------------------------------------------------ PP
     def stage_layers(self, n_layers: int) -> range:

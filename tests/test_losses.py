@@ -1,0 +1,144 @@
+"""The trainer's loss functions (miles.train.losses) on the tiny all-features model, one process.
+
+Each term is a sum over its own positions divided by the global batch's count of them; the
+layout parity suite (tests/test_parallel_layouts.py) runs the same functions sharded.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import assert_close, random_ids, tiny_model
+
+from miles.train import losses
+from miles.train.batching import MicroBatch
+from plugins.deepseek_v4.model import IGNORE_INDEX
+
+
+def labels_of(ids: torch.Tensor) -> torch.Tensor:
+    lab = torch.roll(ids, -1, 1)
+    lab[:, -1] = IGNORE_INDEX
+    return lab
+
+
+def ones() -> dict[str, torch.Tensor]:
+    """Normalisers of 1: every term a plain sum."""
+    return {k: torch.tensor(1.0) for k in ("lm", "mtp", "indexer", "balance")}
+
+
+def test_packed_loss_equals_separate_losses(seed):
+    """Token losses of packed documents equal the separate runs (summed, unnormalised),
+    including the MTP loss, whose first token of each document has no prediction."""
+    model = tiny_model(seed).eval()
+    a, b = random_ids(seed, 1, 37), random_ids(seed + 1, 1, 29)
+    with torch.no_grad():
+        la = losses.compute(model, MicroBatch.lm(a, labels_of(a)), norm=ones())[1].metrics
+        lb = losses.compute(model, MicroBatch.lm(b, labels_of(b)), norm=ones())[1].metrics
+        docs = torch.tensor([[0] * 37 + [1] * 29])
+        mb = MicroBatch.lm(torch.cat((a, b), 1), torch.cat((labels_of(a), labels_of(b)), 1), docs)
+        lp = losses.compute(model, mb, norm=ones())[1].metrics
+    for k in ("lm_loss", "mtp_loss"):
+        assert_close(lp[k], la[k] + lb[k], atol=1e-4, what=k)
+
+
+def test_loss_values_and_mask(seed):
+    """lm / mtp losses are token means of cross-entropy over trained positions only (MTP's
+    where it has a prediction); the total adds the weighted terms."""
+    model = tiny_model(seed).train()
+    ids = random_ids(seed, 2, 30)
+    lab = labels_of(ids)
+    mask = torch.zeros(ids.shape)
+    mask[:, 10:25] = 1
+    coef = losses.LossCoefs(mtp=0.7, indexer=0.05)
+    out, res = losses.compute(model, MicroBatch(ids, lab, mask), coef)
+    ce = torch.nn.functional.cross_entropy(out.logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
+    mce = torch.nn.functional.cross_entropy(out.mtp_logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
+    m = res.metrics
+    assert_close(m["lm_loss"], ce, atol=1e-5, what="lm")
+    assert_close(m["mtp_loss"], mce, atol=1e-5, what="mtp")
+    assert m["indexer_loss"] > 0
+    assert_close(res.loss.detach(), m["lm_loss"] + 0.7 * m["mtp_loss"] + 0.05 * m["indexer_loss"], atol=1e-6)
+    assert_close(m["loss"], res.loss.detach(), atol=0)
+    want = -torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), lab.clamp_min(0).flatten(),
+                                              reduction="none").view_as(lab)
+    assert_close(res.logprobs, torch.where(lab != IGNORE_INDEX, want, 0.0).detach(), atol=1e-5, what="logprobs")
+
+
+def test_micro_batches_sum_to_full_batch_gradients(seed):
+    """With the global batch's counts as normalisers, 1 micro-batch of 4 equals 4
+    micro-batches of 1 in every gradient, MTP and indexer auxiliary losses included."""
+    model = tiny_model(seed).train()
+    ids = random_ids(seed, 4, 40)
+    lab = labels_of(ids)
+    lab[1, :13] = IGNORE_INDEX
+    full_mb = MicroBatch.lm(ids, lab)
+    norm = losses.counts(model, full_mb)
+    losses.compute(model, full_mb, norm=norm)[1].loss.backward()
+    full = {k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    for i in range(4):
+        losses.compute(model, full_mb.rows(i, i + 1), norm=norm)[1].loss.backward()
+    for k, p in model.named_parameters():
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        # fp32 sums in a different order: ~1e-7 relative; 1e-6 + 1e-4 relative leaves margin.
+        assert_close(got, full[k], atol=1e-6, rtol=1e-4, what=k)
+
+
+def test_counts_cover_each_terms_own_positions():
+    """Packed documents of 5 and 3 tokens and 2 of padding; training only the second half:
+    MTP counts trained positions that are not a document's first, the indexer every query
+    row that sees a CSA block (in-document position >= 3, prompt included), balance the rows."""
+    model = tiny_model(0)
+    docs = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1, -1], [0] * 10])
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    lab = torch.where(docs >= 0, 1, IGNORE_INDEX)
+    mask = (lab != IGNORE_INDEX).float()
+    mask[:, :5] = 0
+    c = losses.counts(model, MicroBatch(ids, lab, mask, docs))
+    assert c["lm"] == 3 + 5
+    assert c["mtp"] == 2 + 5, "position 5 starts document 1: no MTP prediction"
+    assert c["indexer"] == 2 + 7, "rows at in-document positions 3, 4 and 3..9"
+    assert c["balance"] == 2
+
+
+def test_aux_losses_do_not_change_when_positions_are_masked_as_prompt(seed):
+    """Guards auxiliary losses normalised by the wrong count:
+    - the indexer KL covers every query row that sees a CSA block, prompt or not: masking 60
+      of 64 positions as prompt must not change its value or the indexer's gradients (the
+      old normalisation, by the number of trained labels, grew it ~16x);
+    - the MTP loss covers trained positions that have an MTP prediction: masking each
+      document's first position (which has none) must not change its value or the MTP
+      block's gradients (the old normalisation, by the LM's count, changed it).
+    Each check also shows that the old normaliser would have moved, so the test can fail."""
+    model = tiny_model(seed).train()
+    ids = random_ids(seed, 2, 64)
+    docs = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14, [0] * 64])
+    lab = labels_of(ids)
+    lab[0, [19, 49]] = IGNORE_INDEX  # a document's last token has no target inside it
+    full = MicroBatch.lm(ids, lab, docs)
+
+    def run(mb: MicroBatch) -> tuple[dict, dict, dict]:
+        model.zero_grad()
+        norm = losses.counts(model, mb)
+        _, res = losses.compute(model, mb, norm=norm)
+        res.loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()
+                 if p.grad is not None and (".indexer." in k or k.startswith("mtp."))}
+        return {k: v.item() for k, v in res.metrics.items()}, grads, norm
+
+    base, g_base, n_base = run(full)
+    mask = full.loss_mask.clone()
+    mask[:, :60] = 0  # the first 60 of each row's 64 positions are prompt
+    prompt, g_prompt, n_prompt = run(MicroBatch(ids, lab, mask, docs))
+    assert abs(prompt["indexer_loss"] - base["indexer_loss"]) <= 1e-6 * base["indexer_loss"]
+    for k in (k for k in g_base if ".indexer." in k):
+        assert_close(g_prompt[k], g_base[k], atol=1e-9, rtol=1e-5, what=f"indexer grad {k}")
+    assert n_base["lm"] / n_prompt["lm"] > 15, "the old normaliser (trained labels) would have moved"
+
+    first = full.loss_mask.clone()
+    first[0, [0, 20, 50]] = 0
+    first[1, 0] = 0
+    firsts, g_first, n_first = run(MicroBatch(ids, lab, first, docs))
+    assert abs(firsts["mtp_loss"] - base["mtp_loss"]) <= 1e-6 * base["mtp_loss"]
+    for k in (k for k in g_base if k.startswith("mtp.") and ".indexer." not in k):
+        assert_close(g_first[k], g_base[k], atol=1e-9, rtol=1e-4, what=f"mtp grad {k}")
+    assert n_first["lm"] != n_base["lm"] and n_first["mtp"] == n_base["mtp"]
