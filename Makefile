@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv
-	$(BIN)/python -m miles.cli demo
+	$(BIN)/miles run jobs/demo_tiny.yaml --report
 
 test: venv
 	$(BIN)/ruff check .

@@ -1,112 +1,191 @@
-"""The driver loop. Today: training the plugin's model in Megatron workers on synthetic data
-(the parity and determinism harness of the trainer); SFT and RL loops build on it.
+"""The driver: one controller runs every job (`miles run`, `make demo`, the tests, a submitted
+Ray job); only the job file differs.
 
-    group = TrainGroup(world, tp=..., pp=..., ep=..., cp=...)
-    build_model -> setup_training -> for each step: batch -> per-replica micro-batches ->
-    train_step on every rank -> alignment record -> log line
+    run(job):
+        run directory <- the resolved job; Ray <- job.cluster
+        trainer <- Megatron workers with the model, optimizer and loss (job.model/train/algo)
+        for step in 1..steps:
+            samples  <- the data source's global batch for this step
+            replicas <- per data-parallel replica, micro-batches
+            metrics  <- one optimizer step on the trainer
+            log(step, metrics)                      # metrics.jsonl, wandb, terminal
+        final weights -> DeepSeek's HF layout (ckpt.save_hf), evaluation (data.eval_size)
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
-import torch
-
-from miles.data.synthetic import progressions
+from miles.config import JobConfig, save_resolved
+from miles.data.synthetic import SyntheticSource
 from miles.observe import alignment
-from plugins.deepseek_v4 import DeepSeekV4Config
-from plugins.deepseek_v4.model import IGNORE_INDEX
+from miles.observe.metrics import FILE as METRICS_FILE
+from miles.observe.metrics import Monitor
+from miles.train.batching import replica_micro_batches
+
+
+class JobError(RuntimeError):
+    """The job cannot run as configured here (run directory taken, not enough GPUs, ...)."""
 
 
 @dataclass
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    dp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    def validate(self) -> None:
-        for k in ("tp", "pp", "ep", "cp", "dp"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"layout.{k} must be >= 1, got {getattr(self, k)}")
-        if (self.dp * self.cp * self.tp) % self.ep:
-            raise ValueError(f"layout.ep={self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp}")
-
-
-@dataclass
-class SyntheticTrainJob:
+class RunResult:
     run_dir: Path
-    steps: int = 20
-    seed: int = 0
-    batch: int = 8  # sequences per global batch
-    seq: int = 32
-    micro_batches: int = 2  # per data-parallel replica
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    deterministic: bool = True
-    layout: Layout = field(default_factory=Layout)
-    model: DeepSeekV4Config = field(default_factory=DeepSeekV4Config.tiny)
-
-    def validate(self) -> None:
-        self.layout.validate()
-        if self.steps < 1 or self.batch < 1 or self.micro_batches < 1:
-            raise ValueError("steps, batch and micro_batches must be >= 1")
-        if self.batch % (self.layout.dp * self.micro_batches):
-            raise ValueError(f"batch={self.batch} must split into dp={self.layout.dp} x "
-                             f"micro_batches={self.micro_batches}")
-        if self.seq % self.layout.cp:
-            raise ValueError(f"seq={self.seq} must be a multiple of layout.cp={self.layout.cp}")
+    history: list[dict]  # per step: the logged metrics
+    summary: dict[str, float]  # the finished run: final losses and evaluations
 
 
-def _replica_micro_batches(job: SyntheticTrainJob, step: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The global batch of `step`, split per data-parallel replica into micro-batches."""
-    ids = progressions(job.batch, job.seq + 1, job.model.vocab_size, seed=job.seed * 100_003 + step)
-    inputs, labels = ids[:, :-1], ids[:, 1:].clone()
-    labels[:, :2] = IGNORE_INDEX  # a progression's step is unknowable before two tokens
-    per = job.batch // job.layout.dp
-    mb = per // job.micro_batches
-    return [[(inputs[r * per + i: r * per + i + mb], labels[r * per + i: r * per + i + mb])
-             for i in range(0, per, mb)] for r in range(job.layout.dp)]
+def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
+    """Run a validated job to its end. Uses the Ray cluster this process is connected to, or
+    connects to / starts the one job.cluster names."""
+    run_dir = prepare_run_dir(job)
+    with ray_session(job), contextlib.ExitStack() as stack:
+        device = resolve_device(job)
+        trainer = start_trainer(job, device)
+        stack.callback(trainer.shutdown)
+        monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
+        stack.callback(monitor.close)
+        data = make_source(job)
+        monitor.print(f"miles: {job.name}: {job.train.steps} steps of {job.train.global_batch_size} sequences, "
+                      f"{describe_layout(job)} on {device.upper()}; run directory {run_dir}")
+        history = []
+        for step in range(1, job.train.steps + 1):
+            t0 = time.perf_counter()
+            samples = data.batch(step, job.train.global_batch_size)
+            replicas = replica_micro_batches(samples, job.train.parallel.dp, job.train.micro_batch_size,
+                                             pad_to_multiple=job.train.parallel.cp)
+            t1 = time.perf_counter()
+            with profiling(job, trainer, run_dir, step):
+                ranks = trainer.train_step(replicas, checksums=job.log.alignment)
+            t2 = time.perf_counter()
+            if job.log.alignment:
+                alignment.append(run_dir, alignment.ranks_record(step, ranks[0]["loss"], ranks[0]["grad_norm"],
+                                                                 [r["grad_md5"] for r in ranks]))
+            tokens = sum(len(s.tokens) - 1 for s in samples)
+            metrics = step_metrics(ranks[0], data_time=t1 - t0, train_time=t2 - t1, tokens=tokens)
+            monitor.log(step, metrics)
+            history.append(metrics)
+        summary = {k: v for k, v in history[-1].items() if k.startswith("train/")}
+        summary.update(finish(job, trainer, data, run_dir, monitor))
+        monitor.summary(summary)
+    return RunResult(run_dir, history, summary)
 
 
-def train_synthetic(job: SyntheticTrainJob) -> list[dict]:
-    """Train, appending one alignment record per step to <run_dir>/alignment.jsonl. Needs a
-    running Ray cluster. Returns the per-step logs of rank 0."""
+# --------------------------------------------------------------------------- steps of the loop
+def prepare_run_dir(job: JobConfig) -> Path:
+    """Create the run directory and write the resolved job into it. A directory that already
+    holds a run's metrics is refused (its records would mix with this run's)."""
+    run_dir = Path(job.log.run_dir)
+    if (run_dir / METRICS_FILE).exists():
+        raise JobError(f"{run_dir} already holds a run ({METRICS_FILE}); choose another log.run_dir or remove it")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(job, run_dir / "config.yaml")
+    return run_dir
+
+
+@contextlib.contextmanager
+def ray_session(job: JobConfig):
+    """The Ray cluster of the job: the one this process already joined, job.cluster.address or
+    $RAY_ADDRESS, or a local one started here on 127.0.0.1 and stopped afterwards."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = job.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def resolve_device(job: JobConfig) -> str:
+    """cpu or gpu workers: `auto` takes GPUs when the cluster has one per rank."""
+    import ray
+
+    world = job.train.parallel.world
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if job.cluster.device == "gpu" and gpus < world:
+        raise JobError(f"cluster.device is gpu and train.parallel needs {world} GPUs; the cluster has {gpus}")
+    return job.cluster.device if job.cluster.device != "auto" else ("gpu" if gpus >= world else "cpu")
+
+
+def start_trainer(job: JobConfig, device: str):
+    """The TrainGroup with this job's model, loss and optimizer (GPU workers ask Ray for a GPU each)."""
     from miles.cluster.train_group import TrainGroup
 
-    job.validate()
-    run_dir = Path(job.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / alignment.FILE).unlink(missing_ok=True)
-    lay = job.layout
-    group = TrainGroup(lay.world, tp=lay.tp, pp=lay.pp, ep=lay.ep, cp=lay.cp)
-    logs = []
+    par, model, algo = job.train.parallel, job.model, job.algo
+    resources = {"CPU": job.cluster.cpus_per_worker} | ({"GPU": 1.0} if device == "gpu" else {})
+    group = TrainGroup(par.world, resources=resources, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
     try:
-        n = group.call("build_model", job.model.to_dict(), job.seed, deterministic=job.deterministic)[0]
-        group.call("setup_training", job.lr, warmup_steps=job.warmup_steps, total_steps=job.steps,
-                   min_lr=job.lr / 10, weight_decay=0.01)
-        print(f"miles: training {n / 1e6:.2f}M params/rank on {lay.world} workers "
-              f"(tp={lay.tp} pp={lay.pp} ep={lay.ep} cp={lay.cp} dp={lay.dp}), {job.steps} steps", flush=True)
-        t0 = time.perf_counter()
-        for step in range(1, job.steps + 1):
-            replicas = _replica_micro_batches(job, step)
-            ranks = group.call_each("train_step", [(replicas[x["dp_rank"]], True) for x in group.layout])
-            log = ranks[0]
-            alignment.append(run_dir, alignment.ranks_record(step, log["total"], log["grad_norm"],
-                                                             [r["grad_md5"] for r in ranks]))
-            logs.append(log)
-            if step == 1 or step % 10 == 0 or step == job.steps:
-                rate = step * job.batch * job.seq / (time.perf_counter() - t0)
-                print(f"step {step:4d}  loss {log['total']:.4f}  lm {log['lm']:.4f}  mtp {log['mtp']:.4f}  "
-                      f"indexer {log['indexer']:.4f}  grad_norm {log['grad_norm']:.3f}  lr {log['lr']:.2e}  "
-                      f"{rate:,.0f} tok/s", flush=True)
-    finally:
+        group.call("build_model", model.arch.to_dict(), job.train.seed, dtype=model.dtype,
+                   deterministic=job.train.deterministic)
+        group.call("set_loss", algo.loss, mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef,
+                   balance=algo.balance_loss_coef)
+        group.call("setup_training", **job.train.optim.model_dump(), total_steps=job.train.steps)
+    except BaseException:
         group.shutdown()
-    return logs
+        raise
+    return group
+
+
+def make_source(job: JobConfig) -> SyntheticSource:
+    return SyntheticSource(job.data.seq_len, job.model.arch.vocab_size, job.train.seed)
+
+
+def step_metrics(rank0: dict, data_time: float, train_time: float, tokens: int) -> dict[str, float]:
+    """A worker's step result under the metric names of ALGORITHMS.md."""
+    out = {f"train/{k}": float(v) for k, v in rank0.items() if k != "grad_md5"}
+    step_time = data_time + train_time
+    out.update({"perf/step_time": step_time, "perf/train_time": train_time, "perf/data_time": data_time,
+                "perf/train_tok_per_s": tokens / train_time, "perf/tokens": float(tokens)})
+    return out
+
+
+@contextlib.contextmanager
+def profiling(job: JobConfig, trainer, run_dir: Path, step: int):
+    """The torch.profiler window of log.profile: started before its first step, stopped (traces
+    written to <run_dir>/profile/) after its last."""
+    p = job.log.profile
+    last = min(p.start_step + p.num_steps - 1, job.train.steps)
+    if p.enabled and step == p.start_step:
+        trainer.call_ranks(p.ranks, "start_profile", str(run_dir / "profile" / f"steps{p.start_step}-{last}"),
+                           record_shapes=p.record_shapes, with_stack=p.with_stack, profile_memory=p.profile_memory)
+    yield
+    if p.enabled and step == last and step >= p.start_step:
+        trainer.call_ranks(p.ranks, "stop_profile")
+
+
+def finish(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> dict[str, float]:
+    """After the last step: the weights in DeepSeek's HF layout (ckpt.save_hf) and the data
+    source's evaluation of them (data.eval_size; on the checkpoint reloaded from disk when
+    one was written)."""
+    if not (job.ckpt.save_hf or job.data.eval_size):
+        return {}
+    from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
+
+    weights = {}
+    for bucket in trainer.export_weights():
+        weights.update(bucket)
+    model = DeepSeekV4ForCausalLM(job.model.arch, seed=None)
+    model.load_state_dict(weights)
+    if job.ckpt.save_hf:
+        model.save_pretrained(run_dir / "hf")
+        monitor.print(f"saved the final weights in DeepSeek's HF layout to {run_dir / 'hf'}")
+        model = DeepSeekV4ForCausalLM.from_pretrained(run_dir / "hf")
+    return data.evaluate(model, job.data.eval_size) if job.data.eval_size else {}
+
+
+def describe_layout(job: JobConfig) -> str:
+    p = job.train.parallel
+    return f"{p.world} worker{'s' if p.world > 1 else ''} (tp={p.tp} pp={p.pp} ep={p.ep} cp={p.cp} dp={p.dp})"

@@ -10,6 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.train.batching import MicroBatch
 from miles.train.worker import TrainWorker
 
 
@@ -37,6 +38,18 @@ class TrainGroup:
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
         """Run `method` on every rank with that rank's own arguments (e.g. its micro-batches)."""
         return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args, strict=True)])
+
+    def call_ranks(self, ranks: list[int], method: str, *args, **kwargs) -> list:
+        """Run `method` on the listed ranks only (ranks outside the group are ignored)."""
+        return ray.get([getattr(self.workers[r], method).remote(*args, **kwargs) for r in ranks
+                        if 0 <= r < len(self.workers)])
+
+    def train_step(self, replicas: list[list[MicroBatch]], checksums: bool = False) -> list[dict]:
+        """One optimizer step: each data-parallel replica's micro-batches go into the object
+        store once and to every rank of that replica (its TP, PP and CP peers). Returns every
+        rank's result, in rank order."""
+        refs = [ray.put(r) for r in replicas]
+        return self.call_each("train_step", [(refs[x["dp_rank"]], checksums) for x in self.layout])
 
     def export_weights(self, bucket_bytes: int = 256 << 20):
         """Yield buckets {DeepSeek name: full tensor} covering the whole model once."""

@@ -1,0 +1,330 @@
+"""The job config: one typed schema, read from a YAML job file plus dotted overrides, validated once.
+
+    name: demo_tiny
+    cluster: where the job runs (a Ray address or a local cluster; CPU or GPU workers)
+    model:   the architecture (a preset or DeepSeek's config.json, field overrides), dtype, kernels
+    data:    the data source
+    train:   steps, batch sizes, seed, determinism, the parallel layout, the optimizer and LR schedule
+    rollout: generation (arrives with the rollout issue)
+    algo:    the loss, by name, and the auxiliary terms' weights
+    ckpt:    what is saved
+    log:     run directory, wandb, progress display, alignment records, profiling window
+
+`load_job(path, ["train.optim.lr=1e-5", ...])` returns a validated `JobConfig` or raises
+`JobConfigError`, whose message names the file and, per problem, the field, the value given
+and what is allowed. Unknown keys are errors. Nothing here starts Ray or touches a device:
+a bad job fails before any resource is taken.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
+
+from plugins.deepseek_v4.config import ConfigError, DeepSeekV4Config
+
+# Scalars are strict (a string is not a number, a number not a boolean); floats take ints.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+PosInt = Annotated[int, Strict(), Field(gt=0)]
+NonNegInt = Annotated[int, Strict(), Field(ge=0)]
+PosFloat = Annotated[float, Strict(), Field(gt=0)]
+NonNegFloat = Annotated[float, Strict(), Field(ge=0)]
+Unit = Annotated[float, Strict(), Field(ge=0, lt=1)]
+
+
+class JobConfigError(ValueError):
+    """A job file or override is invalid; the message names every bad field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# --------------------------------------------------------------------------- groups
+class ClusterConfig(Section):
+    address: Str | None = None  # a Ray cluster ("auto", "ray://host:10001", ...); None: $RAY_ADDRESS or a local one
+    num_cpus: PosInt | None = None  # CPUs of the local cluster started for the job (default: the machine's)
+    device: Literal["auto", "cpu", "gpu"] = "auto"  # auto: GPU workers when the cluster has a GPU per rank
+    cpus_per_worker: PosFloat = 1.0
+
+
+PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
+
+
+class ModelConfig(Section):
+    preset: Literal["tiny", "small_50m"] | None = None  # the tiny preset when neither this nor config is given
+    config: Path | None = None  # a directory holding DeepSeek's config.json (or the file itself)
+    overrides: dict[str, Any] = {}  # DeepSeekV4Config fields, e.g. {num_hidden_layers: 4}
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    kernels: Literal["auto", "torch", "triton"] = "auto"  # GPU kernels; auto: on CUDA when triton is there
+    _arch: DeepSeekV4Config = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _build(self) -> ModelConfig:
+        if self.preset is not None and self.config is not None:
+            raise ValueError("model.preset and model.config: give one of them (a preset, or a directory with "
+                             "DeepSeek's config.json)")
+        if "kernels" in self.overrides:
+            raise ValueError("set model.kernels, not model.overrides.kernels")
+        try:
+            if self.config is None:
+                arch = PRESETS[self.preset or "tiny"]()
+            else:
+                path = self.config / "config.json" if self.config.is_dir() else self.config
+                if not path.is_file():
+                    raise ValueError(f"model.config: no config.json at {self.config}")
+                arch = DeepSeekV4Config.from_pretrained(path.parent)
+            self._arch = DeepSeekV4Config.from_dict({**arch.to_dict(), **self.overrides, "kernels": self.kernels},
+                                                    source="model")
+        except ConfigError as e:  # names the field: "model: field 'hidden_size' must be positive (got 0)"
+            raise ValueError(str(e).replace("model: field '", "model.overrides.", 1).replace("' ", ": ", 1)) from None
+        return self
+
+    @property
+    def arch(self) -> DeepSeekV4Config:
+        """The validated DeepSeek-V4 architecture (preset or file, overrides and kernels applied)."""
+        return self._arch
+
+
+class DataConfig(Section):
+    source: Literal["synthetic"] = "synthetic"  # bundled arithmetic progressions (miles.data.synthetic)
+    seq_len: PosInt = 64  # tokens per sequence
+    eval_size: NonNegInt = 0  # held-out sequences whose continuations the final model generates
+
+
+class ParallelConfig(Section):
+    tp: PosInt = 1
+    pp: PosInt = 1
+    ep: PosInt = 1
+    cp: PosInt = 1
+    dp: PosInt = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @model_validator(mode="after")
+    def _ep_divides(self) -> ParallelConfig:
+        if (self.dp * self.cp * self.tp) % self.ep:
+            raise ValueError(f"train.parallel.ep={self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp} "
+                             f"(expert ranks are carved from the data, context and tensor ranks)")
+        return self
+
+
+class OptimConfig(Section):
+    """AdamW (Megatron's DistributedOptimizer) with linear warm-up and a decay to min_lr."""
+
+    lr: PosFloat = 1e-5
+    min_lr: NonNegFloat = 0.0
+    warmup_steps: NonNegInt = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: NonNegFloat = 0.0
+    beta1: Unit = 0.9
+    beta2: Unit = 0.999
+    eps: PosFloat = 1e-8
+    clip_grad: NonNegFloat = 1.0  # max global grad norm; 0 = no clipping
+
+    @model_validator(mode="after")
+    def _min_lr(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.optim.min_lr={self.min_lr} must be <= train.optim.lr={self.lr}")
+        return self
+
+
+class TrainConfig(Section):
+    steps: PosInt = 100  # optimizer steps
+    global_batch_size: PosInt = 8  # sequences per optimizer step, all data-parallel ranks together
+    micro_batch_size: PosInt = 1  # sequences per forward/backward
+    seed: Int = 0  # weights (seeded per tensor name) and data
+    deterministic: Bool = False  # bit-identical reruns: deterministic kernels, no atomics
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+
+    @model_validator(mode="after")
+    def _batches(self) -> TrainConfig:
+        per = self.parallel.dp * self.micro_batch_size
+        if self.global_batch_size % per:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                             f"train.parallel.dp x train.micro_batch_size = {per}")
+        return self
+
+
+class RolloutConfig(Section):
+    """Generation settings arrive with the rollout issue; no keys are accepted yet."""
+
+
+class AlgoConfig(Section):
+    loss: Literal["lm"] = "lm"  # miles.train.losses: "lm" = cross-entropy of the labels (pre-training, SFT)
+    mtp_loss_coef: NonNegFloat = 0.3
+    indexer_loss_coef: NonNegFloat = 0.01  # the lightning indexer's KL to the attention (0: untrained)
+    balance_loss_coef: NonNegFloat = 0.0  # sequence-level expert balance (V4 balances by router bias)
+
+
+class CkptConfig(Section):
+    save_hf: Bool = False  # write the final weights in DeepSeek's HF layout to <run_dir>/hf
+
+
+class WandbConfig(Section):
+    mode: Literal["offline", "online", "disabled"] = "offline"  # online needs WANDB_API_KEY in the environment
+    project: Str = "miles"
+    entity: Str | None = None
+    group: Str | None = None
+    name: Str | None = None  # default: the run directory's name
+    tags: list[Str] = []
+
+
+class ProfileConfig(Section):
+    """torch.profiler over steps [start_step, start_step + num_steps) on the listed ranks;
+    traces go to <run_dir>/profile/. Shapes, stacks and memory are off by default (stack
+    capture is known to stall NCCL at scale)."""
+
+    enabled: Bool = False
+    start_step: PosInt = 2
+    num_steps: PosInt = 1
+    ranks: list[NonNegInt] = [0]
+    record_shapes: Bool = False
+    with_stack: Bool = False
+    profile_memory: Bool = False
+
+
+class LogConfig(Section):
+    run_dir: Path | None = None  # default runs/<name>-<time>
+    interval: PosInt = 1  # a log line every N steps (metrics.jsonl and wandb get every step)
+    progress: Literal["auto", "bar", "lines"] = "auto"  # auto: a bar on a terminal, lines otherwise
+    alignment: Bool = False  # per-step loss and gradient checksums for `miles check-alignment`
+    wandb: WandbConfig = WandbConfig()
+    profile: ProfileConfig = ProfileConfig()
+
+
+class JobConfig(Section):
+    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)] = "job"
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    ckpt: CkptConfig = CkptConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _across_groups(self) -> JobConfig:
+        cp = self.train.parallel.cp
+        if self.data.seq_len % cp:
+            raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of train.parallel.cp={cp}")
+        if self.algo.balance_loss_coef > 0 and cp > 1:
+            raise ValueError("algo.balance_loss_coef > 0 needs train.parallel.cp = 1 (the balance term is per "
+                             "whole sequence)")
+        if self.model.arch.num_hidden_layers < self.train.parallel.pp:
+            raise ValueError(f"train.parallel.pp={self.train.parallel.pp} exceeds the model's "
+                             f"{self.model.arch.num_hidden_layers} layers")
+        if self.model.arch.n_routed_experts % self.train.parallel.ep:
+            raise ValueError(f"train.parallel.ep={self.train.parallel.ep} must divide the model's "
+                             f"{self.model.arch.n_routed_experts} routed experts")
+        return self
+
+    def resolved(self) -> dict:
+        """Plain data (paths as strings), as written to <run_dir>/config.yaml; loads back to this job."""
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- loading
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-5` as a string; job files mean a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def parse_value(text: str) -> Any:
+    """An override's value, read as YAML: 3 -> int, 1e-5 -> float, true -> bool, [1, 2] -> list."""
+    return yaml.load(text, Loader=_Loader) if text.strip() else ""
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """`a.b.c=value` into nested dicts (created as needed; unknown keys fail validation)."""
+    key, sep, value = override.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key.strip()):
+        raise JobConfigError(f"override '{override}': expected KEY=VALUE with a dotted key, e.g. train.optim.lr=1e-5")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise JobConfigError(f"override '{override}': {'.'.join(parents[:i + 1])} is a value, not a group")
+    node[leaf] = parse_value(value)
+
+
+def _describe(err: dict, model: type[BaseModel]) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(model, err["loc"][:-1])
+        return f"{loc}: unknown key" + (f" (allowed here: {', '.join(allowed)})" if allowed else "")
+    if err["type"] == "value_error":  # our own checks: the message names its fields
+        return err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return f"{loc}: missing"
+    given = err.get("input")
+    return f"{loc or 'job'}: {err['msg']}" + ("" if isinstance(given, dict) else f" (got {given!r})")
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def validate_job(raw: Any, source: str = "job") -> JobConfig:
+    if not isinstance(raw, dict):
+        raise JobConfigError(f"{source}: a job file is a mapping of groups (name, cluster, model, data, train, ...), "
+                             f"got {type(raw).__name__}")
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [_describe(err, JobConfig) for err in e.errors()]
+        head = f"{source}: {len(lines)} error{'s' if len(lines) > 1 else ''}"
+        raise JobConfigError("\n  ".join([head, *lines])) from None
+
+
+def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    """A job file (None: all defaults) plus dotted overrides -> a validated JobConfig with its
+    run directory resolved."""
+    raw: Any = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise JobConfigError(f"{path}: no such job file")
+        try:
+            raw = yaml.load(path.read_text(), Loader=_Loader)
+        except yaml.YAMLError as e:
+            raise JobConfigError(f"{path}: not valid YAML ({e})") from None
+        raw = {} if raw is None else raw
+    if overrides and not isinstance(raw, dict):
+        raise JobConfigError(f"{source}: a job file is a mapping of groups")
+    for o in overrides:
+        apply_override(raw, o)
+    job = validate_job(raw, source)
+    if job.log.run_dir is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        job.log.run_dir = Path("runs") / f"{job.name}-{stamp}"
+    return job
+
+
+def save_resolved(job: JobConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(job.resolved(), sort_keys=False))

@@ -1,0 +1,23 @@
+"""A training sample: what every data source produces and the batching turns into micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sequence. `loss_mask[t]` is 1 when the model is trained to produce `tokens[t]` (from
+    the tokens before it) and 0 when it only reads it (a prompt, a system turn); `loss_mask[0]`
+    is always 0 (nothing comes before the first token)."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.loss_mask):
+            raise ValueError(f"sample: {len(self.tokens)} tokens but {len(self.loss_mask)} loss-mask entries")
+        if len(self.tokens) < 2:
+            raise ValueError("sample: needs at least 2 tokens (one input, one target)")
+        if self.loss_mask[0]:
+            raise ValueError("sample: the first token cannot be trained (nothing precedes it)")

@@ -1,0 +1,109 @@
+"""Where a run's numbers go: `<run_dir>/metrics.jsonl` (one JSON object per step), a wandb run
+(offline by default) with the same names and steps, and the terminal (a progress bar on a
+terminal, one line per `log.interval` steps otherwise).
+
+Metric names follow ../shared/design/ALGORITHMS.md: train/loss, train/grad_norm, train/lr,
+train/mtp_loss, train/indexer_loss, perf/step_time, perf/train_tok_per_s, eval/<source>/...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from miles.config import LogConfig
+
+FILE = "metrics.jsonl"
+# What a log line shows, in order, when the step has it.
+LINE = (("train/loss", "loss {:.4f}"), ("train/lm_loss", "lm {:.4f}"), ("train/mtp_loss", "mtp {:.4f}"),
+        ("train/indexer_loss", "indexer {:.4f}"), ("train/grad_norm", "grad_norm {:.3f}"), ("train/lr", "lr {:.2e}"),
+        ("perf/train_tok_per_s", "{:,.0f} tok/s"))
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, in order (a bad line names the file and line)."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics log (is {run_dir} a run directory?)")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise ValueError(f"{path}:{i}: not a metrics record (needs a 'step')")
+        out.append(rec)
+    return out
+
+
+class Monitor:
+    def __init__(self, cfg: LogConfig, run_dir: Path, total_steps: int, config: dict,
+                 stream: TextIO | None = None):
+        self.cfg, self.run_dir, self.total = cfg, Path(run_dir), total_steps
+        self.stream = stream or sys.stdout
+        self.file = (self.run_dir / FILE).open("a")
+        self.wandb = self._start_wandb(config)
+        bar = cfg.progress == "bar" or (cfg.progress == "auto" and self.stream.isatty())
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True)
+
+    def _start_wandb(self, config: dict):
+        w = self.cfg.wandb
+        if w.mode == "disabled":
+            return None
+        mode = w.mode
+        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
+            self.print("wandb: log.wandb.mode is online but WANDB_API_KEY is not set; logging offline "
+                       f"(upload later with `wandb sync {self.run_dir / 'wandb'}/offline-run-*`)")
+            mode = "offline"
+        import wandb
+
+        return wandb.init(mode=mode, project=w.project, entity=w.entity, group=w.group, tags=w.tags,
+                          name=w.name or self.run_dir.name, dir=str(self.run_dir), config=config,
+                          settings=wandb.Settings(console="off", quiet=True, silent=True))
+
+    def print(self, text: str) -> None:
+        if getattr(self, "bar", None) is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step's metrics everywhere. Non-finite values are recorded as they are
+        (JSON null) and reported: a NaN never passes silently."""
+        bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+        self.file.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else None)
+                                                    for k, v in metrics.items()}}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if bad:
+            self.print(f"step {step}: non-finite {', '.join(bad)}")
+        line = "  ".join(fmt.format(metrics[k]) for k, fmt in LINE if k in metrics and math.isfinite(metrics[k]))
+        if self.bar is not None:
+            self.bar.set_postfix_str(line, refresh=False)
+            self.bar.update(1)
+        elif step == 1 or step % self.cfg.interval == 0 or step == self.total:
+            self.print(f"step {step:5d}/{self.total}  {line}")
+
+    def summary(self, metrics: dict[str, float]) -> None:
+        """Values of the finished run (evaluations) under their own names, not a step."""
+        self.print("  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        if self.wandb is not None:
+            self.wandb.summary.update(metrics)
+        (self.run_dir / "summary.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,68 @@
+"""Monitoring pieces on their own: the metrics log, the terminal display, wandb's mode, report errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+from miles.config import LogConfig
+from miles.observe import metrics, report
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_lines_off_a_terminal_and_a_bar_on_one(tmp_path):
+    """Guards a log that floods a file or a bar written into a log: off a terminal one line per
+    `interval` steps (and the first and last); on a terminal a progress bar; metrics.jsonl
+    gets every step either way, NaN kept as null and reported."""
+    cfg = LogConfig(interval=3, wandb={"mode": "disabled"})
+    out = io.StringIO()
+    (tmp_path / "a").mkdir()
+    m = metrics.Monitor(cfg, tmp_path / "a", 7, {}, out)
+    for step in range(1, 8):
+        m.log(step, {"train/loss": 1.0 / step, "train/grad_norm": math.nan if step == 5 else 1.0})
+    m.close()
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step")]
+    assert [ln.split()[1] for ln in lines] == ["1/7", "3/7", "5:", "6/7", "7/7"], out.getvalue()
+    assert "non-finite train/grad_norm" in out.getvalue()
+    recs = metrics.read(tmp_path / "a")
+    assert [r["step"] for r in recs] == list(range(1, 8)) and recs[4]["train/grad_norm"] is None
+
+    term = Terminal()
+    (tmp_path / "b").mkdir()
+    m = metrics.Monitor(LogConfig(wandb={"mode": "disabled"}), tmp_path / "b", 4, {}, term)
+    for step in range(1, 5):
+        m.log(step, {"train/loss": 2.0})
+    m.close()
+    assert "4/4" in term.getvalue() and "|" in term.getvalue() and "step     1" not in term.getvalue()
+
+
+def test_online_without_a_key_logs_offline(tmp_path, monkeypatch):
+    """wandb online needs WANDB_API_KEY: without it the run is logged offline (nothing lost)
+    and the terminal says how to upload it later."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = io.StringIO()
+    m = metrics.Monitor(LogConfig(wandb={"mode": "online", "project": "p"}), tmp_path, 1, {"a": 1}, out)
+    m.log(1, {"train/loss": 1.0})
+    m.close()
+    assert "WANDB_API_KEY is not set; logging offline" in out.getvalue()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_bad_metrics_file_names_file_and_line(tmp_path):
+    (tmp_path / metrics.FILE).write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not JSON"):
+        report.render(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no metrics log"):
+        report.render(tmp_path / "nothing")
+
+
+def test_curves_skip_missing_and_non_finite_points():
+    recs = [{"step": 1, "a": 1.0}, {"step": 2, "a": None, "b": 3}, {"step": 3, "a": 2.0, "b": float("nan")}]
+    assert report.curves(recs) == {"a": ([1, 3], [1.0, 2.0]), "b": ([2], [3.0])}
