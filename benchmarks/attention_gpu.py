@@ -17,7 +17,6 @@ over the inputs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from plugins.deepseek_v4 import ops
 from plugins.deepseek_v4.kernels import sparse_attention as sa
-from plugins.deepseek_v4.kernels.sparse_attention import sparse_attention
+from plugins.deepseek_v4.kernels.sparse_attention import AttentionOptions, sparse_attention
 
 H, D, WINDOW = 64, 512, 128
 
@@ -123,17 +122,9 @@ def run_variant(name, fwd, inputs, flops_f, flops_fb, rows, case):
     rows.append(row)
 
 
-@contextlib.contextmanager
-def switched(name: str, value: bool):
-    """A kernel switch of `sparse_attention` set for the variant (the A/Bs): SM90_KERNELS off
-    times the portable Triton kernels in place of the H100 Gluon ones, SM90_KV_GRADIENT on the
-    Gluon kv gradient in place of the portable one."""
-    before = getattr(sa, name)
-    setattr(sa, name, value)
-    try:
-        yield
-    finally:
-        setattr(sa, name, before)
+# A/B variants: the portable Triton kernels in place of the H100 Gluon ones, and the Gluon kv
+# gradient in place of the portable one
+PORTABLE, GLUON_KV = AttentionOptions(sm90=False), AttentionOptions(sm90_kv_gradient=True)
 
 
 def check(q, pool, idx, sink) -> dict:
@@ -199,12 +190,10 @@ def main() -> None:
         inputs = [qg, pg, sg]
         run_variant("triton", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(qg, pg, idx, sg, scale)[0],
                     inputs, flops_f, flops_fb, rows, case)
-        with switched("SM90_KERNELS", False):
-            run_variant("triton, portable", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
-                qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
-        with switched("SM90_KV_GRADIENT", True):
-            run_variant("triton, Gluon kv grad", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
-                qg, pg, idx, sg, scale)[0], inputs, flops_f, flops_fb, rows, case)
+        run_variant("triton, portable", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
+            qg, pg, idx, sg, scale, options=PORTABLE)[0], inputs, flops_f, flops_fb, rows, case)
+        run_variant("triton, Gluon kv grad", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
+            qg, pg, idx, sg, scale, options=GLUON_KV)[0], inputs, flops_f, flops_fb, rows, case)
         run_variant("triton determ.", lambda qg=qg, pg=pg, idx=idx, sg=sg: sparse_attention(
             qg, pg, idx, sg, scale, deterministic=True)[0], inputs, flops_f, flops_fb, rows, case)
         run_variant("gather ref", lambda qg=qg, pg=pg, idx=idx, sg=sg: ops.sparse_attention_indexed(

@@ -57,6 +57,7 @@ class ClusterConfig(Section):
 
 
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
+KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks")  # model.<name>, not overrides
 
 
 class ModelConfig(Section):
@@ -65,6 +66,9 @@ class ModelConfig(Section):
     overrides: dict[str, Any] = {}  # DeepSeekV4Config fields, e.g. {num_hidden_layers: 4}
     dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "torch", "triton"] = "auto"  # GPU kernels; auto: on CUDA when triton is there
+    sm90_kernels: Bool = True  # H100: the Gluon attention forward and dq pass (off: portable Triton)
+    sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (not yet run on a GPU)
+    overlap_chunks: Bool = False  # CUDA: the attention backward's chunks on two streams
     _arch: DeepSeekV4Config = PrivateAttr()
 
     @model_validator(mode="after")
@@ -72,8 +76,9 @@ class ModelConfig(Section):
         if self.preset is not None and self.config is not None:
             raise ValueError("model.preset and model.config: give one of them (a preset, or a directory with "
                              "DeepSeek's config.json)")
-        if "kernels" in self.overrides:
-            raise ValueError("set model.kernels, not model.overrides.kernels")
+        for k in KERNEL_SWITCHES:
+            if k in self.overrides:
+                raise ValueError(f"model.overrides.{k}: set model.{k} instead")
         try:
             if self.config is None:
                 arch = PRESETS[self.preset or "tiny"]()
@@ -82,8 +87,8 @@ class ModelConfig(Section):
                 if not path.is_file():
                     raise ValueError(f"model.config: no config.json at {self.config}")
                 arch = DeepSeekV4Config.from_pretrained(path.parent)
-            self._arch = DeepSeekV4Config.from_dict({**arch.to_dict(), **self.overrides, "kernels": self.kernels},
-                                                    source="model")
+            switches = {k: getattr(self, k) for k in KERNEL_SWITCHES}
+            self._arch = DeepSeekV4Config.from_dict({**arch.to_dict(), **self.overrides, **switches}, source="model")
         except ConfigError as e:  # names the field: "model: field 'hidden_size' must be positive (got 0)"
             raise ValueError(str(e).replace("model: field '", "model.overrides.", 1).replace("' ", ": ", 1)) from None
         return self

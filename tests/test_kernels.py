@@ -154,9 +154,9 @@ def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, 
     scale = shape[2] ** -0.5
     results = []
     for sm90 in (True, False):
-        monkeypatch.setattr(sa, "SM90_KERNELS", sm90)
-        o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, scale)
-        results.append((o, lse, *sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, False)))
+        opts = sa.AttentionOptions(sm90=sm90)
+        o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, scale, opts)
+        results.append((o, lse, *sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, False, opts)))
     for name, got, portable in zip(("o", "lse", "dq", "dkv", "dsink"), *results, strict=True):
         assert rel(got.float(), portable.float()) < (1e-5 if name == "lse" else TOL), name
 
@@ -165,7 +165,7 @@ def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, 
 @pytest.mark.parametrize("case", [s for s in SHAPES if s[1] % 64 == 0] + ["banded"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_h100_gluon_kv_gradient_agrees_with_the_portable_one(seed, case, deterministic, monkeypatch):
-    """The Gluon kv gradient (`SM90_KV_GRADIENT`, off by default until it has been measured)
+    """The Gluon kv gradient (`AttentionOptions.sm90_kv_gradient`, off by default until measured)
     on the same inputs as the portable kernel, with token splits of a few tokens so that they
     cut through each key tile's range: dkv agrees within bf16 rounding of fp32 sums taken in
     another order (a lost head block, token or key would be off by far more), dq and dsink
@@ -180,8 +180,8 @@ def test_h100_gluon_kv_gradient_agrees_with_the_portable_one(seed, case, determi
     o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, scale)
     runs = []
     for gluon in (True, True, False):
-        monkeypatch.setattr(sa, "SM90_KV_GRADIENT", gluon)
-        runs.append(sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, deterministic))
+        runs.append(sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, deterministic,
+                                       sa.AttentionOptions(sm90_kv_gradient=gluon)))
     (dq, dkv, dsink), again, (dq_p, dkv_p, dsink_p) = runs
     assert rel(dkv.float(), dkv_p.float()) < 1e-2
     assert torch.equal(dq, dq_p) and torch.equal(dsink, dsink_p)
@@ -250,7 +250,7 @@ class _Late:
 @pytest.mark.skipif(not CUDA, reason="the chunk overlap runs on CUDA streams only")
 @pytest.mark.parametrize("late", ["kv", "dq"])
 def test_overlapped_chunks_give_the_same_bits_as_sequential_ones(seed, late, monkeypatch):
-    """With OVERLAP_CHUNKS (CUDA), chunk i's kv gradient runs on a side stream beside chunk
+    """With overlap_chunks (CUDA), chunk i's kv gradient runs on a side stream beside chunk
     i + 1's dq pass, with two scratch sets. Each stream in turn is made late (a sleep before
     each of its kernels), so the other runs ahead as far as the waits let it: a missing wait
     (a set overwritten while the kv gradient still reads it, or read before the dq pass wrote
@@ -267,10 +267,10 @@ def test_overlapped_chunks_give_the_same_bits_as_sequential_ones(seed, late, mon
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEV, DTYPE)
     grads = []
     for overlap in (False, True):
-        monkeypatch.setattr(sa, "OVERLAP_CHUNKS", overlap)
         a = [x.to(DEV, DTYPE).requires_grad_() for x in (q, kv)]
         s = sink.to(DEV).requires_grad_()
-        o, _ = sa.sparse_attention(a[0], a[1], idx.to(DEV), s, q.shape[-1] ** -0.5, deterministic=True)
+        o, _ = sa.sparse_attention(a[0], a[1], idx.to(DEV), s, q.shape[-1] ** -0.5, deterministic=True,
+                                   options=sa.AttentionOptions(overlap_chunks=overlap))
         o.backward(do)
         grads.append([a[0].grad, a[1].grad, s.grad])
     for name, g1, g2 in zip(("dq", "dkv", "dsink"), *grads, strict=True):

@@ -141,7 +141,11 @@ class MegatronContext(ParallelContext):
         return tp.copy_to_tensor_model_parallel_region(t.float()).to(t.dtype)
 
     def reduce_from_tp(self, t: torch.Tensor) -> torch.Tensor:
-        return tp.reduce_from_tensor_model_parallel_region(t.float()) if self.tp_size > 1 else t
+        if self.tp_size == 1:
+            return t
+        # Megatron all-reduces its input in place: give it a tensor of its own (`.float()` of an
+        # fp32 tensor is the tensor itself, which autograd may have saved, e.g. exp's output).
+        return tp.reduce_from_tensor_model_parallel_region(t.float() if t.dtype != torch.float32 else t.clone())
 
     def sum_over_tp(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()

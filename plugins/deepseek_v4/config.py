@@ -78,6 +78,12 @@ class DeepSeekV4Config:
     # GPU kernels (attention core, Sinkhorn, grouped expert GEMMs): "auto" = on CUDA when
     # triton is installed, "torch" = the PyTorch reference everywhere, "triton" = always
     kernels: str = "auto"
+    # Switches of the sparse attention kernels (kernels.sparse_attention.AttentionOptions): the
+    # H100 Gluon forward and dq pass, the H100 Gluon kv gradient (not yet run on a GPU), and
+    # the backward's chunk overlap on two CUDA streams
+    sm90_kernels: bool = True
+    sm90_kv_gradient: bool = False
+    overlap_chunks: bool = False
     # Fields of DeepSeek's file that carry no model meaning for us, kept for the round trip.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 

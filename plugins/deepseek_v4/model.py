@@ -286,6 +286,7 @@ class Attention(nn.Module):
                 mask = torch.cat((mask, chosen), -1)
             o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, scale, return_probs=want_probs)
             return o, (probs[..., n_raw:].detach().sum(1) if want_probs else None)
+        from .kernels.sparse_attention import AttentionOptions
         from .kernels.sparse_attention import sparse_attention as kernel
 
         b, s, h, d = q.shape
@@ -296,8 +297,10 @@ class Attention(nn.Module):
             picks = ops.mask_to_index(chosen)  # [B, s, K]
             parts.append(torch.where(picks >= 0, picks + n_raw + row, -1))
         idx = torch.cat(parts, -1).reshape(b * s, -1).to(torch.int32)  # [B*s, W + K] into [B*(S+G)] keys
+        c = self.cfg
         o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx, self.attn_sink, scale,
-                        deterministic=torch.are_deterministic_algorithms_enabled())
+                        deterministic=torch.are_deterministic_algorithms_enabled(),
+                        options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
         mass_c = None
         if want_probs:  # recomputed from lse for the chosen compressed entries only
             from .kernels.indexer import attention_mass

@@ -23,13 +23,15 @@ of tokens so the scratch stays bounded (`SCRATCH_BYTES`):
     S = 8192, bound by L2. Fast mode adds each finished tile with atomics (order-dependent
     rounding); deterministic mode stores it per token split and sums the splits in order
     (no atomics: bit-identical across runs).
-Optionally (`OVERLAP_CHUNKS`, off by default) two scratch sets let chunk i's kv gradient run
-on a side stream beside chunk i + 1's dq pass (events order the reuse of a set).
+Optionally (`AttentionOptions.overlap_chunks`, off by default) two scratch sets let chunk i's
+kv gradient run on a side stream beside chunk i + 1's dq pass (events order the reuse of a set).
 A token's index set names each key at most once (window positions and a top-k are distinct):
 the slot map keeps one slot per (token, key).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,13 +42,29 @@ from . import new_output as _new
 from . import sparse_attention_sm90 as _sm90
 from . import within_head_dim
 
-# bf16 forward and dq pass on an H100 through the Gluon kernels (`sparse_attention_sm90`); the
-# benchmark turns them off to measure the portable Triton kernels in the same process
-SM90_KERNELS = True
-# with them, the kv gradient on the H100 Gluon kernel too (`sparse_attention_sm90._bwd_dkv`).
-# Off: that kernel was written in a session with no GPU lent and has not run yet; it stays off
-# until the H100 tests and `benchmarks/kv_gradient_gpu.py` have shown it right and faster
-SM90_KV_GRADIENT = False
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Kernel choices of one call (a model config's sm90_kernels, sm90_kv_gradient and
+    overlap_chunks; tests and benchmarks pass their own for A/B runs)."""
+
+    # bf16 forward and dq pass on an H100 through the Gluon kernels (`sparse_attention_sm90`);
+    # off: the portable Triton kernels
+    sm90: bool = True
+    # with them, the kv gradient on the H100 Gluon kernel too (`sparse_attention_sm90._bwd_dkv`).
+    # Off by default: that kernel was written in a session with no GPU lent and has not run yet;
+    # it stays off until the H100 tests and `benchmarks/kv_gradient_gpu.py` show it right and faster
+    sm90_kv_gradient: bool = False
+    # CUDA: two scratch sets of SCRATCH_BYTES, chunk i's kv gradient on a side stream beside
+    # chunk i + 1's dq pass. Off by default since the dq pass got faster: at the same 256 MiB of
+    # scratch, one set of 2^28 against two overlapped sets of 2^27 (H100, sixth session, fwd+bwd
+    # ms, fast / deterministic / portable): CSA S = 4096 4.20 -> 4.10, 4.71 -> 4.63, 5.10 -> 5.04;
+    # S = 8192 10.41 -> 10.43, 11.90 -> 11.61, 12.41 -> 12.61; HCA S = 8192 3.65 -> 3.58, 4.70 ->
+    # 4.57, 4.58 -> 4.57. (Before, the overlap had gained 4-5% over one set of 2^27.)
+    overlap_chunks: bool = False
+
+
+DEFAULT_OPTIONS = AttentionOptions()
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -82,14 +100,6 @@ DETERMINISTIC_TOKENS_PER_PROGRAM = 256
 # and the deterministic mode's per-split kv-gradient tiles [splits, N, D] fp32 (above it, the
 # splits grow longer: fewer programs).
 SCRATCH_BYTES = 2 ** 28
-# With OVERLAP_CHUNKS (CUDA) the backward keeps two scratch sets of SCRATCH_BYTES and runs
-# chunk i's kv gradient on a side stream beside chunk i + 1's dq pass. Off by default since the
-# dq pass got faster: at the same 256 MiB of scratch, one set of 2^28 against two overlapped
-# sets of 2^27 (H100, 2026-11-23, sixth session, fwd+bwd ms, fast / deterministic / portable):
-# CSA S = 4096 4.20 -> 4.10, 4.71 -> 4.63, 5.10 -> 5.04; S = 8192 10.41 -> 10.43, 11.90 ->
-# 11.61, 12.41 -> 12.61; HCA S = 8192 3.65 -> 3.58, 4.70 -> 4.57, 4.58 -> 4.57. (Before, the
-# overlap had gained 4-5% over one set of 2^27.)
-OVERLAP_CHUNKS = False
 DETERMINISTIC_SCRATCH_BYTES = 2 ** 30
 
 
@@ -255,7 +265,7 @@ def compact(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, cnt
 
 
-def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
+def sparse_attn_fwd(q, kv, idx, cnt, sink, scale, options: AttentionOptions = DEFAULT_OPTIONS):
     """idx, cnt: as `compact` returns them."""
     _check(q, kv, idx, sink)
     q, kv = q.contiguous(), kv.contiguous()
@@ -263,7 +273,7 @@ def sparse_attn_fwd(q, kv, idx, cnt, sink, scale):
     k = idx.shape[1]
     o = _new(q.shape, q, q.dtype)
     lse = _new((t, h), q, torch.float32)
-    if t and SM90_KERNELS and _sm90.supported(q, kv):
+    if t and options.sm90 and _sm90.supported(q, kv):
         _sm90.forward_into(q, kv, idx, cnt, sink.float().contiguous(), scale, o, lse)
     elif t:
         _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
@@ -347,7 +357,8 @@ def kv_gradient_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, de
         IEEE=q.dtype == torch.float32, DETERMINISTIC=deterministic)
 
 
-def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: bool):
+def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: bool,
+                    options: AttentionOptions = DEFAULT_OPTIONS):
     """idx, cnt: as `compact` returns them."""
     q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
     t, h, d = q.shape
@@ -363,8 +374,8 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
         dsink_terms.zero_()
         return dq, dkv.to(kv.dtype), dsink_terms.sum(0)
     chunk, tsplit = chunking(q, n, k, deterministic)
-    sm90 = SM90_KERNELS and _sm90.supported(q, kv, o, do)
-    n_sets = 2 if OVERLAP_CHUNKS and q.is_cuda and t > chunk else 1  # 2: overlap (see OVERLAP_CHUNKS)
+    sm90 = options.sm90 and _sm90.supported(q, kv, o, do)
+    n_sets = 2 if options.overlap_chunks and q.is_cuda and t > chunk else 1  # 2: overlap (see the options)
     scratch = [(torch.empty(chunk, k, h, device=q.device, dtype=q.dtype),  # P, then dS * scale: [Tc, K, H]
                 torch.empty(chunk, k, h, device=q.device, dtype=q.dtype)) for _ in range(n_sets)]
     buf = torch.empty(triton.cdiv(chunk, tsplit) if deterministic else 1, n, d, device=q.device,
@@ -390,7 +401,7 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
                 x.record_stream(side)  # the allocator reuses their memory only after the side stream's reads
         with torch.cuda.stream(side):  # no-op when side is None
             kv_gradient_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, deterministic,
-                             sm90 and SM90_KV_GRADIENT)
+                             sm90 and options.sm90_kv_gradient)
             if deterministic:
                 dkv += buf[:triton.cdiv(tc, tsplit)].sum(0)  # in split order: no atomics anywhere
         if side is not None:
@@ -402,22 +413,24 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
 
 class SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, idx, sink, scale, deterministic):
+    def forward(ctx, q, kv, idx, sink, scale, deterministic, options):
         idx, cnt = compact(idx)
-        o, lse = sparse_attn_fwd(q, kv, idx, cnt, sink, scale)
+        o, lse = sparse_attn_fwd(q, kv, idx, cnt, sink, scale, options)
         ctx.save_for_backward(q, kv, idx, cnt, sink, o, lse)
-        ctx.scale, ctx.deterministic = scale, deterministic
+        ctx.scale, ctx.deterministic, ctx.options = scale, deterministic, options
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, kv, idx, cnt, sink, o, lse = ctx.saved_tensors
-        dq, dkv, dsink = sparse_attn_bwd(q, kv, idx, cnt, sink, ctx.scale, o, lse, do, ctx.deterministic)
-        return dq, dkv, None, dsink.to(sink.dtype), None, None
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, idx, cnt, sink, ctx.scale, o, lse, do, ctx.deterministic,
+                                         ctx.options)
+        return dq, dkv, None, dsink.to(sink.dtype), None, None, None
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
-                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     deterministic: bool = False, options: AttentionOptions = DEFAULT_OPTIONS
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """o [T, H, D] (q.dtype), lse [T, H] fp32; differentiable in q, kv and sink."""
-    return SparseAttention.apply(q, kv, idx, sink, scale, deterministic)
+    return SparseAttention.apply(q, kv, idx, sink, scale, deterministic, options)
