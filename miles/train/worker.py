@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -296,9 +297,10 @@ class TrainWorker:
         its global count of positions, so neither micro-batching nor the layout changes the
         gradient. Returns the global batch's loss metrics, grad norm, lr and, with `checksums`,
         an MD5 per parameter group of this rank's reduced gradients (alignment records; it
-        copies every gradient to the host)."""
+        copies every gradient to the host); `step_time`, the seconds the step took in here."""
         from megatron.core import parallel_state as ps
 
+        start = time.perf_counter()
         mbs = self._to_device(micro_batches)
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
@@ -320,7 +322,10 @@ class TrainWorker:
                 dist.all_reduce(mod.expert_load, group=dpcp)
         self.model.update_router_bias()
         out = self._reported(res, aux)
-        out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5)
+        if self.device is not None:
+            torch.cuda.synchronize()
+        out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5,
+                   step_time=time.perf_counter() - start)  # this rank's own time, without the Ray call
         return out
 
     # ------------------------------------------------------------------ profiling
