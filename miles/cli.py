@@ -31,12 +31,13 @@ def _run(argv: list[str]) -> None:
     ap.add_argument("--check", action="store_true", help="validate the job and print it resolved; run nothing")
     ap.add_argument("--report", action="store_true", help="render the PNG plots when the run has finished")
     args = ap.parse_args(argv)
-    overrides = list(args.overrides) + ([f"cluster.address={args.address}"] if args.address else [])
     try:
-        job = load_job(args.job, overrides)
+        job = load_job(args.job, args.overrides)
     except JobConfigError as e:
         print(f"miles run: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.address:
+        job.cluster.address = args.address  # taken as given (not read as YAML)
     if args.check:
         import yaml
 

@@ -67,7 +67,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "torch", "triton"] = "auto"  # GPU kernels; auto: on CUDA when triton is there
     sm90_kernels: Bool = True  # H100: the Gluon attention forward and dq pass (off: portable Triton)
-    sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (not yet run on a GPU)
+    sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agreed once on an H100; untimed)
     overlap_chunks: Bool = False  # CUDA: the attention backward's chunks on two streams
     _arch: DeepSeekV4Config = PrivateAttr()
 
@@ -89,8 +89,12 @@ class ModelConfig(Section):
                 arch = DeepSeekV4Config.from_pretrained(path.parent)
             switches = {k: getattr(self, k) for k in KERNEL_SWITCHES}
             self._arch = DeepSeekV4Config.from_dict({**arch.to_dict(), **self.overrides, **switches}, source="model")
-        except ConfigError as e:  # names the field: "model: field 'hidden_size' must be positive (got 0)"
-            raise ValueError(str(e).replace("model: field '", "model.overrides.", 1).replace("' ", ": ", 1)) from None
+        except ConfigError as e:  # "model: field 'x' must be ..." -> "model.overrides.x: must be ..."
+            m = re.match(r"model: (unknown field|missing field|field) '([^']+)'\s*(.*)", str(e))
+            if not m:
+                raise ValueError(str(e)) from None
+            what = {"unknown field": "unknown field", "missing field": "missing"}.get(m[1], "")
+            raise ValueError(f"model.overrides.{m[2]}: {' '.join(x for x in (what, m[3]) if x)}") from None
         return self
 
     @property
@@ -101,7 +105,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     source: Literal["synthetic"] = "synthetic"  # bundled arithmetic progressions (miles.data.synthetic)
-    seq_len: PosInt = 64  # tokens per sequence
+    seq_len: Annotated[int, Strict(), Field(ge=3)] = 64  # positions per sequence (the first 2 are not trained)
     eval_size: NonNegInt = 0  # held-out sequences whose continuations the final model generates
 
 
@@ -128,7 +132,7 @@ class OptimConfig(Section):
     """AdamW (Megatron's DistributedOptimizer) with linear warm-up and a decay to min_lr."""
 
     lr: PosFloat = 1e-5
-    min_lr: NonNegFloat = 0.0
+    min_lr: NonNegFloat | None = None  # the last step's lr; default lr / 10 (0 would make the last step a no-op)
     warmup_steps: NonNegInt = 0
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     weight_decay: NonNegFloat = 0.0
@@ -139,6 +143,8 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _min_lr(self) -> OptimConfig:
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
         if self.min_lr > self.lr:
             raise ValueError(f"train.optim.min_lr={self.min_lr} must be <= train.optim.lr={self.lr}")
         return self
@@ -155,6 +161,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _batches(self) -> TrainConfig:
+        if self.optim.warmup_steps >= self.steps:
+            raise ValueError(f"train.optim.warmup_steps={self.optim.warmup_steps} must be below "
+                             f"train.steps={self.steps}")
         per = self.parallel.dp * self.micro_batch_size
         if self.global_batch_size % per:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a multiple of "
@@ -201,7 +210,7 @@ class ProfileConfig(Section):
 
 
 class LogConfig(Section):
-    run_dir: Path | None = None  # default runs/<name>-<time>
+    run_dir: Path | None = None  # default runs/<name>-<time>, resolved when the job is validated
     interval: PosInt = 1  # a log line every N steps (metrics.jsonl and wandb get every step)
     progress: Literal["auto", "bar", "lines"] = "auto"  # auto: a bar on a terminal, lines otherwise
     alignment: Bool = False  # per-step loss and gradient checksums for `miles check-alignment`
@@ -234,6 +243,15 @@ class JobConfig(Section):
         if self.model.arch.n_routed_experts % self.train.parallel.ep:
             raise ValueError(f"train.parallel.ep={self.train.parallel.ep} must divide the model's "
                              f"{self.model.arch.n_routed_experts} routed experts")
+        tp, arch = self.train.parallel.tp, self.model.arch
+        for field in ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size"):  # split over TP
+            if getattr(arch, field) % tp:
+                raise ValueError(f"train.parallel.tp={tp} must divide the model's {field} ({getattr(arch, field)})")
+        bad = [r for r in self.log.profile.ranks if r >= self.train.parallel.world]
+        if self.log.profile.enabled and bad:
+            raise ValueError(f"log.profile.ranks {bad} are not ranks of this job (0..{self.train.parallel.world - 1})")
+        if self.log.run_dir is None:
+            self.log.run_dir = Path("runs") / f"{self.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         return self
 
     def resolved(self) -> dict:
@@ -253,7 +271,10 @@ _Loader.add_implicit_resolver(
 
 def parse_value(text: str) -> Any:
     """An override's value, read as YAML: 3 -> int, 1e-5 -> float, true -> bool, [1, 2] -> list."""
-    return yaml.load(text, Loader=_Loader) if text.strip() else ""
+    try:
+        return yaml.load(text, Loader=_Loader) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise JobConfigError(f"value '{text}' is not valid YAML ({str(e).splitlines()[0]})") from None
 
 
 def apply_override(raw: dict, override: str) -> None:
@@ -267,7 +288,10 @@ def apply_override(raw: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise JobConfigError(f"override '{override}': {'.'.join(parents[:i + 1])} is a value, not a group")
-    node[leaf] = parse_value(value)
+    try:
+        node[leaf] = parse_value(value)
+    except JobConfigError as e:
+        raise JobConfigError(f"override '{override}': {e}") from None
 
 
 def _describe(err: dict, model: type[BaseModel]) -> str:
@@ -306,8 +330,8 @@ def validate_job(raw: Any, source: str = "job") -> JobConfig:
 
 
 def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
-    """A job file (None: all defaults) plus dotted overrides -> a validated JobConfig with its
-    run directory resolved."""
+    """A job file (None: all defaults) plus dotted overrides -> a validated JobConfig (its run
+    directory resolved: runs/<name>-<time> unless log.run_dir is given)."""
     raw: Any = {}
     source = "defaults"
     if path is not None:
@@ -324,11 +348,7 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
         raise JobConfigError(f"{source}: a job file is a mapping of groups")
     for o in overrides:
         apply_override(raw, o)
-    job = validate_job(raw, source)
-    if job.log.run_dir is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        job.log.run_dir = Path("runs") / f"{job.name}-{stamp}"
-    return job
+    return validate_job(raw, source)
 
 
 def save_resolved(job: JobConfig, path: Path) -> None:

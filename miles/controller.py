@@ -49,7 +49,7 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         trainer = start_trainer(job, device)
         stack.callback(trainer.shutdown)
         monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
-        stack.callback(monitor.close)
+        stack.push(lambda exc_type, *_: monitor.close(failed=exc_type is not None))
         data = make_source(job)
         monitor.print(f"miles: {job.name}: {job.train.steps} steps of {job.train.global_batch_size} sequences, "
                       f"{describe_layout(job)} on {device.upper()}; run directory {run_dir}")
@@ -110,13 +110,17 @@ def ray_session(job: JobConfig):
 
 
 def resolve_device(job: JobConfig) -> str:
-    """cpu or gpu workers: `auto` takes GPUs when the cluster has one per rank."""
+    """cpu or gpu workers: `auto` takes GPUs when the cluster has one per rank. A cluster too
+    small for the workers is an error here, not a placement group waiting forever."""
     import ray
 
-    world = job.train.parallel.world
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+    world, have = job.train.parallel.world, ray.cluster_resources()
+    gpus, cpus = int(have.get("GPU", 0)), have.get("CPU", 0)
     if job.cluster.device == "gpu" and gpus < world:
         raise JobError(f"cluster.device is gpu and train.parallel needs {world} GPUs; the cluster has {gpus}")
+    if cpus < world * job.cluster.cpus_per_worker:
+        raise JobError(f"{world} workers x cluster.cpus_per_worker={job.cluster.cpus_per_worker:g} need "
+                       f"{world * job.cluster.cpus_per_worker:g} CPUs; the cluster has {cpus:g}")
     return job.cluster.device if job.cluster.device != "auto" else ("gpu" if gpus >= world else "cpu")
 
 

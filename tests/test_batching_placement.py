@@ -1,4 +1,4 @@
-"""Pure policies: sequence packing, token-budget micro-batching, bundle plans."""
+"""Pure policies: samples to micro-batches, sequence packing, token-budget micro-batching, bundle plans."""
 
 from __future__ import annotations
 
@@ -8,53 +8,58 @@ import pytest
 import torch
 
 from miles.cluster.placement import plan_bundles
-from miles.train.batching import MicroBatch, micro_batches, pack, to_tensors
+from miles.data.sample import Sample
+from miles.train.batching import micro_batches, pack, positions, to_micro_batch
 from plugins.deepseek_v4.model import IGNORE_INDEX
 
 
-def _samples(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+def _samples(seed: int, n: int) -> list[Sample]:
+    """Random lengths 2..41 and random loss masks (a prompt of random length, then trained)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        k = rng.randint(1, 40)
-        ids = [rng.randrange(320) for _ in range(k)]
-        out.append((ids, ids[1:] + [IGNORE_INDEX]))
+        k = rng.randint(2, 41)
+        prompt = rng.randint(1, k - 1)
+        out.append(Sample([rng.randrange(320) for _ in range(k)], [0] * prompt + [1] * (k - prompt)))
     return out
 
 
-def test_pack_keeps_every_token_once_and_documents_apart(seed):
-    """Guards lost or duplicated samples and documents that bleed into each other: every
-    sample appears exactly once, contiguous, under one doc id unique within its row, and
-    no row exceeds the budget."""
+def test_pack_keeps_every_sample_once_and_documents_apart(seed):
+    """Guards lost or duplicated samples, documents that bleed into each other and masks that
+    slip: every sample lands once in a row within the budget, and in the micro-batch each is a
+    contiguous run under its own doc id whose inputs, labels and loss weights are its own."""
     samples = _samples(seed, 30)
     rows = pack(samples, max_tokens=64)
-    assert all(len(r.input_ids) <= 64 for r in rows)
-    found = []
-    for r in rows:
-        docs = r.doc_ids
-        assert docs == sorted(docs), "documents must be contiguous runs"
-        for d in sorted(set(docs)):
-            idx = [i for i, x in enumerate(docs) if x == d]
-            found.append((r.input_ids[idx[0]: idx[-1] + 1], r.labels[idx[0]: idx[-1] + 1]))
-    assert sorted(map(str, found)) == sorted(map(str, samples))
-    assert len(rows) <= sum(len(s[0]) for s in samples) // 64 + 2, "first-fit-decreasing packs densely"
+    assert all(sum(positions(x) for x in row) <= 64 for row in rows)
+    assert sorted(id(x) for row in rows for x in row) == sorted(map(id, samples))
+    assert len(rows) <= sum(map(positions, samples)) // 64 + 2, "first-fit-decreasing packs densely"
+    mb = to_micro_batch(rows, pad_to_multiple=2)
+    for i, row in enumerate(rows):
+        docs = mb.doc_ids[i].tolist()
+        for d, x in enumerate(row):
+            at = [t for t, v in enumerate(docs) if v == d]
+            assert at == list(range(at[0], at[0] + positions(x))), "documents must be contiguous runs"
+            assert mb.input_ids[i, at].tolist() == x.tokens[:-1] and mb.labels[i, at].tolist() == x.tokens[1:]
+            assert mb.loss_mask[i, at].tolist() == [float(v) for v in x.loss_mask[1:]]
 
 
 def test_pack_errors_name_the_sample():
-    with pytest.raises(ValueError, match="sample 1: 70 tokens exceed the packing budget of 64"):
-        pack([([1], [2]), ([0] * 70, [0] * 70)], max_tokens=64)
-    with pytest.raises(ValueError, match="sample 0: 2 input ids but 1 labels"):
-        pack([([1, 2], [3])], max_tokens=64)
+    with pytest.raises(ValueError, match="sample 1: 70 positions exceed the packing budget of 64"):
+        pack([Sample([1, 2], [0, 1]), Sample([0] * 71, [0] * 71)], max_tokens=64)
+    with pytest.raises(ValueError, match="sample: 2 tokens but 1 loss-mask entries"):
+        Sample([1, 2], [0])
 
 
-def test_to_tensors_pads_as_padding():
-    """Padding gets doc id -1 and ignored labels, and the length rounds up (CP chunks)."""
-    ids, lab, doc = to_tensors(pack([([5, 6, 7], [6, 7, 8]), ([9], [1])], 8), pad_to_multiple=4)
-    assert ids.shape == (1, 4) and doc[0].tolist() == [0, 0, 0, 1] and ids[0].tolist() == [5, 6, 7, 9]
-    ids, lab, doc = to_tensors(pack([([5, 6, 7], [6, 7, 8]), ([9, 1], [1, 2])], 4), pad_to_multiple=4)
-    assert ids.shape == (2, 4)
-    assert (doc == -1).sum() == 3 and (lab[doc == -1] == IGNORE_INDEX).all()
-    assert torch.equal(ids[doc == -1], torch.zeros(3, dtype=torch.long))
+def test_to_micro_batch_pads_as_padding():
+    """Padding gets doc id -1, ignored labels and weight 0, and the length rounds up (CP
+    chunks); one document per row without padding needs no doc ids at all."""
+    a, b = Sample([5, 6, 7, 8], [0, 1, 1, 1]), Sample([9, 1], [0, 1])
+    mb = to_micro_batch(pack([a, b], 8), pad_to_multiple=8)
+    assert mb.shape == (1, 8) and mb.doc_ids[0].tolist() == [0, 0, 0, 1, -1, -1, -1, -1]
+    assert mb.input_ids[0, :4].tolist() == [5, 6, 7, 9] and mb.labels[0, :4].tolist() == [6, 7, 8, 1]
+    pad = mb.doc_ids == -1
+    assert (mb.labels[pad] == IGNORE_INDEX).all() and (mb.loss_mask[pad] == 0).all() and (mb.input_ids[pad] == 0).all()
+    assert to_micro_batch([[a], [Sample([1, 2, 3, 4], [0, 0, 1, 1])]]).doc_ids is None
 
 
 def test_micro_batches_respect_the_token_budget(seed):
@@ -82,21 +87,20 @@ def test_bundle_plans():
 
 def test_packed_rows_compute_what_the_samples_compute_alone(seed):
     """Packing is free of cross-talk end to end: the summed token losses of packed rows
-    (documents apart by doc id, padding ignored) equal those of each sample run alone
-    (with one document id per row instead, lm differs by ~0.5)."""
+    (documents apart by doc id, padding ignored, each sample's own loss mask) equal those of
+    each sample run alone (with one document id per row instead, lm differs by ~0.5)."""
     from conftest import assert_close, tiny_model
 
     from miles.train import losses
 
     model = tiny_model(seed)
-    samples = [(ids, ids[1:] + [IGNORE_INDEX]) for ids, _ in _samples(seed, 6)]
-    ids, lab, doc = to_tensors(pack(samples, max_tokens=48), pad_to_multiple=2)
+    samples = _samples(seed, 6)
     ones = {k: torch.tensor(1.0) for k in ("lm", "mtp", "indexer", "balance")}
-    packed = losses.compute(model, MicroBatch.lm(ids, lab, doc), norm=ones)[1].metrics
+    packed = losses.compute(model, to_micro_batch(pack(samples, max_tokens=48), pad_to_multiple=2), norm=ones)[1]
     alone = {k: 0.0 for k in ("lm_loss", "mtp_loss")}
-    for s_ids, s_lab in samples:
-        out = losses.compute(model, MicroBatch.lm(torch.tensor([s_ids]), torch.tensor([s_lab])), norm=ones)[1].metrics
+    for x in samples:
+        out = losses.compute(model, to_micro_batch([[x]]), norm=ones)[1].metrics
         for k in alone:
             alone[k] = alone[k] + out[k]
     for k in alone:
-        assert_close(packed[k], torch.as_tensor(alone[k]), atol=1e-4, rtol=1e-5, what=k)
+        assert_close(packed.metrics[k], torch.as_tensor(alone[k]), atol=1e-4, rtol=1e-5, what=k)

@@ -142,6 +142,12 @@ BAD_JOBS = [
      "train.deterministic: Input should be a valid boolean"),
     ("override syntax", "name: x\n", ["train.steps"], "expected KEY=VALUE"),
     ("not a mapping", "- 1\n- 2\n", [], "a job file is a mapping of groups"),
+    ("warm-up too long", "train: {steps: 5, optim: {warmup_steps: 5}}\n", [],
+     "train.optim.warmup_steps=5 must be below train.steps=5"),
+    ("tp split", "train: {parallel: {tp: 3}}\n", [], "train.parallel.tp=3 must divide the model's"),
+    ("profile rank", "log: {profile: {enabled: true, ranks: [4]}}\n", [], "log.profile.ranks [4] are not ranks"),
+    ("bad yaml override", "name: x\n", ["train.steps=[1"], "is not valid YAML"),
+    ("unknown model field", "model: {overrides: {hidden_sise: 8}}\n", [], "model.overrides.hidden_sise: unknown"),
 ]
 
 
@@ -163,8 +169,20 @@ def test_bad_job_fails_before_ray_naming_the_field(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert expect in err, err
-    if "override syntax" not in what:
+    if "override" not in what:
         assert str(job) in err, err
+
+
+def test_a_cluster_too_small_fails_with_a_clear_error(tmp_path):
+    """Guards a job that waits on a placement group forever (or times out with a Ray
+    traceback): 4 workers on a 2-CPU local cluster end at once with exit 1 and the count."""
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "run", str(DEMO), "cluster.num_cpus=2",
+                           "train.parallel.dp=4", "train.micro_batch_size=2", f"log.run_dir={tmp_path / 'run'}",
+                           "log.wandb.mode=disabled"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "4 workers x cluster.cpus_per_worker=1 need 4 CPUs; the cluster has 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_overrides_are_typed_and_the_resolved_job_round_trips(tmp_path):

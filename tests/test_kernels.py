@@ -142,7 +142,7 @@ def test_key_major_kv_gradient_on_banded_index_sets(seed, deterministic, monkeyp
 
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="H100 (sm_90) only")
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0])
-def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, shape, monkeypatch):
+def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, shape):
     """On an H100 the bf16 forward and the backward's dq pass take the Gluon kernels (a silent
     fallback would leave them untested); o, lse and every gradient agree with the portable
     Triton kernels' within bf16 rounding."""

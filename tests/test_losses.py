@@ -42,16 +42,23 @@ def test_packed_loss_equals_separate_losses(seed):
 
 def test_loss_values_and_mask(seed):
     """lm / mtp losses are token means of cross-entropy over trained positions only (MTP's
-    where it has a prediction); the total adds the weighted terms."""
+    where it has a prediction: row 0's second document starts at 15, inside the trained span,
+    and has none there); the total adds the weighted terms."""
     model = tiny_model(seed).train()
     ids = random_ids(seed, 2, 30)
+    docs = torch.zeros(2, 30, dtype=torch.long)
+    docs[0, 15:] = 1
     lab = labels_of(ids)
+    lab[0, 14] = IGNORE_INDEX
     mask = torch.zeros(ids.shape)
     mask[:, 10:25] = 1
+    mask[0, 14] = 0
     coef = losses.LossCoefs(mtp=0.7, indexer=0.05)
-    out, res = losses.compute(model, MicroBatch(ids, lab, mask), coef)
-    ce = torch.nn.functional.cross_entropy(out.logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
-    mce = torch.nn.functional.cross_entropy(out.mtp_logits[:, 10:25].flatten(0, 1), lab[:, 10:25].flatten())
+    out, res = losses.compute(model, MicroBatch(ids, lab, mask, docs), coef)
+    lm_at, mtp_at = mask.bool(), mask.bool().clone()
+    mtp_at[0, 15] = False
+    ce = torch.nn.functional.cross_entropy(out.logits[lm_at], lab[lm_at])
+    mce = torch.nn.functional.cross_entropy(out.mtp_logits[mtp_at], lab[mtp_at])
     m = res.metrics
     assert_close(m["lm_loss"], ce, atol=1e-5, what="lm")
     assert_close(m["mtp_loss"], mce, atol=1e-5, what="mtp")
@@ -98,6 +105,22 @@ def test_counts_cover_each_terms_own_positions():
     assert c["mtp"] == 2 + 5, "position 5 starts document 1: no MTP prediction"
     assert c["indexer"] == 2 + 7, "rows at in-document positions 3, 4 and 3..9"
     assert c["balance"] == 2
+
+
+def test_indexer_count_is_the_rows_the_kl_covers(seed):
+    """Guards the count drifting from the KL: losses.counts' indexer rows are exactly the query
+    rows that see a compressed entry of a CSA layer (layout.visible), on random packed rows."""
+    from plugins.deepseek_v4.layout import SequenceLayout
+
+    model = tiny_model(0)
+    g = torch.Generator().manual_seed(seed)
+    docs = torch.cumsum((torch.rand(3, 50, generator=g) < 0.08).long(), 1)
+    docs[2, 40:] = -1
+    ids = torch.zeros(3, 50, dtype=torch.long)
+    mb = MicroBatch(ids, torch.full((3, 50), IGNORE_INDEX), torch.zeros(3, 50), docs)
+    layout = SequenceLayout.build(3, 50, None, None, docs)
+    sees = layout.visible(layout.blocks(4)).any(-1)  # [B, S]: some CSA entry is visible
+    assert losses.counts(model, mb)["indexer"] == sees.sum()
 
 
 def test_aux_losses_do_not_change_when_positions_are_masked_as_prompt(seed):

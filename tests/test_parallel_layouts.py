@@ -47,15 +47,22 @@ LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "cp2": {"cp": 2
 
 
 def _batch(seed: int, step: int = 0) -> MicroBatch:
-    """4 sequences with ragged supervision (per-rank and per-chunk token counts differ): row 1
-    trains only its last 11 positions, row 3 all but its first 5 (a prompt)."""
+    """4 rows with ragged supervision (per-rank and per-chunk counts of every loss term
+    differ): row 0 packs two documents (20 + 12 tokens: the second starts inside CP rank 1's
+    chunk, where MTP and the indexer restart), row 1 trains only its last 11 positions, row 2
+    ends in 6 positions of padding, row 3 trains all but its first 5 (a prompt)."""
     ids = random_ids(seed + 101 * step, BATCH, SEQ)
+    docs = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    docs[0, 20:] = 1
+    docs[2, 26:] = -1
     lab = torch.roll(ids, -1, 1)
     lab[:, -1] = IGNORE_INDEX
+    lab[0, 19] = IGNORE_INDEX  # a document's last token has no target inside it
+    lab[2, 25:] = IGNORE_INDEX
     mask = (lab != IGNORE_INDEX).float()
     mask[1, :20] = 0
     mask[3, :5] = 0
-    return MicroBatch(ids, lab, mask)
+    return MicroBatch(ids, lab, mask, docs)
 
 
 def _cuts(name: str, dp: int, dp_rank: int) -> list[tuple[int, int]]:
@@ -107,7 +114,7 @@ def reference():
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, single16: torch.Tensor | None, what: str) -> None:
-    """fp32 (CPU): max-abs <= ATOL. bf16 (GPU): relative error no worse than 2x one process's."""
+    """fp32 (CPU): max-abs <= ATOL. bf16 (GPU): relative error at most 4x one process's (or 5e-2)."""
     if not GPU:
         assert_close(got, want, atol=ATOL, what=what)
         return
@@ -175,7 +182,8 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
     the indexer target summed over local heads only; a pipeline stage's indexer loss not
     back-propagated; the MTP embedding gradient not summed over stages; expert outputs not
     summed back over EP; the MTP shift not crossing a CP chunk; router loads not summed
-    over DP x CP; micro-batches normalised locally."""
+    over DP x CP; micro-batches normalised locally; the label's logit not summed over TP ranks
+    (vocabulary-parallel log-probabilities)."""
     from miles.cluster.train_group import TrainGroup
 
     seed, cfg = reference["seed"], reference["cfg"]

@@ -18,18 +18,23 @@ class TrainGroup:
     def __init__(self, world_size: int, resources: dict[str, float] | None = None, **parallel: int):
         resources = resources or {"CPU": 1}
         self.pg = placement_group([dict(resources)] * world_size, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
-        actor = ray.remote(TrainWorker)
-        opts = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
-        self.workers = [actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=i)).remote(i, world_size)
-            for i in range(world_size)]
-        host, port = ray.get(self.workers[0].rendezvous_address.remote())
-        self.layout = self.call("init_distributed", host, port, **parallel)
-        for want in parallel:
-            got = {lay[want] for lay in self.layout}
-            if got != {parallel[want]}:
-                raise RuntimeError(f"asked for {want}={parallel[want]}, the workers report {sorted(got)}")
+        self.workers = []
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+            actor = ray.remote(TrainWorker)
+            opts = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
+            self.workers = [actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=i)).remote(i, world_size)
+                for i in range(world_size)]
+            host, port = ray.get(self.workers[0].rendezvous_address.remote())
+            self.layout = self.call("init_distributed", host, port, **parallel)
+            for want in parallel:
+                got = {lay[want] for lay in self.layout}
+                if got != {parallel[want]}:
+                    raise RuntimeError(f"asked for {want}={parallel[want]}, the workers report {sorted(got)}")
+        except BaseException:
+            self._release()
+            raise
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run `method` on every rank, in rank order, and wait for all results."""
@@ -60,6 +65,10 @@ class TrainGroup:
         try:
             self.call("shutdown")
         finally:
-            for w in self.workers:
-                ray.kill(w)
-            remove_placement_group(self.pg)
+            self._release()
+
+    def _release(self) -> None:
+        """Kill the actors and free the placement group (nothing is left behind)."""
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from miles.observe import records
+
 FILE = "alignment.jsonl"
 
 
@@ -70,17 +72,7 @@ def load(run: str | Path) -> list[dict]:
     path = path / FILE if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no alignment record (expected {FILE} in the run directory)")
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not JSON ({e})") from None
-        missing = {"step", "loss_md5", "grad_norm_md5", "grads"} - set(rec if isinstance(rec, dict) else {})
-        if missing:
-            raise ValueError(f"{path}:{i}: not an alignment record (missing {sorted(missing)})")
-        out.append(rec)
-    return out
+    return records.read(path, {"step", "loss_md5", "grad_norm_md5", "grads"}, "an alignment record")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from miles.config import LogConfig
+from miles.observe import records
 
 FILE = "metrics.jsonl"
 # What a log line shows, in order, when the step has it.
@@ -29,16 +30,7 @@ def read(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics log (is {run_dir} a run directory?)")
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not JSON ({e})") from None
-        if not isinstance(rec, dict) or "step" not in rec:
-            raise ValueError(f"{path}:{i}: not a metrics record (needs a 'step')")
-        out.append(rec)
-    return out
+    return records.read(path, {"step"}, "a metrics record")
 
 
 class Monitor:
@@ -46,10 +38,10 @@ class Monitor:
                  stream: TextIO | None = None):
         self.cfg, self.run_dir, self.total = cfg, Path(run_dir), total_steps
         self.stream = stream or sys.stdout
-        self.file = (self.run_dir / FILE).open("a")
-        self.wandb = self._start_wandb(config)
-        bar = cfg.progress == "bar" or (cfg.progress == "auto" and self.stream.isatty())
         self.bar = None
+        self.wandb = self._start_wandb(config)
+        self.file = (self.run_dir / FILE).open("a")
+        bar = cfg.progress == "bar" or (cfg.progress == "auto" and self.stream.isatty())
         if bar:
             from tqdm import tqdm
 
@@ -71,7 +63,7 @@ class Monitor:
                           settings=wandb.Settings(console="off", quiet=True, silent=True))
 
     def print(self, text: str) -> None:
-        if getattr(self, "bar", None) is not None:
+        if self.bar is not None:
             self.bar.write(text)
         else:
             print(text, file=self.stream, flush=True)
@@ -101,9 +93,10 @@ class Monitor:
             self.wandb.summary.update(metrics)
         (self.run_dir / "summary.json").write_text(json.dumps(metrics, indent=2) + "\n")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close everything; a failed run is marked failed in wandb."""
         if self.bar is not None:
             self.bar.close()
         self.file.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)

@@ -1,10 +1,11 @@
 """The trainer's micro-batch, and how samples become micro-batches (small pure functions).
 
 `MicroBatch` is what a TrainWorker consumes: typed [B, S] tensors, validated once when made.
-A sample is a token list with labels. `pack` concatenates samples into rows of at most
-`max_tokens`, giving each sample its own document id, so attention, compression blocks
-and MTP never cross samples (the model derives positions and masks from the ids).
-`micro_batches` groups the packed rows so that no micro-batch exceeds the token budget.
+Samples (miles.data.sample: tokens and a per-token loss mask) become rows: one sample per
+row (`replica_micro_batches`), or several packed into a row of at most `max_tokens`
+positions (`pack`), each its own document, so attention, compression blocks and MTP never
+cross samples (the model derives positions and masks from the document ids).
+`micro_batches` groups rows so that no micro-batch exceeds a token budget.
 """
 
 from __future__ import annotations
@@ -76,47 +77,29 @@ class MicroBatch:
                                 if getattr(self, f.name) is not None})
 
 
-@dataclass
-class PackedRow:
-    input_ids: list[int]
-    labels: list[int]
-    doc_ids: list[int]
+def positions(sample: Sample) -> int:
+    """Trained-or-read positions a sample takes in a row: each token but the last predicts one."""
+    return len(sample.tokens) - 1
 
 
-def pack(samples: list[tuple[list[int], list[int]]], max_tokens: int) -> list[PackedRow]:
-    """First-fit-decreasing packing of (input_ids, labels) samples into rows of <= max_tokens.
-    The order of rows is deterministic (ties keep input order)."""
-    rows: list[PackedRow] = []
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i][0]))
-    for i in order:
-        ids, lab = samples[i]
-        if len(ids) != len(lab):
-            raise ValueError(f"sample {i}: {len(ids)} input ids but {len(lab)} labels")
-        if len(ids) > max_tokens:
-            raise ValueError(f"sample {i}: {len(ids)} tokens exceed the packing budget of {max_tokens}")
-        row = next((r for r in rows if len(r.input_ids) + len(ids) <= max_tokens), None)
-        if row is None:
-            row = PackedRow([], [], [])
-            rows.append(row)
-        doc = (row.doc_ids[-1] + 1) if row.doc_ids else 0
-        row.input_ids += ids
-        row.labels += lab
-        row.doc_ids += [doc] * len(ids)
+def pack(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """First-fit-decreasing packing of samples into rows of at most `max_tokens` positions;
+    each sample stays a document of its own (`to_micro_batch` gives it its own id). The
+    order of rows is deterministic (ties keep input order)."""
+    rows: list[list[Sample]] = []
+    used: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: -positions(samples[i])):
+        n = positions(samples[i])
+        if n > max_tokens:
+            raise ValueError(f"sample {i}: {n} positions exceed the packing budget of {max_tokens}")
+        r = next((r for r, u in enumerate(used) if u + n <= max_tokens), None)
+        if r is None:
+            rows.append([])
+            used.append(0)
+            r = len(rows) - 1
+        rows[r].append(samples[i])
+        used[r] += n
     return rows
-
-
-def to_tensors(rows: list[PackedRow], pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows -> input_ids, labels, doc_ids [B, S], padded (doc id -1, label ignored) to the
-    longest row rounded up to `pad_to_multiple` (e.g. the context-parallel size)."""
-    s = max(len(r.input_ids) for r in rows)
-    s = -(-s // pad_to_multiple) * pad_to_multiple
-    ids = torch.zeros(len(rows), s, dtype=torch.long)
-    lab = torch.full((len(rows), s), IGNORE_INDEX, dtype=torch.long)
-    doc = torch.full((len(rows), s), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r.input_ids)
-        ids[i, :n], lab[i, :n], doc[i, :n] = torch.tensor(r.input_ids), torch.tensor(r.labels), torch.tensor(r.doc_ids)
-    return ids, lab, doc
 
 
 def micro_batches(row_tokens: list[int], max_tokens: int) -> list[list[int]]:
@@ -134,21 +117,25 @@ def micro_batches(row_tokens: list[int], max_tokens: int) -> list[list[int]]:
     return groups + ([cur] if cur else [])
 
 
-def to_micro_batch(samples: list[Sample], pad_to_multiple: int = 1) -> MicroBatch:
-    """Samples, one per row, as a micro-batch: position t reads tokens[t] and predicts
-    tokens[t + 1] (trained where loss_mask[t + 1]); rows padded to the longest, rounded up to
-    `pad_to_multiple` (e.g. the context-parallel size)."""
-    n = max(len(s.tokens) - 1 for s in samples)
+def to_micro_batch(rows: list[list[Sample]], pad_to_multiple: int = 1) -> MicroBatch:
+    """Rows of samples as a micro-batch. In a row each sample is a document (ids 0, 1, ...;
+    -1 = padding): position t reads tokens[t] and predicts tokens[t + 1], trained where
+    loss_mask[t + 1]. Rows are padded to the longest, rounded up to `pad_to_multiple` (e.g. the
+    context-parallel size). doc_ids is None when every row is one document without padding."""
+    n = max(sum(positions(s) for s in row) for row in rows)
     n = -(-n // pad_to_multiple) * pad_to_multiple
-    ids = torch.zeros(len(samples), n, dtype=torch.long)
-    lab = torch.full((len(samples), n), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros(len(samples), n)
-    doc = torch.full((len(samples), n), -1, dtype=torch.long)
-    for i, s in enumerate(samples):
-        k = len(s.tokens) - 1
-        ids[i, :k], lab[i, :k] = torch.tensor(s.tokens[:-1]), torch.tensor(s.tokens[1:])
-        mask[i, :k], doc[i, :k] = torch.tensor(s.loss_mask[1:], dtype=torch.float32), 0
-    return MicroBatch(ids, lab, mask, None if bool((doc >= 0).all()) else doc)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    lab = torch.full((len(rows), n), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(len(rows), n)
+    doc = torch.full((len(rows), n), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        at = 0
+        for d, s in enumerate(row):
+            k = positions(s)
+            ids[i, at:at + k], lab[i, at:at + k] = torch.tensor(s.tokens[:-1]), torch.tensor(s.tokens[1:])
+            mask[i, at:at + k], doc[i, at:at + k] = torch.tensor(s.loss_mask[1:], dtype=torch.float32), d
+            at += k
+    return MicroBatch(ids, lab, mask, None if bool((doc == 0).all()) else doc)
 
 
 def replica_micro_batches(samples: list[Sample], dp: int, micro_batch_size: int,
@@ -159,5 +146,5 @@ def replica_micro_batches(samples: list[Sample], dp: int, micro_batch_size: int,
         raise ValueError(f"{len(samples)} samples do not split into {dp} replicas x micro-batches of "
                          f"{micro_batch_size}")
     per = len(samples) // dp
-    return [[to_micro_batch(samples[r * per + i: r * per + i + micro_batch_size], pad_to_multiple)
+    return [[to_micro_batch([[s] for s in samples[r * per + i: r * per + i + micro_batch_size]], pad_to_multiple)
              for i in range(0, per, micro_batch_size)] for r in range(dp)]

@@ -71,23 +71,29 @@ def aux_loss(aux: dict[str, torch.Tensor], norm: dict[str, torch.Tensor], coef: 
     return total, metrics
 
 
+def label_logprobs(ctx: ParallelContext, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """log p(label) [B, s] for this rank's chunk of `mb` (context parallel), 0 where there is
+    no label; differentiable."""
+    labels = mb.labels[:, ctx.seq_chunk(mb.shape[1])]
+    return torch.where(labels != IGNORE_INDEX, ctx.token_logprobs(logits, labels), 0.0)
+
+
 def lm_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tensor], coef: LossCoefs,
             ctx: ParallelContext) -> LossResult:
     """Cross-entropy of the labels (SFT, pre-training), plus MTP's on the same labels where it
     has a prediction, plus the auxiliary terms."""
-    q = ctx.seq_chunk(mb.shape[1]) if ctx.cp_size > 1 else slice(None)
-    labels, w = mb.labels[:, q], mb.loss_mask[:, q].float()
-    lp = ctx.token_logprobs(out.logits, labels)  # [B, s]
+    w = mb.loss_mask[:, ctx.seq_chunk(mb.shape[1])].float()  # 0 wherever the label is IGNORE_INDEX
+    lp = label_logprobs(ctx, out.logits, mb)  # [B, s]
     lm = -(lp * w).sum() / norm["lm"]
     loss, metrics = lm, {"lm_loss": lm.detach()}
     if out.mtp_logits is not None:
-        mtp = -(ctx.token_logprobs(out.mtp_logits, labels) * w * out.mtp_rows).sum() / norm["mtp"]
+        mtp = -(label_logprobs(ctx, out.mtp_logits, mb) * w * out.mtp_rows).sum() / norm["mtp"]
         loss = loss + coef.mtp * mtp
         metrics["mtp_loss"] = mtp.detach()
     aux, aux_metrics = aux_loss(out.aux, norm, coef)
     loss = loss + aux
     metrics.update(aux_metrics, loss=loss.detach())
-    return LossResult(loss, metrics, torch.where(labels != IGNORE_INDEX, lp.detach(), 0.0))
+    return LossResult(loss, metrics, lp.detach())
 
 
 LOSSES = {"lm": lm_loss}

@@ -26,7 +26,7 @@ from miles.observe.alignment import grad_checksums
 from miles.train import losses
 from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
-from plugins.deepseek_v4.model import IGNORE_INDEX, Gate
+from plugins.deepseek_v4.model import Gate
 
 
 class _ScheduleView:
@@ -123,7 +123,7 @@ class TrainWorker:
             w.shared_embedding = True  # own DDP bucket; gradients summed over the embedding group
             w.shared = not self.model.ctx.first_stage  # the copy the grad norm must not count twice
         # The schedules' view of the model: stage outputs are [B, s, n*d] streams of any shape
-        # (variable_seq_lengths), losses arrive already divided by the global token count.
+        # (variable_seq_lengths), losses arrive already divided by their global counts.
         pp = ps.get_pipeline_model_parallel_world_size()
         self.tcfg = TransformerConfig(
             num_layers=pp, hidden_size=cfg.hidden_size * cfg.hc_mult, num_attention_heads=cfg.num_attention_heads,
@@ -164,9 +164,11 @@ class TrainWorker:
             optimizer="adam", adam_eps=eps, adam_beta1=beta1, adam_beta2=beta2, lr=lr, min_lr=min_lr,
             weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
             use_distributed_optimizer=True), [self.ddp])
+        if warmup_steps >= total_steps:  # Megatron's scheduler asserts it; say it plainly
+            raise ValueError(f"warmup_steps={warmup_steps} must be below the run's {total_steps} steps")
         self.sched = OptimizerParamScheduler(
             self.opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
-            lr_decay_steps=total_steps, lr_decay_style=decay if total_steps > warmup_steps else "constant",
+            lr_decay_steps=total_steps, lr_decay_style=decay,
             start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
 
     # ------------------------------------------------------------------ forward / backward
@@ -200,7 +202,6 @@ class TrainWorker:
 
         stage_metrics: dict[str, torch.Tensor] = {}
         ctx = self.model.ctx
-        q = ctx.seq_chunk(mbs[0].shape[1]) if ctx.cp_size > 1 else slice(None)
 
         def step(data, model):
             mb = next(data)
@@ -213,8 +214,7 @@ class TrainWorker:
                     stage_metrics[k] = stage_metrics.get(k, 0.0) + v
                 return (_AttachLoss.apply(out.hidden, aux) if aux.requires_grad else out.hidden), None
             if forward_only:
-                lp = ctx.token_logprobs(out.logits, mb.labels[:, q])
-                lp = torch.where(mb.labels[:, q] != IGNORE_INDEX, lp, 0.0)
+                lp = losses.label_logprobs(ctx, out.logits, mb)
                 return lp, lambda t: (t, torch.ones((), dtype=torch.int), {"logprobs": t})
             res = self.loss_fn(out, mb, norm, self.coef, ctx)
             return res.loss, lambda t: (t, torch.ones((), dtype=torch.int),

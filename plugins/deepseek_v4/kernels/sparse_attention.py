@@ -52,8 +52,8 @@ class AttentionOptions:
     # off: the portable Triton kernels
     sm90: bool = True
     # with them, the kv gradient on the H100 Gluon kernel too (`sparse_attention_sm90._bwd_dkv`).
-    # Off by default: that kernel was written in a session with no GPU lent and has not run yet;
-    # it stays off until the H100 tests and `benchmarks/kv_gradient_gpu.py` show it right and faster
+    # Off by default: its H100 test agreed with the portable kernel (ninth session), but it has
+    # not been timed; it stays off until `benchmarks/kv_gradient_gpu.py` shows it faster
     sm90_kv_gradient: bool = False
     # CUDA: two scratch sets of SCRATCH_BYTES, chunk i's kv gradient on a side stream beside
     # chunk i + 1's dq pass. Off by default since the dq pass got faster: at the same 256 MiB of
