@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
 
+from miles.train.losses import LossCoefs
 from plugins.deepseek_v4.config import ConfigError, DeepSeekV4Config
 
 # Scalars are strict (a string is not a number, a number not a boolean); floats take ints.
@@ -177,9 +178,9 @@ class RolloutConfig(Section):
 
 class AlgoConfig(Section):
     loss: Literal["lm"] = "lm"  # miles.train.losses: "lm" = cross-entropy of the labels (pre-training, SFT)
-    mtp_loss_coef: NonNegFloat = 0.3
-    indexer_loss_coef: NonNegFloat = 0.01  # the lightning indexer's KL to the attention (0: untrained)
-    balance_loss_coef: NonNegFloat = 0.0  # sequence-level expert balance (V4 balances by router bias)
+    mtp_loss_coef: NonNegFloat = LossCoefs.mtp
+    indexer_loss_coef: NonNegFloat = LossCoefs.indexer  # the lightning indexer's KL to the attention (0: untrained)
+    balance_loss_coef: NonNegFloat = LossCoefs.balance  # sequence-level expert balance (V4 balances by router bias)
 
 
 class CkptConfig(Section):
