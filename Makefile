@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
+# SFT of the tiny DeepSeek-V4 on the bundled chat data, submitted with `ray job submit` to a
+# local Ray cluster (127.0.0.1, token auth) started for it and stopped after it.
 demo: venv
-	$(BIN)/miles run jobs/demo_tiny.yaml --report
+	$(BIN)/miles submit jobs/sft_tiny.yaml --report
 
 test: venv
 	$(BIN)/ruff check .

@@ -19,6 +19,7 @@ a bad job fails before any resource is taken.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -68,7 +69,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "torch", "triton"] = "auto"  # GPU kernels; auto: on CUDA when triton is there
     sm90_kernels: Bool = True  # H100: the Gluon attention forward and dq pass (off: portable Triton)
-    sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agreed once on an H100; untimed)
+    sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agrees; 4-14% faster alone, fast mode)
     overlap_chunks: Bool = False  # CUDA: the attention backward's chunks on two streams
     _arch: DeepSeekV4Config = PrivateAttr()
 
@@ -105,9 +106,61 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["synthetic"] = "synthetic"  # bundled arithmetic progressions (miles.data.synthetic)
-    seq_len: Annotated[int, Strict(), Field(ge=3)] = 64  # positions per sequence (the first 2 are not trained)
-    eval_size: NonNegInt = 0  # held-out sequences whose continuations the final model generates
+    """synthetic: bundled arithmetic progressions (miles.data.synthetic), evaluated by generation
+    after the last step. chat: conversations from JSONL/Parquet for SFT (miles.data.sft), with
+    DeepSeek-V4's loss masks (miles.data.chat), packed into rows of seq_len positions."""
+
+    source: Literal["synthetic", "chat"] = "synthetic"
+    seq_len: Annotated[int, Strict(), Field(ge=3)] = 64  # positions per row (chat: the longest conversation)
+    eval_size: NonNegInt = 0  # held-out sequences (synthetic) or conversations (chat; 0 with eval_path: all)
+    # chat only
+    path: Str | None = None  # a .jsonl/.parquet file, a directory of shards or a glob (relative: to the cwd)
+    eval_path: Str | None = None  # the held-out split; default: the first eval_size rows of path
+    eval_interval: NonNegInt = 0  # evaluate every N steps (and before the first, after the last); 0: ends only
+    tokenizer: Str | None = None  # a tokenizer.json; "tiny": the bundled 512-id BPE; default DeepSeek-V4's
+    template: Literal["deepseek_v4", "hf"] = "deepseek_v4"  # deepseek-recipe's V4 encoding, or data.tokenizer's
+    # own chat template (hf: a local transformers tokenizer directory)
+    thinking: Bool = False  # thinking mode for rows that do not say (a row's own `thinking` wins)
+    thinking_turns: Literal["last", "expand"] = "last"  # thinking without tools: a sample per last / every turn
+    reasoning_effort: Literal["low", "high", "xhigh", "max"] | None = None  # thinking preamble; None: recipe's
+    on_bad_row: Literal["skip", "error"] = "skip"  # skip: report, count (data/skipped_rows) and go on
+    shuffle_buffer: NonNegInt = 10000  # samples in the streaming shuffle (0: file order)
+
+    @model_validator(mode="after")
+    def _source(self) -> DataConfig:
+        chat_keys = ("path", "eval_path", "tokenizer")
+        if self.source == "synthetic":
+            given = [k for k in chat_keys if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"data.{given[0]}: only for data.source: chat")
+            return self
+        if self.path is None:
+            raise ValueError("data.path: missing (data.source: chat reads conversations from a file, directory "
+                             "or glob)")
+        from miles.data.dataset import dataset_files
+        from miles.data.sft import tokenizer_path
+
+        for key in ("path", "eval_path"):
+            if getattr(self, key) is not None:
+                try:
+                    dataset_files(getattr(self, key))
+                except (FileNotFoundError, ValueError) as e:
+                    raise ValueError(f"data.{key}: {e}") from None
+                setattr(self, key, os.path.abspath(getattr(self, key)))
+        if self.template == "hf":
+            if self.tokenizer is None or not Path(self.tokenizer).is_dir():
+                raise ValueError(f"data.tokenizer: data.template hf needs a local tokenizer directory with a chat "
+                                 f"template, got {self.tokenizer!r}")
+            self.tokenizer = os.path.abspath(self.tokenizer)
+            return self
+        tok = tokenizer_path(self.tokenizer)
+        if tok is not None:
+            if not Path(tok).is_file():
+                raise ValueError(f"data.tokenizer: {tok}: no such tokenizer.json (or \"tiny\", or leave it out for "
+                                 "DeepSeek-V4's)")
+            if self.tokenizer != "tiny":
+                self.tokenizer = os.path.abspath(tok)
+        return self
 
 
 class ParallelConfig(Section):
@@ -248,6 +301,13 @@ class JobConfig(Section):
         for field in ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size"):  # split over TP
             if getattr(arch, field) % tp:
                 raise ValueError(f"train.parallel.tp={tp} must divide the model's {field} ({getattr(arch, field)})")
+        if self.data.source == "chat":
+            from miles.data.sft import tokenizer_path, vocab_size
+
+            ids = vocab_size(tokenizer_path(self.data.tokenizer), self.data.template)
+            if ids > arch.vocab_size:
+                raise ValueError(f"data.tokenizer has {ids} ids but the model's vocab_size is {arch.vocab_size} "
+                                 f"(a model with at least {ids}, or a smaller tokenizer: data.tokenizer: tiny)")
         bad = [r for r in self.log.profile.ranks if r >= self.train.parallel.world]
         if self.log.profile.enabled and bad:
             raise ValueError(f"log.profile.ranks {bad} are not ranks of this job (0..{self.train.parallel.world - 1})")

@@ -1,15 +1,19 @@
-"""The driver: one controller runs every job (`miles run`, `make demo`, the tests, a submitted
-Ray job); only the job file differs.
+"""The driver: one controller runs every job (`miles run`, `miles sft`, `make demo`, the tests,
+a submitted Ray job); only the job file differs.
 
     run(job):
         run directory <- the resolved job; Ray <- job.cluster
+        data    <- the job's source (synthetic, or chat conversations tokenized with loss masks)
         trainer <- Megatron workers with the model, optimizer and loss (job.model/train/algo)
         for step in 1..steps:
             samples  <- the data source's global batch for this step
-            replicas <- per data-parallel replica, micro-batches
+            replicas <- per data-parallel replica, micro-batches (chat: packed, balanced by tokens)
             metrics  <- one optimizer step on the trainer
+            eval     <- the held-out loss, every data.eval_interval steps (chat)
             log(step, metrics)                      # metrics.jsonl, wandb, terminal
         final weights -> DeepSeek's HF layout (ckpt.save_hf), evaluation (data.eval_size)
+
+SFT is this loop with the chat source; it never starts rollout engines.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from pathlib import Path
 from typing import TextIO
 
 from miles.config import JobConfig, save_resolved
-from miles.data.synthetic import SyntheticSource
+from miles.data.sample import Sample
 from miles.observe import alignment
 from miles.observe.metrics import FILE as METRICS_FILE
 from miles.observe.metrics import Monitor
-from miles.train.batching import replica_micro_batches
+from miles.train.batching import MicroBatch, packed_replica_micro_batches, replica_micro_batches
 
 
 class JobError(RuntimeError):
@@ -46,19 +50,22 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
     run_dir = prepare_run_dir(job)
     with ray_session(job), contextlib.ExitStack() as stack:
         device = resolve_device(job)
-        trainer = start_trainer(job, device)
-        stack.callback(trainer.shutdown)
         monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
         stack.push(lambda exc_type, *_: monitor.close(failed=exc_type is not None))
-        data = make_source(job)
+        data = make_source(job, run_dir, monitor)
+        stack.callback(data.close)
+        trainer = start_trainer(job, device)
+        stack.callback(trainer.shutdown)
         monitor.print(f"miles: {job.name}: {job.train.steps} steps of {job.train.global_batch_size} sequences, "
                       f"{describe_layout(job)} on {device.upper()}; run directory {run_dir}")
+        if evaluates(job, data, 0):
+            monitor.record(0, first := evaluate(job, trainer, data.eval_samples()))
+            monitor.print(f"before step 1: eval loss {first['eval/loss']:.4f}")
         history = []
         for step in range(1, job.train.steps + 1):
             t0 = time.perf_counter()
             samples = data.batch(step, job.train.global_batch_size)
-            replicas = replica_micro_batches(samples, job.train.parallel.dp, job.train.micro_batch_size,
-                                             pad_to_multiple=job.train.parallel.cp)
+            replicas = layout_batch(job, samples)
             t1 = time.perf_counter()
             with profiling(job, trainer, run_dir, step):
                 ranks = trainer.train_step(replicas, checksums=job.log.alignment)
@@ -67,10 +74,12 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                 alignment.append(run_dir, alignment.ranks_record(step, ranks[0]["loss"], ranks[0]["grad_norm"],
                                                                  [r["grad_md5"] for r in ranks]))
             tokens = sum(len(s.tokens) - 1 for s in samples)
-            metrics = step_metrics(ranks[0], data_time=t1 - t0, train_time=t2 - t1, tokens=tokens)
+            metrics = step_metrics(ranks[0], data_time=t1 - t0, train_time=t2 - t1, tokens=tokens) | data.metrics()
+            if evaluates(job, data, step):
+                metrics.update(evaluate(job, trainer, data.eval_samples()))
             monitor.log(step, metrics)
             history.append(metrics)
-        summary = {k: v for k, v in history[-1].items() if k.startswith("train/")}
+        summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "data/"))}
         summary.update(finish(job, trainer, data, run_dir, monitor))
         monitor.summary(summary)
     return RunResult(run_dir, history, summary)
@@ -143,8 +152,53 @@ def start_trainer(job: JobConfig, device: str):
     return group
 
 
-def make_source(job: JobConfig) -> SyntheticSource:
+def make_source(job: JobConfig, run_dir: Path, monitor: Monitor):
+    """The job's data source: batch(step, n) -> samples, metrics(), eval_samples(), close().
+    The chat source tokenizes its held-out split here, so bad data fails before the workers
+    start."""
+    if job.data.source == "chat":
+        from miles.data.dataset import DataError
+        from miles.data.sft import SFTSource
+
+        source = SFTSource(job.data, job.train.seed, job.model.arch.vocab_size, run_dir, report=monitor.print)
+        if 0 < len(source.eval_samples()) < job.train.parallel.dp:
+            raise DataError(f"the held-out split has {len(source.eval_samples())} samples, fewer than the "
+                            f"{job.train.parallel.dp} data-parallel replicas (data.eval_size / data.eval_path)")
+        return source
+    from miles.data.synthetic import SyntheticSource
+
     return SyntheticSource(job.data.seq_len, job.model.arch.vocab_size, job.train.seed)
+
+
+def layout_batch(job: JobConfig, samples: list[Sample]) -> list[list[MicroBatch]]:
+    """A global batch as micro-batches per data-parallel replica: synthetic sequences one per
+    row; conversations packed into rows of data.seq_len positions, balanced by tokens."""
+    p, mbs = job.train.parallel, job.train.micro_batch_size
+    if job.data.source == "synthetic":
+        return replica_micro_batches(samples, p.dp, mbs, pad_to_multiple=p.cp)
+    return packed_replica_micro_batches(samples, p.dp, mbs, job.data.seq_len, pad_to_multiple=p.cp,
+                                        same_count=p.ep > 1)
+
+
+def evaluates(job: JobConfig, data, step: int) -> bool:
+    """The held-out loss is measured before the first step, every data.eval_interval steps
+    and after the last (sources with a held-out split)."""
+    if not data.eval_samples():
+        return False
+    every = job.data.eval_interval
+    return step in (0, job.train.steps) or (every > 0 and step % every == 0)
+
+
+def evaluate(job: JobConfig, trainer, samples: list[Sample]) -> dict[str, float]:
+    """eval/loss: the mean negative log-likelihood of the held-out samples' trained tokens
+    (the LM term alone), forward only."""
+    replicas = layout_batch(job, samples)
+    nll = weight = 0.0
+    for mbs, logprobs in zip(replicas, trainer.forward_logprobs(replicas), strict=True):
+        for mb, lp in zip(mbs, logprobs, strict=True):
+            nll -= float((lp.double() * mb.loss_mask).sum())
+            weight += float(mb.loss_mask.sum())
+    return {"eval/loss": nll / max(weight, 1.0), "eval/tokens": weight}
 
 
 def step_metrics(rank0: dict, data_time: float, train_time: float, tokens: int) -> dict[str, float]:
@@ -173,10 +227,11 @@ def profiling(job: JobConfig, trainer, run_dir: Path, step: int):
 
 
 def finish(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> dict[str, float]:
-    """After the last step: the weights in DeepSeek's HF layout (ckpt.save_hf) and the data
-    source's evaluation of them (data.eval_size; on the checkpoint reloaded from disk when
-    one was written)."""
-    if not (job.ckpt.save_hf or job.data.eval_size):
+    """After the last step: the weights in DeepSeek's HF layout (ckpt.save_hf) and, for the
+    synthetic source, its generation test of them (data.eval_size; on the checkpoint
+    reloaded from disk when one was written)."""
+    generate = job.data.source == "synthetic" and job.data.eval_size > 0
+    if not (job.ckpt.save_hf or generate):
         return {}
     from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
 
@@ -189,7 +244,7 @@ def finish(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> di
         model.save_pretrained(run_dir / "hf")
         monitor.print(f"saved the final weights in DeepSeek's HF layout to {run_dir / 'hf'}")
         model = DeepSeekV4ForCausalLM.from_pretrained(run_dir / "hf")
-    return data.evaluate(model, job.data.eval_size) if job.data.eval_size else {}
+    return data.evaluate(model, job.data.eval_size) if generate else {}
 
 
 def describe_layout(job: JobConfig) -> str:

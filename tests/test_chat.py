@@ -65,7 +65,7 @@ def tok() -> dr.Tokenizer:
     return load_tokenizer()
 
 
-def encode(tok, messages, thinking, tools) -> list[int]:
+def encode(tok, messages, thinking, tools, effort=None) -> list[int]:
     """The recipe's own encode of these messages (built directly with the recipe's types)."""
     ms = []
     for m in messages:
@@ -83,7 +83,8 @@ def encode(tok, messages, thinking, tools) -> list[int]:
             ms.append(dr.AssistantMessage(m["content"], reasoning, calls))
     defs = [dr.ToolDefinition(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
             for t in tools] if tools else None
-    return dr.DeepseekV4Encoding().with_tokenizer(tok).encode(dr.Conversation(ms, thinking_mode=thinking, tools=defs))
+    return dr.DeepseekV4Encoding().with_tokenizer(tok).encode(dr.Conversation(ms, thinking_mode=thinking, tools=defs,
+                                                                               reasoning_effort=effort))
 
 
 def parse(tok, span: list[int], thinking: bool, tools) -> dict:
@@ -166,6 +167,19 @@ def test_thinking_without_tools_supervises_the_last_turn_as_generated(tok, name)
         assert_parses_back(tok, s_ids, len(prompt), len(s_ids), messages[t], True, None)
 
 
+@pytest.mark.parametrize("effort", ["low", "max"])
+def test_reasoning_effort_changes_the_prompt_never_the_completion(tok, effort):
+    """data.reasoning_effort picks the recipe's preamble (none for low, a longer one for max):
+    the prompt is the recipe's encode with that effort, the supervised completion the same."""
+    messages = CHATS["reasoning turns"]
+    ids, mask = tokenize_conversation(messages, tok, thinking=True, reasoning_effort=effort)
+    base_ids, base_mask = tokenize_conversation(messages, tok, thinking=True)
+    (a, b), (c, d) = spans(mask)[0], spans(base_mask)[0]
+    assert ids[:a] == encode(tok, messages[:3], True, None, effort) and ids[:a] != base_ids[:c]
+    assert ids[a:b] == base_ids[c:d] and b == len(ids)
+    assert_parses_back(tok, ids, a, b, messages[3], True, None)
+
+
 def test_special_spellings_in_text_stay_text(tok):
     """A user or assistant typing `<｜end▁of▁sentence｜>` gets ordinary text tokens: the EOS id
     appears only where a turn ends."""
@@ -197,3 +211,48 @@ BAD = [
 def test_bad_conversations_say_which_message_and_why(tok, messages, error):
     with pytest.raises(ChatFormatError, match=error.replace("(", r"\(").replace(")", r"\)")):
         tokenize_conversation(messages, tok)
+
+
+# --------------------------------------------------------------------------- template="hf"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.get('reasoning_content') and enable_thinking %}"
+          "<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A transformers tokenizer with a ChatML-style chat template: the bundled tiny BPE plus
+    two added tokens, saved and loaded back like any local HF tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    from miles.data.sft import tokenizer_path
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_path("tiny"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    path = tmp_path_factory.mktemp("hf_tok")
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["multi-turn with system", "context-only turn", "reasoning turns"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_hf_template_supervises_each_trained_turn_through_its_end_token(hf_dir, name, thinking):
+    """template="hf": the ids are the tokenizer's own encode of its template's render; each
+    supervised span decodes to exactly what the model generates for a trained turn (its
+    reasoning in thinking mode, content, <|im_end|>), not the newline after it; nothing else
+    (headers, users, context-only turns) is trained."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    messages = CHATS[name]
+    ids, mask = tokenize_conversation(messages, str(hf_dir), template="hf", thinking=thinking)
+    text = tok.apply_chat_template(messages, tokenize=False, enable_thinking=thinking)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"][:len(ids)]
+    trained = [m for m in messages if m["role"] == "assistant" and m.get("loss", True)]
+    got = spans(mask)
+    assert len(got) == len(trained)
+    for (a, b), m in zip(got, trained, strict=True):
+        think = f"<think>{m['reasoning_content']}</think>" if thinking and m.get("reasoning_content") else ""
+        assert tok.decode(ids[a:b]) == think + m["content"] + "<|im_end|>"
+        assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")

@@ -21,6 +21,7 @@ from miles.config import JobConfigError, load_job, save_resolved
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo_tiny.yaml"
+CHAT = ROOT / "miles" / "data" / "bundled" / "chat_tiny" / "eval.jsonl"
 SHORT = ["train.steps=40", "train.optim.warmup_steps=4", "train.optim.lr=1.0e-2", "train.optim.min_lr=1.0e-3",
          "log.profile.enabled=true", "log.profile.start_step=2"]
 
@@ -148,6 +149,16 @@ BAD_JOBS = [
     ("profile rank", "log: {profile: {enabled: true, ranks: [4]}}\n", [], "log.profile.ranks [4] are not ranks"),
     ("bad yaml override", "name: x\n", ["train.steps=[1"], "is not valid YAML"),
     ("unknown model field", "model: {overrides: {hidden_sise: 8}}\n", [], "model.overrides.hidden_sise: unknown"),
+    ("chat without data", "data: {source: chat}\n", [], "data.path: missing"),
+    ("no dataset there", "data: {source: chat, path: /nonexistent/d.jsonl}\n", [],
+     "data.path: /nonexistent/d.jsonl: no such file or directory"),
+    ("chat key on synthetic", "data: {eval_path: e.jsonl}\n", [], "data.eval_path: only for data.source: chat"),
+    ("no tokenizer there", f"data: {{source: chat, path: {CHAT}, tokenizer: /nonexistent/t.json}}\n", [],
+     "data.tokenizer: /nonexistent/t.json: no such tokenizer.json"),
+    ("tokenizer too big", f"data: {{source: chat, path: {CHAT}}}\n", [],
+     "data.tokenizer has 129280 ids but the model's vocab_size is 320"),
+    ("bad effort", f"data: {{source: chat, path: {CHAT}, reasoning_effort: medium}}\n", [],
+     "data.reasoning_effort: Input should be 'low', 'high', 'xhigh' or 'max'"),
 ]
 
 
@@ -209,5 +220,16 @@ def test_help_reads_well():
     run = subprocess.run([sys.executable, "-m", "miles.cli", "run", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0 and "KEY=VALUE" in run.stdout and "--address" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "miles.cli", "sft"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "unknown command 'sft'" in bad.stderr
+    for command in ("sft", "submit"):
+        got = subprocess.run([sys.executable, "-m", "miles.cli", command, "--help"], capture_output=True, text=True,
+                             timeout=60)
+        assert got.returncode == 0 and "KEY=VALUE" in got.stdout
+    bad = subprocess.run([sys.executable, "-m", "miles.cli", "frobnicate"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+
+
+def test_sft_refuses_a_job_that_is_not_sft(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sft", str(DEMO)])
+    assert e.value.code == 2 and "data.source is synthetic" in capsys.readouterr().err

@@ -12,9 +12,9 @@ is dropped), thinking mode always has some (empty if none is given).
 
 - Chat mode, and thinking mode with tools (history keeps its reasoning): one sample holds the
   whole conversation, the recipe's encode of it (cut after the last trained turn). Turn i's
-  span starts where the encode of the messages before it ends (its header included) and
-  ends at the end-of-sentence token that closes it in the encode through turn i. Both
-  encodes are checked to be prefixes of the whole one.
+  span starts where the encode of the messages before it ends (its header included; that
+  encode is checked to be a prefix of the whole one) and ends at the end-of-sentence token
+  that closes the turn (the first after it: that id never comes from text).
 - Thinking mode without tools: the sample is the encode of the messages before a trained
   turn (ending with its `<think>` header) followed by that turn's completion (reasoning,
   `</think>`, content or tool calls: the recipe's render of the turn as a continued
@@ -153,15 +153,19 @@ def to_messages(messages: list[dict], thinking: bool) -> tuple[list[dr.Message],
 
 # --------------------------------------------------------------------------- samples
 def conversation_samples(messages: list[dict], tokenizer: dr.Tokenizer | None = None, thinking: bool = False,
-                         tools: list[dict] | None = None,
-                         thinking_turns: Literal["last", "expand"] = "last") -> list[tuple[Ids, Ids]]:
-    """(input_ids, loss_mask) samples of one conversation (see the module's rule)."""
+                         tools: list[dict] | None = None, thinking_turns: Literal["last", "expand"] = "last",
+                         reasoning_effort: str | None = None) -> list[tuple[Ids, Ids]]:
+    """(input_ids, loss_mask) samples of one conversation (see the module's rule).
+    `reasoning_effort` (thinking mode: low, high, xhigh, max; None = the recipe's default,
+    high) picks the preamble the recipe puts before the conversation."""
     enc, eos = _encoding(tokenizer or load_tokenizer())
     msgs, trained = to_messages(messages, thinking)
     defs = tool_definitions(tools)
 
     def encode(ms: list[dr.Message]) -> Ids:
-        return enc.encode(dr.Conversation(ms, thinking_mode=thinking, tools=defs))
+        return enc.encode(dr.Conversation(ms, thinking_mode=thinking, tools=defs, reasoning_effort=effort))
+
+    effort = reasoning_effort if thinking else None
 
     if thinking and not defs:
         turns = trained if thinking_turns == "expand" else trained[-1:]
@@ -177,25 +181,78 @@ def conversation_samples(messages: list[dict], tokenizer: dr.Tokenizer | None = 
     end = 0
     for t in trained:
         prompt = encode(msgs[:t])
-        through = encode(msgs[:t + 1])
-        end = max(j for j, x in enumerate(through) if x == eos) + 1  # the token that closes turn t
         _check_prefix(prompt, whole, f"the messages before {t}")
-        _check_prefix(through[:end], whole, f"the messages through {t}")
+        # The end-of-sentence id closes turns only (typed spellings stay text), so the first
+        # one after the prompt closes turn t.
+        end = whole.index(eos, len(prompt)) + 1
         mask[len(prompt):end] = [1] * (end - len(prompt))
     return [(whole[:end], mask[:end])]
 
 
-def tokenize_conversation(messages: list[dict], tokenizer: dr.Tokenizer | str | None = None,
-                          template: str = "deepseek_v4", thinking: bool = False,
-                          tools: list[dict] | None = None) -> tuple[Ids, Ids]:
-    """(input_ids, loss_mask) of a conversation: in thinking mode without tools, the sample of
-    its last trained turn; otherwise the whole conversation. `tokenizer`: a recipe Tokenizer,
-    a tokenizer.json path, or None for the real V4 tokenizer."""
+def tokenize_conversation(messages: list[dict], tokenizer: Any = None, template: str = "deepseek_v4",
+                          thinking: bool = False, tools: list[dict] | None = None,
+                          reasoning_effort: str | None = None) -> tuple[Ids, Ids]:
+    """(input_ids, loss_mask) of a conversation. template="deepseek_v4": `tokenizer` is a
+    recipe Tokenizer, a tokenizer.json path, or None for the real V4 tokenizer; in thinking
+    mode without tools the sample of its last trained turn, otherwise the whole
+    conversation. template="hf": `tokenizer` is a transformers tokenizer with a chat
+    template, or its directory (hf_conversation_sample)."""
+    if template == "hf":
+        return hf_conversation_sample(messages, load_hf_tokenizer(tokenizer), thinking, tools)
     if template != "deepseek_v4":
-        raise ValueError(f"template {template!r}: only 'deepseek_v4' is supported so far")
+        raise ValueError(f"template {template!r}: 'deepseek_v4' (DeepSeek's recipe) or 'hf' (a chat template)")
     if tokenizer is None or isinstance(tokenizer, str | Path):
         tokenizer = load_tokenizer(None if tokenizer is None else str(tokenizer))
-    return conversation_samples(messages, tokenizer, thinking, tools)[0]
+    return conversation_samples(messages, tokenizer, thinking, tools, reasoning_effort=reasoning_effort)[0]
+
+
+# --------------------------------------------------------------------------- any chat template
+@functools.lru_cache(maxsize=4)
+def _hf_from_dir(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{path}: the tokenizer has no chat template")
+    if not tok.is_fast:
+        raise ValueError(f"{path}: a fast tokenizer is needed (token offsets)")
+    return tok
+
+
+def load_hf_tokenizer(tokenizer: Any):
+    """A transformers tokenizer with a chat template: given, or loaded from a local directory."""
+    return _hf_from_dir(str(tokenizer)) if isinstance(tokenizer, str | Path) else tokenizer
+
+
+def hf_conversation_sample(messages: list[dict], tok, thinking: bool = False,
+                           tools: list[dict] | None = None) -> tuple[Ids, Ids]:
+    """One sample of the whole conversation through a tokenizer's own chat template. The
+    text is rendered once; turn t's span starts where the render of the messages before it
+    with the generation prompt ends, and ends where the render through it ends, trailing
+    whitespace off (a model stops at its end-of-turn token; the newline a template puts
+    after it is not generated). Both renders must be prefixes of the whole text. The text
+    is tokenized once and a token is trained when its characters lie inside a span."""
+    _, trained = to_messages(messages, thinking)  # the same checks as the V4 path
+    clean = [{k: v for k, v in m.items() if k != "loss"} for m in messages]
+
+    def render(ms: list[dict], generation: bool) -> str:
+        return tok.apply_chat_template(ms, tools=tools, tokenize=False, add_generation_prompt=generation,
+                                       enable_thinking=thinking)
+
+    whole = render(clean, False)
+    spans = []
+    for t in trained:
+        start, through = render(clean[:t], True), render(clean[:t + 1], False).rstrip()
+        for part, what in ((start, f"the messages before {t}"), (through, f"the messages through {t}")):
+            if not whole.startswith(part):
+                raise ChatFormatError(f"message {t}: the chat template's render of {what} is not a prefix of the "
+                                      "whole conversation's (a template that rewrites history); use another template")
+        spans.append((len(start), len(through)))
+    enc = tok(whole, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in offsets]
+    last = max(i for i, m in enumerate(mask) if m) + 1  # nothing after the last trained turn is needed
+    return ids[:last], mask[:last]
 
 
 def _check_prefix(part: Ids, whole: Ids, what: str) -> None:

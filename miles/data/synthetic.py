@@ -42,6 +42,15 @@ class SyntheticSource:
         mask = [0, 0, 0] + [1] * (self.seq_len - 2)
         return [Sample(row, mask) for row in ids.tolist()]
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def eval_samples(self) -> list[Sample]:
+        return []  # evaluated by generation after the last step instead (evaluate)
+
+    def close(self) -> None:
+        pass
+
     @torch.no_grad()
     def evaluate(self, model, n: int) -> dict[str, float]:
         """`n` held-out progressions (a seed no training step uses): `accuracy`, the share of

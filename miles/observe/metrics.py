@@ -22,7 +22,7 @@ FILE = "metrics.jsonl"
 # What a log line shows, in order, when the step has it.
 LINE = (("train/loss", "loss {:.4f}"), ("train/lm_loss", "lm {:.4f}"), ("train/mtp_loss", "mtp {:.4f}"),
         ("train/indexer_loss", "indexer {:.4f}"), ("train/grad_norm", "grad_norm {:.3f}"), ("train/lr", "lr {:.2e}"),
-        ("perf/train_tok_per_s", "{:,.0f} tok/s"))
+        ("eval/loss", "eval {:.4f}"), ("perf/train_tok_per_s", "{:,.0f} tok/s"))
 
 
 def read(run_dir: str | Path) -> list[dict]:
@@ -68,9 +68,10 @@ class Monitor:
         else:
             print(text, file=self.stream, flush=True)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record one step's metrics everywhere. Non-finite values are recorded as they are
-        (JSON null) and reported: a NaN never passes silently."""
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """Record metrics in metrics.jsonl and wandb (e.g. the evaluation before step 1).
+        Non-finite values are recorded as they are (JSON null) and reported: a NaN never
+        passes silently."""
         bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         self.file.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else None)
                                                     for k, v in metrics.items()}}) + "\n")
@@ -79,6 +80,10 @@ class Monitor:
             self.wandb.log(metrics, step=step)
         if bad:
             self.print(f"step {step}: non-finite {', '.join(bad)}")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step's metrics everywhere and show its progress."""
+        self.record(step, metrics)
         line = "  ".join(fmt.format(metrics[k]) for k, fmt in LINE if k in metrics and math.isfinite(metrics[k]))
         if self.bar is not None:
             self.bar.set_postfix_str(line, refresh=False)

@@ -148,3 +148,44 @@ def replica_micro_batches(samples: list[Sample], dp: int, micro_batch_size: int,
     per = len(samples) // dp
     return [[to_micro_batch([[s] for s in samples[r * per + i: r * per + i + micro_batch_size]], pad_to_multiple)
              for i in range(0, per, micro_batch_size)] for r in range(dp)]
+
+
+def partition(samples: list[Sample], parts: int) -> list[list[Sample]]:
+    """Split samples over `parts` data-parallel replicas: counts as equal as they can be
+    (n // parts or one more), positions balanced (longest first, each to the replica with
+    the fewest positions that still has room). Within a replica, input order is kept."""
+    if len(samples) < parts:
+        raise ValueError(f"{len(samples)} samples cannot be shared by {parts} data-parallel replicas")
+    room = [len(samples) // parts + (r < len(samples) % parts) for r in range(parts)]
+    load, owner = [0] * parts, [0] * len(samples)
+    for i in sorted(range(len(samples)), key=lambda i: -positions(samples[i])):
+        r = min((r for r in range(parts) if room[r]), key=lambda r: (load[r], r))
+        owner[i], room[r], load[r] = r, room[r] - 1, load[r] + positions(samples[i])
+    return [[s for s, o in zip(samples, owner, strict=True) if o == r] for r in range(parts)]
+
+
+def split_rows(rows: list[list[Sample]], at_least: int) -> list[list[Sample]]:
+    """Halve the fullest packed rows until there are `at_least` rows (or every row holds one
+    sample): expert parallelism needs every replica to run the same number of micro-batches."""
+    rows = [list(r) for r in rows]
+    while len(rows) < at_least:
+        i = max(range(len(rows)), key=lambda i: (len(rows[i]), -i))
+        if len(rows[i]) < 2:
+            break
+        half = len(rows[i]) // 2
+        rows[i:i + 1] = [rows[i][:half], rows[i][half:]]
+    return rows
+
+
+def packed_replica_micro_batches(samples: list[Sample], dp: int, rows_per_micro_batch: int, row_tokens: int,
+                                 pad_to_multiple: int = 1, same_count: bool = False) -> list[list[MicroBatch]]:
+    """A global batch of variable-length samples (SFT): partitioned over `dp` replicas
+    balanced by positions, packed per replica into rows of at most `row_tokens` positions,
+    `rows_per_micro_batch` rows per micro-batch. `same_count`: every replica gets the same
+    number of micro-batches (rows are split where needed; expert parallelism needs it)."""
+    rows = [pack(share, row_tokens) for share in partition(samples, dp)]
+    if same_count:
+        want = max(-(-len(r) // rows_per_micro_batch) for r in rows)
+        rows = [split_rows(r, (want - 1) * rows_per_micro_batch + 1) for r in rows]
+    return [[to_micro_batch(r[i:i + rows_per_micro_batch], pad_to_multiple)
+             for i in range(0, len(r), rows_per_micro_batch)] for r in rows]

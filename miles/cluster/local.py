@@ -1,0 +1,101 @@
+"""A Ray cluster on this machine for `miles submit` without an address (`make demo`, tests):
+a head node on 127.0.0.1 with token authentication, its dashboard (the job server) on a
+free local port, stopped with everything it started when the context ends.
+
+The token is a fresh random one in a private file of a temporary directory
+(RAY_AUTH_TOKEN_PATH), never in the repository; `env` carries it to `ray job submit`. The
+cluster's files (session logs, its address file) live in that directory too and go with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+START_TIMEOUT = 120.0
+
+
+@dataclass
+class LocalCluster:
+    address: str  # the job server, http://127.0.0.1:<port>
+    gcs: str  # 127.0.0.1:<port>, for ray.init(address=...)
+    env: dict[str, str]  # this process's environment plus the cluster's auth settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_bin() -> str:
+    """The `ray` command of this Python environment."""
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@contextlib.contextmanager
+def local_cluster(num_cpus: int | None = None, log=print):
+    # A private temp dir: Ray writes the cluster's address file (ray_current_cluster) and
+    # session there, so a later plain ray.init() on this machine never finds this cluster.
+    with tempfile.TemporaryDirectory(prefix="miles-ray-", ignore_cleanup_errors=True) as tmp:
+        token = Path(tmp) / "auth_token"
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_hex(32))
+        env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+        env.pop("RAY_ADDRESS", None)
+        gcs_port, dash_port = free_port(), free_port()
+        cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+               f"--temp-dir={tmp}", "--disable-usage-stats"] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
+        out = open(Path(tmp) / "head.log", "w")
+        # Its own process group: stopping the head signals every process it started.
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        cluster = LocalCluster(f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}", env)
+        try:
+            _wait_ready(cluster, head, Path(tmp) / "head.log")
+            log(f"miles: started a local Ray cluster (token auth) at {cluster.gcs}, job server {cluster.address}")
+            yield cluster
+        finally:
+            _stop(head)
+            out.close()
+
+
+def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {head.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"{cluster.address}/api/version", timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return  # the server answers (e.g. 401 without the token): it is up
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+    _stop(head)
+    raise RuntimeError(f"the local Ray cluster did not come up in {START_TIMEOUT:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(head: subprocess.Popen) -> None:
+    """SIGTERM the head (`--block` then stops the Ray processes it started), then SIGKILL
+    whatever of its process group is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
+    head.wait()
