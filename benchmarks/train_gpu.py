@@ -4,7 +4,7 @@
 against a plain dense-attention transformer of the same width, depth, vocabulary and
 active MLP width (causal SDPA / flash attention, torch AdamW), all in the same process.
 
-    python3 benchmarks/train_gpu.py [--seq 4096] [--steps 6] [--peak-tflops 989]
+    python3 benchmarks/train_gpu.py [--config 1b|small_50m] [--seq 4096] [--steps 6] [--peak-tflops 989]
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
 FLOPs are not counted for either model, so the V4 figure is conservative at long context).
@@ -38,6 +38,14 @@ def config_1b(seq: int) -> DeepSeekV4Config:
         max_position_embeddings=max(seq, 16384))
 
 
+def config_small_50m(seq: int) -> DeepSeekV4Config:
+    """The ~50M CPU-benchmark preset (the SFT data path's yardstick)."""
+    return DeepSeekV4Config.small_50m(max_position_embeddings=max(seq, 16384))
+
+
+CONFIGS = {"1b": config_1b, "small_50m": config_small_50m}
+
+
 def active_params(cfg: DeepSeekV4Config, total: int) -> int:
     """Parameters a token passes through, without the embedding (routed experts: top-k of E)."""
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -60,6 +68,7 @@ def timed(fn, steps: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="1b")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (micro-batches of 1)")
     ap.add_argument("--steps", type=int, default=6)
@@ -69,7 +78,7 @@ def main() -> None:
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
 
-    cfg = config_1b(a.seq)
+    cfg = CONFIGS[a.config](a.seq)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
     mbs = [MicroBatch.lm(ids[i:i + 1, :-1], ids[i:i + 1, 1:].contiguous()) for i in range(a.batch)]
