@@ -58,6 +58,7 @@ class ClusterConfig(Section):
     cpus_per_worker: PosFloat = 1.0
 
 
+ReasoningEffort = Literal["low", "high", "xhigh", "max"]  # deepseek-recipe's reasoning efforts
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
 KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks")  # model.<name>, not overrides
 
@@ -122,7 +123,7 @@ class DataConfig(Section):
     # own chat template (hf: a local transformers tokenizer directory)
     thinking: Bool = False  # thinking mode for rows that do not say (a row's own `thinking` wins)
     thinking_turns: Literal["last", "expand"] = "last"  # thinking without tools: a sample per last / every turn
-    reasoning_effort: Literal["low", "high", "xhigh", "max"] | None = None  # thinking preamble; None: recipe's
+    reasoning_effort: ReasoningEffort | None = None  # thinking mode's preamble; None: the recipe's default
     on_bad_row: Literal["skip", "error"] = "skip"  # skip: report, count (data/skipped_rows) and go on
     shuffle_buffer: NonNegInt = 10000  # samples in the streaming shuffle (0: file order)
 

@@ -160,7 +160,7 @@ def make_source(job: JobConfig, run_dir: Path, monitor: Monitor):
         from miles.data.dataset import DataError
         from miles.data.sft import SFTSource
 
-        source = SFTSource(job.data, job.train.seed, job.model.arch.vocab_size, run_dir, report=monitor.print)
+        source = SFTSource(job.data, job.train.seed, run_dir, report=monitor.print)
         if 0 < len(source.eval_samples()) < job.train.parallel.dp:
             raise DataError(f"the held-out split has {len(source.eval_samples())} samples, fewer than the "
                             f"{job.train.parallel.dp} data-parallel replicas (data.eval_size / data.eval_path)")

@@ -35,7 +35,7 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 def source(path, reports: list | None = None, run_dir=None, **data) -> SFTSource:
     cfg = DataConfig(source="chat", path=str(path), tokenizer="tiny", shuffle_buffer=0, **data)
-    return SFTSource(cfg, seed=1, model_vocab=512, run_dir=run_dir,
+    return SFTSource(cfg, seed=1, run_dir=run_dir,
                      report=(reports.append if reports is not None else lambda _: None))
 
 
@@ -150,16 +150,16 @@ def test_held_out_split_is_never_trained_and_shuffling_is_seeded(tmp_path):
     rows = [chat(f"What is {i} + {i}?", f"{2 * i}.") for i in range(40)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = DataConfig(source="chat", path=str(path), tokenizer="tiny", eval_size=5, shuffle_buffer=8)
-    src = SFTSource(cfg, seed=3, model_vocab=512)
+    src = SFTSource(cfg, seed=3)
     held = {tuple(s.tokens) for s in src.eval_samples()}
     epoch0, epoch1 = src.batch(1, 35), src.batch(2, 35)
     alone = {tuple(s.tokens) for s in source(path, seq_len=64).batch(1, 40)}
     assert len(held) == 5 and held | {tuple(s.tokens) for s in epoch0} == alone, "a permutation of the rest"
     assert not held & {tuple(s.tokens) for s in epoch0 + epoch1}
     assert [s.tokens for s in epoch0] != [s.tokens for s in epoch1], "each epoch its own order"
-    again = SFTSource(cfg, seed=3, model_vocab=512).batch(1, 35)
+    again = SFTSource(cfg, seed=3).batch(1, 35)
     assert again == epoch0
-    assert SFTSource(cfg, seed=4, model_vocab=512).batch(1, 35) != epoch0
+    assert SFTSource(cfg, seed=4).batch(1, 35) != epoch0
 
 
 def test_a_dataset_without_usable_rows_fails_clearly(tmp_path):

@@ -21,18 +21,21 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import get_args
 
+from miles.config import ReasoningEffort
 from miles.data.chat import (
     ChatFormatError,
     conversation_samples,
     hf_conversation_sample,
     load_hf_tokenizer,
     load_tokenizer,
+    v4_tokenizer_file,
 )
 from miles.data.dataset import BadRow, DataError, Row, iter_rows
 from miles.data.sample import Sample
 
-REASONING_EFFORTS = ("low", "high", "xhigh", "max")
+REASONING_EFFORTS = get_args(ReasoningEffort)
 BUNDLED = Path(__file__).resolve().parent / "bundled"
 
 
@@ -46,8 +49,6 @@ def vocab_size(path: str | None, template: str = "deepseek_v4") -> int:
     if template == "hf":
         return len(load_hf_tokenizer(path))
     from tokenizers import Tokenizer
-
-    from miles.data.chat import v4_tokenizer_file
 
     return Tokenizer.from_file(str(path or v4_tokenizer_file())).get_vocab_size(with_added_tokens=True)
 
@@ -103,14 +104,11 @@ class SFTSource:
 
     name = "sft"
 
-    def __init__(self, data, seed: int, model_vocab: int, run_dir: Path | None = None,
-                 report: Callable[[str], None] = print):
+    def __init__(self, data, seed: int, run_dir: Path | None = None, report: Callable[[str], None] = print):
+        """`data`: a validated DataConfig (the job's validation checked the tokenizer's ids
+        against the model's vocabulary)."""
         self.data, self.seed, self.report = data, seed, report
         path = tokenizer_path(data.tokenizer)
-        ids = vocab_size(path, data.template)
-        if ids > model_vocab:  # the job's validation checks it too; a direct caller may not
-            raise DataError(f"data.tokenizer {path or 'DeepSeek-V4'} has {ids} ids, more than the model's "
-                            f"vocab_size {model_vocab}")
         self.tokenizer = load_hf_tokenizer(path) if data.template == "hf" else load_tokenizer(path)
         self.skipped, self.seen = 0, set()  # bad rows reported (each once, whatever the epoch)
         self.skip_path = run_dir / "skipped_rows.jsonl" if run_dir is not None else None
