@@ -58,12 +58,13 @@ def _run(argv: list[str], command: str = "run") -> None:
 
         print(yaml.safe_dump(job.resolved(), sort_keys=False), end="")
         return
+    from miles.ckpt.store import CheckpointError
     from miles.controller import JobError, run
     from miles.data.dataset import DataError
 
     try:
         result = run(job)
-    except (JobError, DataError) as e:
+    except (JobError, DataError, CheckpointError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"run directory: {result.run_dir}")

@@ -238,7 +238,32 @@ class AlgoConfig(Section):
 
 
 class CkptConfig(Section):
+    """Checkpoints (miles.ckpt): iter_NNNNNNN/ holds the state after N optimizer steps; resuming
+    from it runs step N+1. Retained: the newest, multiples of keep_every, the keep_last newest."""
+
+    save_dir: Path | None = None  # default <run_dir>/checkpoints; a shared filesystem on multi-node clusters
+    save_interval: NonNegInt = 0  # save every N steps (0: only after the last step)
+    keep_every: PosInt | None = None  # keep iterations that are multiples of this for good
+    keep_last: PosInt | None = None  # keep the N newest (None: all)
+    warmup_save: Bool = True  # a save right after step 1 (a broken save path fails in minute one); reaped later
+    async_save: Bool = False  # write in the background while training goes on
     save_hf: Bool = False  # write the final weights in DeepSeek's HF layout to <run_dir>/hf
+    load: Str | None = None  # a checkpoint (iter_ directory or a save_dir), or auto: save_dir's newest if any
+    hf: Path | None = None  # start from DeepSeek's HF checkpoint (a directory of safetensors shards)
+
+    @model_validator(mode="after")
+    def _paths(self) -> CkptConfig:
+        if self.load is not None and self.load != "auto":
+            if not Path(self.load).exists():
+                raise ValueError(f"ckpt.load: {self.load}: no such checkpoint (a directory, or auto)")
+            self.load = os.path.abspath(self.load)
+        if self.hf is not None:
+            if not (Path(self.hf) / "config.json").is_file():
+                raise ValueError(f"ckpt.hf: {self.hf}: not an HF checkpoint directory (no config.json)")
+            self.hf = Path(os.path.abspath(self.hf))
+        if self.save_dir is not None:
+            self.save_dir = Path(os.path.abspath(self.save_dir))
+        return self
 
 
 class WandbConfig(Section):
@@ -314,6 +339,11 @@ class JobConfig(Section):
             raise ValueError(f"log.profile.ranks {bad} are not ranks of this job (0..{self.train.parallel.world - 1})")
         if self.log.run_dir is None:
             self.log.run_dir = Path("runs") / f"{self.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        if self.ckpt.save_dir is None:
+            self.ckpt.save_dir = Path(os.path.abspath(self.log.run_dir)) / "checkpoints"
+        if self.ckpt.load not in (None, "auto") and self.ckpt.hf is not None:
+            raise ValueError("ckpt.load and ckpt.hf: give one (a checkpoint resumes training; an HF checkpoint "
+                             "starts it; with ckpt.load: auto, ckpt.hf is where a run without checkpoints starts)")
         return self
 
     def resolved(self) -> dict:

@@ -5,12 +5,14 @@ a submitted Ray job); only the job file differs.
         run directory <- the resolved job; Ray <- job.cluster
         data    <- the job's source (synthetic, or chat conversations tokenized with loss masks)
         trainer <- Megatron workers with the model, optimizer and loss (job.model/train/algo)
-        for step in 1..steps:
+        start   <- the checkpoint ckpt.load names (weights, optimizer, RNG, data position), or 0
+        for step in start+1..steps:
             samples  <- the data source's global batch for this step
             replicas <- per data-parallel replica, micro-batches (chat: packed, balanced by tokens)
             metrics  <- one optimizer step on the trainer
             eval     <- the held-out loss, every data.eval_interval steps (chat)
             log(step, metrics)                      # metrics.jsonl, wandb, terminal
+            checkpoint <- on ckpt.save_interval, the warm-up step and the last (miles.ckpt)
         final weights -> DeepSeek's HF layout (ckpt.save_hf), evaluation (data.eval_size)
 
 SFT is this loop with the chat source; it never starts rollout engines.
@@ -20,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from miles.ckpt.manager import Checkpoints
 from miles.config import JobConfig, save_resolved
 from miles.data.sample import Sample
-from miles.observe import alignment
+from miles.observe import alignment, records
 from miles.observe.metrics import FILE as METRICS_FILE
 from miles.observe.metrics import Monitor
 from miles.train.batching import MicroBatch, packed_replica_micro_batches, replica_micro_batches
@@ -47,22 +51,26 @@ class RunResult:
 def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
     """Run a validated job to its end. Uses the Ray cluster this process is connected to, or
     connects to / starts the one job.cluster names."""
-    run_dir = prepare_run_dir(job)
+    out = stream or sys.stdout
+    ckpt = Checkpoints(job, report=lambda text: print(text, file=out, flush=True))
+    run_dir = prepare_run_dir(job, resume_from=ckpt.iteration if job.ckpt.load else None, stream=out)
     with ray_session(job), contextlib.ExitStack() as stack:
         device = resolve_device(job)
         monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
         stack.push(lambda exc_type, *_: monitor.close(failed=exc_type is not None))
+        ckpt.report = monitor.print
         data = make_source(job, run_dir, monitor)
         stack.callback(data.close)
         trainer = start_trainer(job, device)
         stack.callback(trainer.shutdown)
         monitor.print(f"miles: {job.name}: {job.train.steps} steps of {job.train.global_batch_size} sequences, "
                       f"{describe_layout(job)} on {device.upper()}; run directory {run_dir}")
-        if evaluates(job, data, 0):
+        start = ckpt.restore(trainer, data)
+        if start == 0 and evaluates(job, data, 0):
             monitor.record(0, first := evaluate(job, trainer, data.eval_samples()))
             monitor.print(f"before step 1: eval loss {first['eval/loss']:.4f}")
         history = []
-        for step in range(1, job.train.steps + 1):
+        for step in range(start + 1, job.train.steps + 1):
             t0 = time.perf_counter()
             samples = data.batch(step, job.train.global_batch_size)
             replicas = layout_batch(job, samples)
@@ -79,6 +87,8 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                 metrics.update(evaluate(job, trainer, data.eval_samples()))
             monitor.log(step, metrics)
             history.append(metrics)
+            ckpt.maybe_save(step, trainer, data)
+        ckpt.close(trainer)
         summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "data/"))}
         summary.update(finish(job, trainer, data, run_dir, monitor))
         monitor.summary(summary)
@@ -86,12 +96,20 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
 
 
 # --------------------------------------------------------------------------- steps of the loop
-def prepare_run_dir(job: JobConfig) -> Path:
+def prepare_run_dir(job: JobConfig, resume_from: int | None = None, stream: TextIO | None = None) -> Path:
     """Create the run directory and write the resolved job into it. A directory that already
-    holds a run's metrics is refused (its records would mix with this run's)."""
+    holds a run's metrics is refused (its records would mix with this run's), unless the run
+    resumes from a checkpoint (`resume_from`: its iteration, 0 for ckpt.load: auto with none
+    saved yet): then the records after that iteration are dropped, since it redoes them."""
     run_dir = Path(job.log.run_dir)
     if (run_dir / METRICS_FILE).exists():
-        raise JobError(f"{run_dir} already holds a run ({METRICS_FILE}); choose another log.run_dir or remove it")
+        if resume_from is None:
+            raise JobError(f"{run_dir} already holds a run ({METRICS_FILE}); choose another log.run_dir, remove "
+                           f"it, or resume it (ckpt.load: auto)")
+        dropped = sum(records.truncate(run_dir / f, resume_from) for f in (METRICS_FILE, alignment.FILE))
+        if dropped:
+            print(f"{run_dir}: dropped {dropped} records after step {resume_from} (this run redoes those steps)",
+                  file=stream or sys.stdout, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(job, run_dir / "config.yaml")
     return run_dir

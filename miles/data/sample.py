@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,7 @@ class Sample:
 
     tokens: list[int]
     loss_mask: list[int]
+    origin: str | None = field(default=None, compare=False)  # where it came from: "file:row", "file:row#k"
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.loss_mask):

@@ -91,10 +91,10 @@ def row_samples(row: Row, data, tokenizer, max_positions: int) -> list[Sample]:
     except ChatFormatError as e:
         raise row.bad(str(e)) from None
     out = []
-    for ids, mask in pairs:
+    for k, (ids, mask) in enumerate(pairs):
         if len(ids) - 1 > max_positions:
             raise row.bad(f"{len(ids)} tokens, longer than data.seq_len={max_positions} positions (+1)")
-        out.append(Sample(ids, mask))
+        out.append(Sample(ids, mask, origin=f"{Path(row.file).name}:{row.row}" + (f"#{k}" if len(pairs) > 1 else "")))
     return out
 
 
@@ -115,6 +115,7 @@ class SFTSource:
         self.skip_log = None  # opened at the first skipped row
         self.held_out = self._eval_samples()
         self.epoch, self._stream, self._epoch_used = 0, self._shuffled(0), False
+        self.consumed = 0  # samples drawn from this epoch's stream
 
     # ------------------------------------------------------------------ rows -> samples
     def _samples(self, spec: str, skip_rows: int = 0) -> Iterator[tuple[Row, list[Sample]]]:
@@ -185,15 +186,35 @@ class SFTSource:
             s = next(self._stream, None)
             if s is not None:
                 out.append(s)
-                self._epoch_used = True
+                self._epoch_used, self.consumed = True, self.consumed + 1
                 continue
             if not self._epoch_used:  # a whole epoch without one sample would loop forever
                 held = "" if self.data.eval_path or not self.data.eval_size else \
                     f" after the {self.data.eval_size} held out"
                 raise DataError(f"{self.data.path}: no usable training rows{held} ({self.skipped} skipped)")
             self.epoch += 1
-            self._stream, self._epoch_used = self._shuffled(self.epoch), False
+            self._stream, self._epoch_used, self.consumed = self._shuffled(self.epoch), False, 0
         return out
+
+    def state(self) -> dict:
+        """The data position, for a checkpoint: epoch, samples drawn in it, shuffle seed, and
+        the bad rows already reported (so a resume neither repeats nor re-counts them)."""
+        return {"source": self.name, "seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,
+                "epoch_used": self._epoch_used, "skipped": self.skipped, "seen": sorted(self.seen)}
+
+    def load_state(self, state: dict) -> None:
+        """Continue where `state` was taken: the same epoch's shuffle, its first `consumed`
+        samples drawn again and dropped (streaming sources cannot seek)."""
+        if state.get("source") != self.name or state.get("seed") != self.seed:
+            raise DataError(f"the checkpoint's data position is for source {state.get('source')!r} with seed "
+                            f"{state.get('seed')!r}; this job has {self.name!r} with train.seed {self.seed}")
+        self.skipped, self.seen = state["skipped"], {tuple(x) for x in state["seen"]}
+        self.epoch, self._stream = state["epoch"], self._shuffled(state["epoch"])
+        for i in range(state["consumed"]):
+            if next(self._stream, None) is None:
+                raise DataError(f"{self.data.path}: the checkpoint was {state['consumed']} samples into epoch "
+                                f"{self.epoch}, the data now has {i}: it changed since the checkpoint")
+        self.consumed, self._epoch_used = state["consumed"], state["epoch_used"]
 
     def metrics(self) -> dict[str, float]:
         return {"data/skipped_rows": float(self.skipped), "data/epoch": float(self.epoch)}

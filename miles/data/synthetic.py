@@ -42,6 +42,14 @@ class SyntheticSource:
         mask = [0, 0, 0] + [1] * (self.seq_len - 2)
         return [Sample(row, mask) for row in ids.tolist()]
 
+    def state(self) -> dict:
+        return {"source": self.name}  # batch(step) is a pure function of the step
+
+    def load_state(self, state: dict) -> None:
+        if state.get("source") != self.name:
+            raise ValueError(f"the checkpoint's data position is for source {state.get('source')!r}, this job's "
+                             f"is {self.name!r}")
+
     def metrics(self) -> dict[str, float]:
         return {}
 

@@ -20,3 +20,25 @@ def read(path: Path, required: set[str], kind: str) -> list[dict]:
             raise ValueError(f"{path}:{i}: not {kind} (missing {sorted(missing)})")
         out.append(rec)
     return out
+
+
+def truncate(path: Path, last_step: int) -> int:
+    """Drop the records after `last_step` (a run resumed from that checkpoint redoes them; a
+    torn last line from a killed run goes too). Returns how many were dropped."""
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
+            keep.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    tmp.replace(path)
+    return dropped

@@ -171,7 +171,8 @@ class TrainWorker:
         self.sched = OptimizerParamScheduler(
             self.opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
             lr_decay_steps=total_steps, lr_decay_style=decay,
-            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
+            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)  # on resume: the job's schedule, the checkpoint's step count
 
     # ------------------------------------------------------------------ forward / backward
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -329,6 +330,63 @@ class TrainWorker:
         out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5,
                    step_time=time.perf_counter() - start)  # this rank's own time, without the Ray call
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
+        """Collective: this rank's shards of model, optimizer, LR schedule and RNG into
+        `directory` (miles.ckpt.sharded; the controller commits the directory). With
+        `async_save` the files are written in the background: finish_save() reports when."""
+        from miles.ckpt import sharded
+
+        if not async_save:
+            sharded.save(directory, self.model, self.opt, self.sched, self.world_size, self.rank)
+            return
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._saves = getattr(self, "_saves", None) or AsyncCallsQueue()
+        self._saves.schedule_async_request(
+            sharded.save(directory, self.model, self.opt, self.sched, self.world_size, self.rank, async_save=True))
+
+    def finish_save(self, blocking: bool) -> bool:
+        """Collective: finalize the background save if every rank has written it (blocking:
+        wait for it); True when none is left. A rank's failed write raises here, on all ranks."""
+        saves = getattr(self, "_saves", None)
+        if saves is None:
+            return True
+        saves.maybe_finalize_async_calls(blocking=blocking)
+        return saves.get_num_unfinalized_calls() == 0
+
+    def load_hf(self, directory: str) -> dict:
+        """This rank's slices of DeepSeek's HF checkpoint (FP8/FP4 dequantized), read one tensor
+        at a time: only the names this rank holds (its stage's layers, its EP rank's experts),
+        each sliced to its TP part. Returns what was read (names, peak bytes in flight)."""
+        from plugins.deepseek_v4.hf_io import iter_tensors
+
+        own = {k: v for k, v in self.model.state_dict(keep_vars=True).items()
+               if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        ctx, peak = self.model.ctx, 0
+        with torch.no_grad():
+            for name, full, held in iter_tensors(directory, sorted(own)):
+                peak = max(peak, held)
+                t = own[name]
+                if getattr(t, "tensor_model_parallel", False) and ctx.tp_size > 1:
+                    full = full.chunk(ctx.tp_size, t.partition_dim)[ctx.tp_rank]
+                if tuple(full.shape) != tuple(t.shape):
+                    raise ValueError(f"{directory}: tensor '{name}' gives {list(full.shape)} on rank {self.rank}, "
+                                     f"the model needs {list(t.shape)} (does config.json match the job?)")
+                t.copy_(full.to(t.dtype))
+        if self.opt is not None:  # bf16: the optimizer's fp32 main copies start from these weights
+            self.opt.reload_model_params()
+        return {"names": sorted(own), "peak_bytes": peak,
+                "shard_bytes": sum(t.numel() * t.element_size() for t in own.values())}
+
+    def load_checkpoint(self, directory: str, same_layout: bool, with_optimizer: bool = True) -> None:
+        """Collective: this rank's slices of a checkpoint saved at any layout (RNG states when
+        `same_layout`); without the optimizer, the weights alone (fresh moments and schedule)."""
+        from miles.ckpt import sharded
+
+        sharded.load(directory, self.model, self.opt, self.sched, self.world_size, self.rank, same_layout,
+                     with_optimizer)
 
     # ------------------------------------------------------------------ profiling
     def start_profile(self, trace_dir: str, record_shapes: bool = False, with_stack: bool = False,

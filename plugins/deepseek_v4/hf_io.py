@@ -551,3 +551,49 @@ def load_safetensors_dir(
     if pending:  # cannot happen: every pair member is in the weight map and was loaded
         raise ValueError(f"unpaired tensors after loading: {sorted(pending)}")
     return result
+
+
+def iter_tensors(directory: str | os.PathLike, names: list[str]):
+    """Read only `names` from an HF checkpoint directory, one tensor at a time, dequantizing
+    FP8/FP4 pairs: yields (name, tensor, bytes held to produce it). A sharded worker asks for
+    the names it holds, so its peak is its shard plus one tensor (and its scale) in flight.
+    A name the checkpoint lacks raises ValueError naming the directory and the tensor."""
+    directory = Path(directory)
+    weight_map = _read_weight_map(directory)
+    block = _read_block_size(directory)
+    pairs = _plan_pairs(weight_map)
+    missing = [n for n in names if n not in weight_map]
+    if missing:
+        raise ValueError(f"{directory}: checkpoint does not match the config: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}")
+    handles: dict[str, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        fname = weight_map[name]
+        if fname not in handles:
+            path = directory / fname
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path} listed in {INDEX_FILE} is missing (it should hold {name!r})")
+            try:
+                handles[fname] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for corrupt headers
+                raise ValueError(f"{path}: cannot open as safetensors ({e})") from e
+        try:
+            return handles[fname].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"tensor {name!r} is listed in {INDEX_FILE} for {fname} but cannot be read ({e})") from e
+
+    for name in names:
+        t = read(name)
+        if name in pairs:
+            sname = pairs[name]
+            s = read(sname)
+            files = weight_map[name] if weight_map[name] == weight_map[sname] else \
+                f"{weight_map[name]}, {weight_map[sname]}"
+            out = _dequantize_pair(name, t, sname, s, files, block)
+            yield name, out, _tensor_nbytes(t) + _tensor_nbytes(s) + _tensor_nbytes(out)
+        else:
+            if t.dtype == torch.float8_e4m3fn:
+                raise ValueError(f"tensor {name!r} (file {weight_map[name]}) is float8_e4m3fn but has no "
+                                 f"{_scale_name_for(name) or 'scale'!r} to dequantize it")
+            yield name, t, _tensor_nbytes(t)

@@ -1,0 +1,104 @@
+"""The controller's side of checkpoints: resume at the start, save on the policy's steps.
+
+    ckpt = Checkpoints(job, report)      # recovers the save_dir, finds what ckpt.load names
+    start = ckpt.restore(trainer, data)  # workers load their slices; the data source its position
+    for step in start+1 ..:
+        ...train...
+        ckpt.maybe_save(step, trainer, data)
+    ckpt.close()                         # waits for a save still being written
+
+The workers write their shards (miles.ckpt.sharded) into `.tmp-iter_N`; this process then
+adds miles.json (iteration, data position, layout, model config, the resolved job) and
+commits the directory (miles.ckpt.store). With ckpt.async_save the workers write in the
+background and the commit happens at a later step, when every rank has finished; a failed
+background write raises here, at that step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from miles.ckpt import policy, store
+from miles.ckpt.store import CheckpointError
+
+
+class Checkpoints:
+    def __init__(self, job, report: Callable[[str], None] = print):
+        self.job, self.cfg, self.report = job, job.ckpt, report
+        self.save_dir = Path(self.cfg.save_dir)
+        store.recover(self.save_dir, report)
+        self.load_dir = store.resolve(self.cfg.load, self.save_dir)
+        self.meta = store.read_meta(self.load_dir) if self.load_dir is not None else None
+        if self.meta is not None:
+            store.check_model(self.meta, job.model.arch.to_dict(), self.load_dir)
+            if self.meta["iteration"] >= job.train.steps:
+                raise CheckpointError(f"{self.load_dir}: already at iteration {self.meta['iteration']}, and "
+                                      f"train.steps is {job.train.steps}: nothing left to train (raise train.steps)")
+        self.first_step = 1
+        self.pending: tuple[int, dict, float] | None = None  # an async save being written
+
+    @property
+    def iteration(self) -> int:
+        """The iteration the run resumes from (0: a fresh start)."""
+        return self.meta["iteration"] if self.meta is not None else 0
+
+    def layout(self) -> dict:
+        return self.job.train.parallel.model_dump()
+
+    def restore(self, trainer, data) -> int:
+        """Load what ckpt.load names (or ckpt.hf's weights on a fresh start); returns the
+        iteration to continue after."""
+        if self.meta is None:
+            if self.cfg.hf is not None:
+                t0 = time.perf_counter()
+                trainer.call("load_hf", str(self.cfg.hf))
+                self.report(f"checkpoint: weights from {self.cfg.hf} ({time.perf_counter() - t0:.1f} s)")
+            return 0
+        t0 = time.perf_counter()
+        same = self.meta.get("layout") == self.layout()
+        trainer.call("load_checkpoint", str(self.load_dir), same_layout=same)
+        if data is not None:
+            data.load_state(self.meta["data"])
+        self.first_step = self.iteration + 1
+        self.report(f"checkpoint: resumed from {self.load_dir} ({time.perf_counter() - t0:.1f} s"
+                    + ("" if same else f"; saved at {self.meta.get('layout')}, resharded") + f"); "
+                    f"next step {self.first_step}")
+        return self.iteration
+
+    def maybe_save(self, step: int, trainer, data) -> None:
+        self.poll(trainer, blocking=False)
+        if policy.saves_at(step, self.job.train.steps, self.cfg.save_interval, self.cfg.warmup_save,
+                           self.first_step):
+            self.save(step, trainer, data)
+
+    def save(self, step: int, trainer, data) -> None:
+        self.poll(trainer, blocking=True)  # one save in flight at a time
+        t0 = time.perf_counter()
+        tmp = store.begin(self.save_dir, step)
+        meta = {"data": data.state() if data is not None else {}, "layout": self.layout(),
+                "model": self.job.model.arch.to_dict(), "job": self.job.resolved(), "saved_at": time.time()}
+        trainer.call("save_checkpoint", str(tmp), self.cfg.async_save)
+        if self.cfg.async_save:
+            self.pending = (step, meta, t0)
+            return
+        self._commit(step, meta, t0)
+
+    def poll(self, trainer, blocking: bool) -> None:
+        """Commit the async save once every rank has written it (a collective on the workers)."""
+        if self.pending is None:
+            return
+        done = trainer.call("finish_save", blocking)
+        if all(done):
+            step, meta, t0 = self.pending
+            self.pending = None
+            self._commit(step, meta, t0)
+
+    def _commit(self, step: int, meta: dict, t0: float) -> None:
+        final = store.commit(self.save_dir, step, meta)
+        self.report(f"checkpoint: saved {final} ({time.perf_counter() - t0:.1f} s)")
+        store.reap(self.save_dir, self.cfg.save_interval, self.cfg.keep_every, self.cfg.keep_last, self.report)
+
+    def close(self, trainer) -> None:
+        self.poll(trainer, blocking=True)

@@ -1,0 +1,134 @@
+"""A training rank's state as Megatron-core dist_checkpointing sharded tensors.
+
+Every tensor is saved under its global name (DeepSeek's: layers.N.*, ...experts.E.*, global
+layer and expert ids on every stage and EP rank), as the slice this rank holds of the full
+tensor: TP-split parameters carry (partition_dim, tp_rank, tp_size) offsets, everything
+else is whole. So a checkpoint saved at one TP/PP/EP/CP/DP layout loads at any other.
+
+replica_id is Megatron's (PP, TP, DP) triple; exactly one rank (all zeros) writes each
+slice: the first stage's embedding (the last stage's MTP copy is a replica), TP rank 0 of
+replicated tensors, data-parallel rank 0 (expert-data-parallel rank 0 for experts).
+
+The optimizer's moments and fp32 main parameters go through Megatron's DistributedOptimizer
+in its `fully_sharded_model_space` form: each state tensor is keyed and sliced like its
+parameter, so it reshards with it. RNG states are per rank (restored when the layout is
+unchanged). Loading reads tensors only (DCP data, torch.load with weights_only for objects)
+after the metadata file passed `safe_metadata.check`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def model_sharded_state_dict(model) -> dict[str, ShardedTensor]:
+    """{global name: ShardedTensor over the parameter or buffer itself} (parameters by
+    identity: the optimizer's state is matched to them)."""
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dense_dp = ps.get_data_parallel_rank(with_context_parallel=True)
+    expert_dp = ps.get_expert_data_parallel_rank()
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        split = getattr(t, "tensor_model_parallel", False) and tp > 1
+        pp_copy = int(name == "embed.weight" and not model.ctx.first_stage)
+        dp = expert_dp if getattr(t, "allreduce", True) is False else dense_dp
+        replica = (pp_copy, 0 if split else tp_rank, dp)
+        offsets = [(t.partition_dim, tp_rank, tp)] if split else []
+        out[name] = ShardedTensor.from_rank_offsets(name, t, *offsets, replica_id=replica)
+    return out
+
+
+def rng_state() -> dict:
+    cuda = torch.cuda.is_available()
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _prime(optimizer) -> None:
+    """A fresh torch Adam has no state until its first step, and Megatron's state_dict needs
+    one to load into: zero moments and step 0 (all overwritten by the load)."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = o.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """DistributedOptimizer.load_state_dict, in its two halves. Megatron-core 0.16.1 with torch's
+    Adam (no Apex / Transformer Engine, as here) keeps each parameter's `step` in the state
+    that the fully_reshardable loader copies key by key, and finds no `step` in the checkpoint
+    (it is restored from the param groups): the steps are set aside around that copy. Megatron
+    also gives every parameter the same `step` tensor, which torch's Adam increments in place
+    once per parameter; each gets its own copy."""
+    subs = optimizer.chained_optimizers if hasattr(optimizer, "chained_optimizers") else [optimizer]
+    states = [state] if len(subs) == 1 else [state[i] for i in range(len(subs))]
+    for sub, st in zip(subs, states, strict=True):
+        param_state = st.pop("param_state")
+        st.pop("param_state_sharding_type")
+        sub.load_state_dict(st)  # param groups and step; allocates the moments
+        inner = sub.optimizer.state
+        steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
+        sub.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():  # one tensor each: Adam increments them in place
+            inner[p]["step"] = step.clone()
+
+
+def sharded_state_dict(model, optimizer, scheduler, world: int, rank: int, is_loading: bool = False) -> dict:
+    """What one rank saves: model, optimizer (+ its param groups), LR schedule, RNG."""
+    model_sd = model_sharded_state_dict(model)
+    if optimizer is None:
+        return {"model": model_sd}
+    if is_loading:
+        _prime(optimizer)
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_FORMAT),
+            "scheduler": scheduler.state_dict(),
+            "rng": ShardedObject(f"rng.world{world}", rng_state(), (world,), (rank,), replica_id=0)}
+
+
+def save(directory: str, model, optimizer, scheduler, world: int, rank: int, async_save: bool = False):
+    """Collective: every rank writes its shards of one checkpoint into `directory` (the model
+    alone when `optimizer` is None: a conversion). With `async_save`, returns Megatron's
+    AsyncRequest: the tensors are staged to host memory now and written by a forked process
+    (a copy-on-write snapshot on CPU), finalized later by every rank."""
+    sd = sharded_state_dict(model, optimizer, scheduler, world, rank)
+    return dist_checkpointing.save(sd, directory, content_metadata=OPTIM_FORMAT, async_sharded_save=async_save)
+
+
+@torch.no_grad()
+def load(directory: str, model, optimizer, scheduler, world: int, rank: int, same_layout: bool,
+         with_optimizer: bool = True) -> None:
+    """Collective: load this rank's slices of a checkpoint saved at any layout (the RNG states
+    only when it was saved at this one)."""
+    sd = sharded_state_dict(model, optimizer if with_optimizer else None, scheduler, world, rank, is_loading=True)
+    if not same_layout:
+        sd.pop("rng", None)
+    loaded = dist_checkpointing.load(sd, directory)
+    params = model.state_dict(keep_vars=True)
+    for name, t in loaded["model"].items():
+        if params[name].data_ptr() != t.data_ptr():
+            params[name].copy_(t)
+    if with_optimizer:
+        _load_optimizer(optimizer, loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
+    elif optimizer is not None:  # weights alone: the fp32 main copies (bf16) start from them
+        optimizer.reload_model_params()
+    if "rng" in loaded:
+        set_rng_state(loaded["rng"])

@@ -1,0 +1,121 @@
+"""Checkpoint numbering, retention and the directory protocol (miles.ckpt.policy, store)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miles.ckpt import policy, store
+from miles.ckpt.store import CheckpointError
+
+
+def _run(steps: int, save_interval: int, keep_every, keep_last, warmup: bool = True, first: int = 1,
+         existing: set[int] = frozenset()) -> set[int]:
+    """What remains after a run of steps first..steps that saves and reaps as the manager does."""
+    have = set(existing)
+    for step in range(first, steps + 1):
+        if policy.saves_at(step, steps, save_interval, warmup, first):
+            have.add(step)
+            have -= set(policy.to_delete(have, save_interval, keep_every, keep_last))
+    return have
+
+
+def test_iterations_are_completed_steps_counted_from_one():
+    assert policy.iter_name(50) == "iter_0000050"
+    assert policy.parse_iter_name("iter_0000050") == 50
+    assert policy.parse_iter_name("iter_50") is None and policy.parse_iter_name(".tmp-iter_0000050") is None
+    saved = [s for s in range(1, 251) if policy.saves_at(s, 250, 50, True)]
+    assert saved == [1, 50, 100, 150, 200, 250]
+
+
+def test_the_issue_example_keeps_exactly_100_200_250():
+    """save_interval 50, keep_every 100, keep_last 2, warm-up save on, 250 steps: the warm-up
+    iter 1 is reaped; 100 and 200 are multiples; 200 and 250 the newest two."""
+    assert _run(250, 50, 100, 2) == {100, 200, 250}
+
+
+@pytest.mark.parametrize("steps,interval,every,last,want", [
+    (250, 50, None, 2, {200, 250}),  # keep_every unset: only the last N
+    (250, 50, None, 1, {250}),
+    (250, 50, None, None, {50, 100, 150, 200, 250}),  # keep all; the warm-up save still goes
+    (237, 50, 100, 2, {100, 200, 237}),  # a last step off the interval is saved
+    (10, 0, None, None, {10}),  # no interval: the warm-up and the last step; the warm-up reaped
+    (1, 50, None, 2, {1}),  # the warm-up save is the newest: never deleted
+    (5, 1, None, 2, {4, 5}),  # interval 1: iteration 1 is an ordinary save
+    (5, 1, 1, 2, {1, 2, 3, 4, 5}),
+])
+def test_retention_enumerated(steps, interval, every, last, want):
+    assert _run(steps, interval, every, last) == want
+
+
+def test_no_warmup_save_when_off_or_when_resuming():
+    assert not policy.saves_at(1, 100, 50, False)
+    assert not policy.saves_at(51, 100, 50, True, first_step=51)  # a resumed run: the path was proven
+    assert policy.retained([1], 50, None, 2) == {1}
+
+
+def test_a_resumed_run_applies_the_same_policy_to_what_it_finds():
+    """Run 1 stops at 120 (saves 1, 50, 100, 120 -> keeps 100, 120 with keep_last 2); run 2
+    resumes from 120 to 250: iter 120 goes when newer ones come; the multiples stay."""
+    first = _run(120, 50, 100, 2)
+    assert first == {100, 120}
+    assert _run(250, 50, 100, 2, first=121, existing=first) == {100, 200, 250}
+
+
+def test_the_newest_is_never_deleted():
+    for its in ([3], [1, 7], [5, 6, 7, 9]):
+        assert max(its) in policy.retained(its, 2, None, 1)
+        assert max(its) in policy.retained(its, 2, 4, None)
+
+
+def _fake(save_dir, it: int) -> None:
+    tmp = store.begin(save_dir, it)
+    (tmp / "data.bin").write_bytes(b"x" * it)
+    store.commit(save_dir, it, {"data": {}, "model": {"hidden_size": 8}})
+
+
+def test_commit_rename_and_tracker(tmp_path):
+    _fake(tmp_path, 5)
+    assert (tmp_path / "iter_0000005" / "data.bin").read_bytes() == b"xxxxx"
+    assert (tmp_path / store.TRACKER).read_text() == "5\n"
+    assert store.iterations(tmp_path) == [5]
+    assert store.resolve("auto", tmp_path) == tmp_path / "iter_0000005"
+    assert store.resolve(str(tmp_path), tmp_path / "other") == tmp_path / "iter_0000005"
+    assert store.resolve("auto", tmp_path / "none") is None
+
+
+def test_leftovers_of_crashed_saves_are_removed_and_the_newest_complete_wins(tmp_path):
+    """The three instants of a crash: before the rename (a .tmp dir), after it (iter dir, old
+    tracker), a half-deleted reap; the next start removes the debris, repairs the tracker and
+    resumes from the newest complete checkpoint."""
+    _fake(tmp_path, 2)
+    _fake(tmp_path, 4)
+    store.begin(tmp_path, 6)  # crashed before the rename
+    (tmp_path / "iter_0000008").mkdir()  # not a checkpoint: no metadata
+    (tmp_path / store.TRACKER).write_text("2\n")  # crashed after the rename of 4, before the tracker
+    (tmp_path / ".tmp-deleting-iter_0000001").mkdir()
+    said = []
+    store.recover(tmp_path, said.append)
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert (tmp_path / store.TRACKER).read_text() == "4\n"
+    assert store.resolve("auto", tmp_path) == tmp_path / "iter_0000004"
+    assert any(".tmp-iter_0000006" in s for s in said) and any("tracker updated" in s for s in said)
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        store.resolve(str(tmp_path), tmp_path)
+    (tmp_path / "iter_0000003").mkdir()
+    with pytest.raises(CheckpointError, match=r"iter_0000003: not a complete checkpoint"):
+        store.resolve(str(tmp_path / "iter_0000003"), tmp_path)
+    (tmp_path / "iter_0000003" / store.META).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"iter_0000003/miles.json: corrupt"):
+        store.read_meta(tmp_path / "iter_0000003")
+    (tmp_path / "iter_0000003" / store.META).write_text(json.dumps({"format": 1, "iteration": 3,
+                                                                    "model": {"hidden_size": 64, "n_layers": 2}}))
+    meta = store.read_meta(tmp_path / "iter_0000003")
+    with pytest.raises(CheckpointError, match=r"miles.json: model.hidden_size is 64 in the checkpoint but 128 in "
+                                              r"the job"):
+        store.check_model(meta, {"hidden_size": 128, "n_layers": 2}, tmp_path / "iter_0000003")
+    store.check_model(meta, {"hidden_size": 64, "n_layers": 2, "kernels": "torch"}, tmp_path)  # switches aside
