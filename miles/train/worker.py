@@ -172,7 +172,8 @@ class TrainWorker:
             self.opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
             lr_decay_steps=total_steps, lr_decay_style=decay,
             start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
-            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)  # on resume: the job's schedule, the checkpoint's step count
+            # resumed: the job's schedule (train.steps may have grown), the checkpoint's step count
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
 
     # ------------------------------------------------------------------ forward / backward
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
