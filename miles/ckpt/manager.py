@@ -41,8 +41,13 @@ class Checkpoints:
 
     @property
     def iteration(self) -> int:
-        """The iteration the run resumes from (0: a fresh start)."""
+        """The iteration the run resumes from (0: a fresh start, or weights alone)."""
         return self.meta["iteration"] if self.meta is not None else 0
+
+    @property
+    def model_only(self) -> bool:
+        """A converted checkpoint (miles convert hf-to-dist): weights, no training state."""
+        return bool(self.meta and self.meta.get("model_only"))
 
     def layout(self) -> dict:
         return self.job.train.parallel.model_dump()
@@ -58,6 +63,10 @@ class Checkpoints:
             return 0
         t0 = time.perf_counter()
         same = self.meta.get("layout") == self.layout()
+        if self.model_only:
+            trainer.call("load_checkpoint", str(self.load_dir), same_layout=False, with_optimizer=False)
+            self.report(f"checkpoint: weights from {self.load_dir} ({time.perf_counter() - t0:.1f} s)")
+            return 0
         trainer.call("load_checkpoint", str(self.load_dir), same_layout=same)
         if data is not None:
             data.load_state(self.meta["data"])

@@ -127,6 +127,7 @@ def load(directory: str, model, optimizer, scheduler, world: int, rank: int, sam
             params[name].copy_(t)
     if with_optimizer:
         _load_optimizer(optimizer, loaded["optimizer"])
+        scheduler.num_steps = 0  # Megatron's load adds the checkpoint's count to the current one
         scheduler.load_state_dict(loaded["scheduler"])
     elif optimizer is not None:  # weights alone: the fp32 main copies (bf16) start from them
         optimizer.reload_model_params()

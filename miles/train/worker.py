@@ -333,14 +333,16 @@ class TrainWorker:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
-        """Collective: this rank's shards of model, optimizer, LR schedule and RNG into
-        `directory` (miles.ckpt.sharded; the controller commits the directory). With
-        `async_save` the files are written in the background: finish_save() reports when."""
+    def save_checkpoint(self, directory: str, async_save: bool = False, model_only: bool = False) -> None:
+        """Collective: this rank's shards of model, optimizer, LR schedule and RNG (the model
+        alone: a conversion) into `directory` (miles.ckpt.sharded; the caller commits the
+        directory). With `async_save` the files are written in the background: finish_save()
+        reports when."""
         from miles.ckpt import sharded
 
+        opt = None if model_only else self.opt
         if not async_save:
-            sharded.save(directory, self.model, self.opt, self.sched, self.world_size, self.rank)
+            sharded.save(directory, self.model, opt, self.sched, self.world_size, self.rank)
             return
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 

@@ -1,0 +1,105 @@
+"""`miles convert`: DeepSeek's HF layout <-> our sharded checkpoints, through real workers.
+
+    miles convert hf-to-dist --hf DIR --out SAVE_DIR [--tp N --pp N --ep N]
+        workers at that layout each read their own slices of the safetensors shards (FP8/FP4
+        dequantized) and write a model-only checkpoint, SAVE_DIR/iter_0000000 (a job loads it
+        with ckpt.load: SAVE_DIR and trains from step 1 with a fresh optimizer)
+    miles convert dist-to-hf --ckpt DIR --out DIR
+        one worker loads the checkpoint's model (any layout it was saved at) and writes
+        DeepSeek's tensor names and config.json (the whole model passes through this process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from miles.ckpt import store
+
+
+def _workers(tp: int, pp: int, ep: int):
+    """A local Ray session and a TrainGroup of the smallest world with this layout."""
+    import ray
+
+    from miles.cluster.train_group import TrainGroup
+
+    dp = ep // math.gcd(ep, tp)  # expert ranks are carved from dp x tp
+    world = tp * pp * dp
+    ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    return TrainGroup(world, tp=tp, pp=pp, ep=ep)
+
+
+def hf_to_dist(hf: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, report=print) -> Path:
+    import ray
+
+    from plugins.deepseek_v4 import DeepSeekV4Config
+
+    cfg = DeepSeekV4Config.from_pretrained(hf)
+    t0 = time.perf_counter()
+    group = _workers(tp, pp, ep)
+    try:
+        group.call("build_model", cfg.to_dict(), 0)
+        group.call("load_hf", str(hf))
+        tmp = store.begin(out, 0)
+        group.call("save_checkpoint", str(tmp), model_only=True)
+        final = store.commit(out, 0, {"model_only": True, "model": cfg.to_dict(), "data": {},
+                                      "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(hf)})
+    finally:
+        group.shutdown()
+        ray.shutdown()
+    report(f"miles convert: {hf} -> {final} (tp={tp} pp={pp} ep={ep}, {time.perf_counter() - t0:.1f} s)")
+    return final
+
+
+def dist_to_hf(ckpt: Path, out: Path, report=print) -> Path:
+    import ray
+
+    from plugins.deepseek_v4 import DeepSeekV4Config
+    from plugins.deepseek_v4.hf_io import save_safetensors_shards
+
+    path = store.resolve(str(ckpt), Path(ckpt))
+    meta = store.read_meta(path)
+    cfg = DeepSeekV4Config.from_dict(meta["model"], source=str(path / store.META))
+    t0 = time.perf_counter()
+    group = _workers(1, 1, 1)
+    try:
+        group.call("build_model", cfg.to_dict(), 0)
+        group.call("load_checkpoint", str(path), same_layout=False, with_optimizer=False)
+        weights = {}
+        for bucket in group.export_weights():
+            weights.update(bucket)
+    finally:
+        group.shutdown()
+        ray.shutdown()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out)
+    save_safetensors_shards(weights, out)
+    report(f"miles convert: {path} -> {out} ({len(weights)} tensors, {time.perf_counter() - t0:.1f} s)")
+    return Path(out)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="miles convert", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("hf-to-dist", help="an HF checkpoint -> a sharded, model-only checkpoint")
+    a.add_argument("--hf", type=Path, required=True, help="a directory with config.json and safetensors shards")
+    a.add_argument("--out", type=Path, required=True, help="a save_dir: the checkpoint goes to OUT/iter_0000000")
+    for k in ("tp", "pp", "ep"):
+        a.add_argument(f"--{k}", type=int, default=1, help=f"{k} of the workers that read and write")
+    b = sub.add_parser("dist-to-hf", help="a checkpoint (iter_ directory or save_dir) -> DeepSeek's HF layout")
+    b.add_argument("--ckpt", type=Path, required=True)
+    b.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.what == "hf-to-dist":
+            if not (args.hf / "config.json").is_file():
+                raise store.CheckpointError(f"{args.hf}: not an HF checkpoint directory (no config.json)")
+            hf_to_dist(args.hf, args.out, args.tp, args.pp, args.ep)
+        else:
+            dist_to_hf(args.ckpt, args.out)
+    except (store.CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"miles convert: {e}")
+        raise SystemExit(1) from None
