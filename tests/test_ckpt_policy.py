@@ -119,3 +119,32 @@ def test_bad_checkpoints_are_named(tmp_path):
                                               r"the job"):
         store.check_model(meta, {"hidden_size": 128, "n_layers": 2}, tmp_path / "iter_0000003")
     store.check_model(meta, {"hidden_size": 64, "n_layers": 2, "kernels": "torch"}, tmp_path)  # switches aside
+
+
+def test_a_job_refuses_a_checkpoint_of_another_model_before_anything_starts(tmp_path):
+    """ckpt.load of a checkpoint saved for another architecture fails at the start naming the
+    file, the field and both values; one already at train.steps says there is nothing left."""
+    from miles.ckpt.manager import Checkpoints
+    from miles.config import validate_job
+
+    def job(**ckpt):
+        return validate_job({"log": {"run_dir": str(tmp_path / "run")}, "train": {"steps": 10},
+                             "ckpt": {"save_dir": str(tmp_path / "ck"), **ckpt}})
+
+    arch = job().model.arch.to_dict()
+    store.begin(tmp_path / "ck", 4)
+    store.commit(tmp_path / "ck", 4, {"model": {**arch, "num_hidden_layers": arch["num_hidden_layers"] + 1}})
+    with pytest.raises(CheckpointError, match=rf"iter_0000004/miles.json: model.num_hidden_layers is "
+                                              rf"{arch['num_hidden_layers'] + 1} in the checkpoint but "
+                                              rf"{arch['num_hidden_layers']} in the job"):
+        Checkpoints(job(load="auto"), report=lambda _: None)
+    store.begin(tmp_path / "ck", 12)
+    store.commit(tmp_path / "ck", 12, {"model": arch})
+    with pytest.raises(CheckpointError, match="already at iteration 12, and train.steps is 10"):
+        Checkpoints(job(load="auto"), report=lambda _: None)
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest iter_0000012\) that this run "
+                                              r"would not continue from"):
+        Checkpoints(job(), report=lambda _: None)  # a fresh start would reap another run's checkpoints
+    store.remove(tmp_path / "ck" / "iter_0000012")
+    store.remove(tmp_path / "ck" / "iter_0000004")
+    assert Checkpoints(job(), report=lambda _: None).iteration == 0

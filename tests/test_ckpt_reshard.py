@@ -160,3 +160,28 @@ def test_convert_hf_to_dist_to_hf_is_byte_identical(tmp_path, seed):
     p = subprocess.run([sys.executable, "-m", "miles.cli", "convert", "dist-to-hf", "--ckpt", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 1 and "no complete checkpoint" in p.stdout
+
+
+def test_async_save_writes_the_state_of_its_step_while_training_goes_on(ray_cluster, tmp_path, seed):
+    """ckpt.async_save: save_checkpoint returns before the files are written; the next step
+    changes every weight meanwhile; the finished checkpoint still holds the state at the save
+    (weights and the optimizer: a group loading it takes that next step bit for bit)."""
+    src = SyntheticSource(32, CFG.vocab_size, seed)
+    g = _group(seed, tp=2)
+    for s in (1, 2):
+        _step(g, src, s, 1)
+    at_save = _full(g)
+    (tmp_path / "a").mkdir()
+    g.call("save_checkpoint", str(tmp_path / "a"), True)
+    _step(g, src, 3, 1)
+    while not all(g.call("finish_save", False)):
+        pass
+    after = _full(g)
+    g.shutdown()
+    assert any(not torch.equal(after[k], at_save[k]) for k in after), "step 3 must change the weights"
+    g2 = _group(seed + 1, tp=2)
+    g2.call("load_checkpoint", str(tmp_path / "a"), same_layout=True)
+    _same_bytes(_full(g2), at_save, "async save vs the state at its step")
+    _step(g2, src, 3, 1)
+    _same_bytes(_full(g2), after, "step 3 from the async checkpoint")
+    g2.shutdown()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miles.config import DataConfig
-from miles.data.dataset import BadRow, dataset_files, iter_rows
+from miles.data.dataset import BadRow, DataError, dataset_files, iter_rows
 from miles.data.sample import Sample
 from miles.data.sft import SFTSource
 from miles.train.batching import packed_replica_micro_batches, partition, positions, split_rows
@@ -304,9 +304,11 @@ def test_the_v4_flash_sft_job_validates_against_v4_flash(tmp_path):
     write_config(tmp_path / "flash", FLASH)
     data = ROOT / "miles" / "data" / "bundled" / "chat_tiny"
     job = load_job(ROOT / "jobs" / "sft_dsv4_flash.yaml", [f"model.config={tmp_path / 'flash'}",
+                                                            f"ckpt.hf={tmp_path / 'flash'}",
                                                             f"data.path={data / 'train.jsonl'}",
                                                             f"data.eval_path={data / 'eval.jsonl'}"])
     assert job.train.parallel.world == 64 and job.model.arch.num_hidden_layers == 43
+    assert job.ckpt.load == "auto" and job.ckpt.async_save and job.ckpt.keep_last == 2
     assert job.data.source == "chat" and job.data.tokenizer is None
 
 
@@ -316,3 +318,35 @@ def test_bundled_chat_data_and_tokenizer_are_what_the_script_makes():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_chat.py"), "--check"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("n,k", [(3, 5), (5, 4)])  # resume mid-epoch (15 of 20 drawn); at an epoch boundary
+def test_resumed_data_neither_repeats_nor_skips_a_sample(tmp_path, n, k):
+    """The data position in a checkpoint (SFTSource.state, through JSON) continues exactly: the
+    sample ids (file:row) a resumed source yields after step k are those of the uninterrupted
+    run; at an epoch boundary the resumed run trains the next epoch's data; and each epoch
+    holds every usable row once (bad rows stay counted once)."""
+    rows = [chat(f"What is {i} + {i}?", f"{2 * i}.") for i in range(20)]
+    rows[7] = {"text": "a bad row"}
+    rows.append(chat("last", "one."))
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(source="chat", path=str(path), tokenizer="tiny", shuffle_buffer=6)
+    straight = SFTSource(cfg, seed=2, report=lambda _: None)
+    ids = [[s.origin for s in straight.batch(step, n)] for step in range(1, 13)]
+    first = SFTSource(cfg, seed=2, report=lambda _: None)
+    for step in range(1, k + 1):
+        assert [s.origin for s in first.batch(step, n)] == ids[step - 1]
+    state = json.loads(json.dumps(first.state()))
+    resumed = SFTSource(cfg, seed=2, report=lambda _: None)
+    resumed.load_state(state)
+    after = [[s.origin for s in resumed.batch(step, n)] for step in range(k + 1, 13)]
+    print(f"n={n} k={k}: step {k + 1} after resuming trains {after[0]}")
+    assert after == ids[k:], "the resumed source must continue the straight run's sample order"
+    flat = [x for b in ids for x in b]
+    assert sorted(flat[:20]) == sorted(f"d.jsonl:{r}" for r in range(1, 22) if r != 8), "an epoch: every row once"
+    if n * k == 20:
+        assert (state["epoch"], state["consumed"]) == (0, 20)
+        assert set(after[0]) <= set(flat[20:40]), "after an epoch boundary: the next epoch's samples"
+    assert resumed.metrics()["data/skipped_rows"] == straight.metrics()["data/skipped_rows"] == 1
+    with pytest.raises(DataError, match="seed 2.*train.seed 3"):
+        SFTSource(cfg, seed=3, report=lambda _: None).load_state(state)

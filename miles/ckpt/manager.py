@@ -30,6 +30,11 @@ class Checkpoints:
         self.save_dir = Path(self.cfg.save_dir)
         store.recover(self.save_dir, report)
         self.load_dir = store.resolve(self.cfg.load, self.save_dir)
+        have = store.iterations(self.save_dir)
+        if have and (self.load_dir is None or self.load_dir.parent.resolve() != self.save_dir.resolve()):
+            raise CheckpointError(f"ckpt.save_dir {self.save_dir} already holds checkpoints (newest "
+                                  f"{policy.iter_name(have[-1])}) that this run would not continue from: resume "
+                                  f"them (ckpt.load: auto) or choose another ckpt.save_dir")
         self.meta = store.read_meta(self.load_dir) if self.load_dir is not None else None
         if self.meta is not None:
             store.check_model(self.meta, job.model.arch.to_dict(), self.load_dir)
