@@ -1,7 +1,7 @@
 """Checkpoint save and load through the workers (Megatron dist_checkpointing): seconds and GB/s,
 sync vs async, and the training-step stall an async save causes.
 
-    .venv/bin/python benchmarks/checkpoint.py [--config small_50m] [--repeats 3] [--tp 1]
+    .venv/bin/python benchmarks/checkpoint.py [--config small_50m|1b] [--repeats 3] [--tp 1]
 
 One TrainGroup (CPU workers here; GPU workers when the cluster has GPUs) with the model, its
 AdamW state after one step, then per repeat:
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,20 +26,22 @@ from pathlib import Path
 import ray
 import torch
 
-from miles.cluster.train_group import TrainGroup
-from miles.data.synthetic import SyntheticSource
-from miles.train.batching import replica_micro_batches
-from plugins.deepseek_v4 import DeepSeekV4Config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.train_gpu import CONFIGS  # noqa: E402
+from miles.cluster.train_group import TrainGroup  # noqa: E402
+from miles.data.synthetic import SyntheticSource  # noqa: E402
+from miles.train.batching import replica_micro_batches  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="small_50m", choices=["tiny", "small_50m"])
+    ap.add_argument("--config", default="small_50m", choices=sorted(CONFIGS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args()
-    cfg = getattr(DeepSeekV4Config, args.config)()
+    cfg = CONFIGS[args.config](args.seq)
     gpu = torch.cuda.is_available()
     ray.init(num_cpus=max(2, args.tp), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     group = TrainGroup(args.tp, resources={"CPU": 1} | ({"GPU": 1} if gpu else {}), tp=args.tp)
