@@ -106,7 +106,8 @@ def prepare_run_dir(job: JobConfig, resume_from: int | None = None, stream: Text
         if resume_from is None:
             raise JobError(f"{run_dir} already holds a run ({METRICS_FILE}); choose another log.run_dir, remove "
                            f"it, or resume it (ckpt.load: auto)")
-        dropped = sum(records.truncate(run_dir / f, resume_from) for f in (METRICS_FILE, alignment.FILE))
+        last = resume_from if resume_from > 0 else -1  # a fresh start redoes the evaluation before step 1 too
+        dropped = sum(records.truncate(run_dir / f, last) for f in (METRICS_FILE, alignment.FILE))
         if dropped:
             print(f"{run_dir}: dropped {dropped} records after step {resume_from} (this run redoes those steps)",
                   file=stream or sys.stdout, flush=True)

@@ -148,3 +148,26 @@ def test_a_job_refuses_a_checkpoint_of_another_model_before_anything_starts(tmp_
     store.remove(tmp_path / "ck" / "iter_0000012")
     store.remove(tmp_path / "ck" / "iter_0000004")
     assert Checkpoints(job(), report=lambda _: None).iteration == 0
+
+
+def test_checkpoint_metadata_is_unpickled_only_through_an_allow_list(tmp_path):
+    """torch reads dist_checkpointing's .metadata with plain pickle: a crafted one naming a
+    callable is refused before that (file and global named); a truncated one is corrupt."""
+    import os
+    import pickle
+
+    from miles.ckpt import safe_metadata
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"x": Evil()}))
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused \(global 'posix.system' is not allowed\)"):
+        safe_metadata.check(tmp_path)
+    assert not (tmp_path / "owned").exists()
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"x": 1})[:-3])
+    with pytest.raises(CheckpointError, match=r"\.metadata: corrupt"):
+        safe_metadata.check(tmp_path)
+    with pytest.raises(CheckpointError, match="missing"):
+        safe_metadata.check(tmp_path / "nothing")

@@ -23,6 +23,8 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from miles.ckpt import safe_metadata
+
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -120,6 +122,7 @@ def load(directory: str, model, optimizer, scheduler, world: int, rank: int, sam
     sd = sharded_state_dict(model, optimizer if with_optimizer else None, scheduler, world, rank, is_loading=True)
     if not same_layout:
         sd.pop("rng", None)
+    safe_metadata.check(directory)
     loaded = dist_checkpointing.load(sd, directory)
     params = model.state_dict(keep_vars=True)
     for name, t in loaded["model"].items():
