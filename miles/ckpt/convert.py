@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -19,43 +20,47 @@ from pathlib import Path
 from miles.ckpt import store
 
 
+@contextlib.contextmanager
 def _workers(tp: int, pp: int, ep: int):
-    """A local Ray session and a TrainGroup of the smallest world with this layout."""
+    """A TrainGroup of the smallest world with this layout, on the Ray cluster this process
+    joined or a local one started (and stopped) here."""
     import ray
 
     from miles.cluster.train_group import TrainGroup
 
     dp = ep // math.gcd(ep, tp)  # expert ranks are carved from dp x tp
     world = tp * pp * dp
-    ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    return TrainGroup(world, tp=tp, pp=pp, ep=ep)
+    own = not ray.is_initialized()
+    if own:
+        ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        group = TrainGroup(world, tp=tp, pp=pp, ep=ep)
+        try:
+            yield group
+        finally:
+            group.shutdown()
+    finally:
+        if own:
+            ray.shutdown()
 
 
 def hf_to_dist(hf: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, report=print) -> Path:
-    import ray
-
     from plugins.deepseek_v4 import DeepSeekV4Config
 
     cfg = DeepSeekV4Config.from_pretrained(hf)
     t0 = time.perf_counter()
-    group = _workers(tp, pp, ep)
-    try:
+    with _workers(tp, pp, ep) as group:
         group.call("build_model", cfg.to_dict(), 0)
         group.call("load_hf", str(hf))
         tmp = store.begin(out, 0)
         group.call("save_checkpoint", str(tmp), model_only=True)
         final = store.commit(out, 0, {"model_only": True, "model": cfg.to_dict(), "data": {},
                                       "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(hf)})
-    finally:
-        group.shutdown()
-        ray.shutdown()
     report(f"miles convert: {hf} -> {final} (tp={tp} pp={pp} ep={ep}, {time.perf_counter() - t0:.1f} s)")
     return final
 
 
 def dist_to_hf(ckpt: Path, out: Path, report=print) -> Path:
-    import ray
-
     from plugins.deepseek_v4 import DeepSeekV4Config
     from plugins.deepseek_v4.hf_io import save_safetensors_shards
 
@@ -63,16 +68,12 @@ def dist_to_hf(ckpt: Path, out: Path, report=print) -> Path:
     meta = store.read_meta(path)
     cfg = DeepSeekV4Config.from_dict(meta["model"], source=str(path / store.META))
     t0 = time.perf_counter()
-    group = _workers(1, 1, 1)
-    try:
+    with _workers(1, 1, 1) as group:
         group.call("build_model", cfg.to_dict(), 0)
         group.call("load_checkpoint", str(path), same_layout=False, with_optimizer=False)
         weights = {}
         for bucket in group.export_weights():
             weights.update(bucket)
-    finally:
-        group.shutdown()
-        ray.shutdown()
     Path(out).mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)
     save_safetensors_shards(weights, out)

@@ -174,6 +174,12 @@ class TrainWorker:
             start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
             # resumed: the job's schedule (train.steps may have grown), the checkpoint's step count
             override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
+        # What exists now lives as long as the worker: the collector need not scan it again.
+        # (Megatron's checkpointing calls gc.collect() twice per save: 0.65 s -> 0.01 s.)
+        import gc
+
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------------ forward / backward
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
