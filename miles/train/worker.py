@@ -63,6 +63,7 @@ class TrainWorker:
         self._metric_keys: list[str] | None = None
         self._profile = None
         self._asleep: list | None = None
+        self._saves = None  # Megatron's AsyncCallsQueue, once an async save was asked for
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the others connect: this node's address and a free port."""
@@ -352,18 +353,17 @@ class TrainWorker:
             return
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        self._saves = getattr(self, "_saves", None) or AsyncCallsQueue()
+        self._saves = self._saves or AsyncCallsQueue()
         self._saves.schedule_async_request(
             sharded.save(directory, self.model, self.opt, self.sched, self.world_size, self.rank, async_save=True))
 
     def finish_save(self, blocking: bool) -> bool:
         """Collective: finalize the background save if every rank has written it (blocking:
         wait for it); True when none is left. A rank's failed write raises here, on all ranks."""
-        saves = getattr(self, "_saves", None)
-        if saves is None:
+        if self._saves is None:
             return True
-        saves.maybe_finalize_async_calls(blocking=blocking)
-        return saves.get_num_unfinalized_calls() == 0
+        self._saves.maybe_finalize_async_calls(blocking=blocking)
+        return self._saves.get_num_unfinalized_calls() == 0
 
     def load_hf(self, directory: str) -> dict:
         """This rank's slices of DeepSeek's HF checkpoint (FP8/FP4 dequantized), read one tensor
