@@ -28,6 +28,13 @@ from miles.ckpt import safe_metadata
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def model_tensors(model, keep_vars: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state_dict without what Megatron's linears add that is not a model tensor
+    (`None` for absent biases, `_extra_state`)."""
+    return {k: v for k, v in model.state_dict(keep_vars=keep_vars).items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
 def model_sharded_state_dict(model) -> dict[str, ShardedTensor]:
     """{global name: ShardedTensor over the parameter or buffer itself} (parameters by
     identity: the optimizer's state is matched to them)."""
@@ -35,9 +42,7 @@ def model_sharded_state_dict(model) -> dict[str, ShardedTensor]:
     dense_dp = ps.get_data_parallel_rank(with_context_parallel=True)
     expert_dp = ps.get_expert_data_parallel_rank()
     out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
-            continue
+    for name, t in model_tensors(model).items():
         split = getattr(t, "tensor_model_parallel", False) and tp > 1
         pp_copy = int(name == "embed.weight" and not model.ctx.first_stage)
         dp = expert_dp if getattr(t, "allreduce", True) is False else dense_dp

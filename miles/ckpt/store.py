@@ -180,10 +180,12 @@ def reap(save_dir: Path, save_interval: int, keep_every: int | None, keep_last: 
 
 
 def check_model(meta: dict, arch: dict, ckpt: Path) -> None:
-    """The checkpoint's model must be the job's: every architecture field equal (kernel
-    switches aside, which do not change the weights)."""
+    """The checkpoint's model must be the job's: every architecture field equal (the kernel
+    switches aside: they do not change the weights)."""
+    from miles.config import KERNEL_SWITCHES
+
     saved = meta.get("model", {})
-    skip = {"kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks"}
+    skip = set(KERNEL_SWITCHES)
     diff = [k for k in sorted(set(saved) | set(arch)) if k not in skip and saved.get(k) != arch.get(k)]
     if diff:
         k = diff[0]

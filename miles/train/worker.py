@@ -369,10 +369,10 @@ class TrainWorker:
         """This rank's slices of DeepSeek's HF checkpoint (FP8/FP4 dequantized), read one tensor
         at a time: only the names this rank holds (its stage's layers, its EP rank's experts),
         each sliced to its TP part. Returns what was read (names, peak bytes in flight)."""
+        from miles.ckpt.sharded import model_tensors
         from plugins.deepseek_v4.hf_io import iter_tensors
 
-        own = {k: v for k, v in self.model.state_dict(keep_vars=True).items()
-               if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        own = model_tensors(self.model)
         ctx, peak = self.model.ctx, 0
         with torch.no_grad():
             for name, full, held in iter_tensors(directory, sorted(own)):
@@ -427,11 +427,10 @@ class TrainWorker:
         dense_owner = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         expert_owner = ps.get_expert_data_parallel_rank() == 0  # each expert lives on one EP rank
         tp_group, tp0 = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() == 0
-        sd = self.model.state_dict(keep_vars=True)
+        from miles.ckpt.sharded import model_tensors
+
         buckets, cur, size = [], {}, 0
-        for name, t in sd.items():
-            if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
-                continue
+        for name, t in model_tensors(self.model).items():
             if getattr(t, "tensor_model_parallel", False) and self.model.ctx.tp_size > 1:
                 from miles.train.parallel_context import _all_gather
 
@@ -450,8 +449,9 @@ class TrainWorker:
     def state(self) -> dict:
         """Parameters and router biases (for parity checks); Megatron's linears add `None`
         entries for absent biases and `_extra_state`, which are not model tensors."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
-                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        from miles.ckpt.sharded import model_tensors
+
+        return {k: v.detach().cpu().clone() for k, v in model_tensors(self.model, keep_vars=False).items()}
 
     # ------------------------------------------------------------------ colocation
     def _storages(self) -> list[torch.Tensor]:

@@ -450,6 +450,23 @@ def _plan_pairs(weight_map: Mapping[str, str]) -> dict[str, str]:
     return pairs
 
 
+def _open_shard(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error type for corrupt headers
+        raise ValueError(f"{path}: cannot open as safetensors ({e})") from e
+
+
+def _unscaled_fp8(name: str, fname: str) -> ValueError:
+    return ValueError(f"tensor {name!r} (file {fname}) is float8_e4m3fn but has no "
+                      f"{_scale_name_for(name) or 'scale'!r} to dequantize it")
+
+
+def _pair_files(weight_map: Mapping[str, str], wname: str, sname: str) -> str:
+    w, s = weight_map[wname], weight_map[sname]
+    return w if w == s else f"{w}, {s}"
+
+
 def _dequantize_pair(
     wname: str, w: torch.Tensor, sname: str, s: torch.Tensor, files: str, block: tuple[int, int]
 ) -> torch.Tensor:
@@ -513,11 +530,7 @@ def load_safetensors_dir(
                 + (f" and {len(names) - 1} more" if len(names) > 1 else "")
                 + ")"
             )
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except Exception as e:  # safetensors raises its own error type for corrupt headers
-            raise ValueError(f"{path}: cannot open as safetensors ({e})") from e
-        with handle as f:
+        with _open_shard(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -527,10 +540,7 @@ def load_safetensors_dir(
                 t = f.get_tensor(name)
                 if name not in partner:
                     if t.dtype == torch.float8_e4m3fn:
-                        raise ValueError(
-                            f"tensor {name!r} (file {fname}) is float8_e4m3fn but has no "
-                            f"{_scale_name_for(name) or 'scale'!r} to dequantize it"
-                        )
+                        raise _unscaled_fp8(name, fname)
                     result[name] = _finalize(name, t, dtype_for_float)
                     continue
                 other = partner[name]
@@ -540,13 +550,10 @@ def load_safetensors_dir(
                 o = pending.pop(other)
                 wname, sname = (name, other) if name in pairs else (other, name)
                 w, s = (t, o) if name in pairs else (o, t)
-                files = (
-                    fname
-                    if weight_map[wname] == weight_map[sname]
-                    else f"{weight_map[wname]}, {weight_map[sname]}"
-                )
                 result[wname] = _finalize(
-                    wname, _dequantize_pair(wname, w, sname, s, files, block), dtype_for_float
+                    wname,
+                    _dequantize_pair(wname, w, sname, s, _pair_files(weight_map, wname, sname), block),
+                    dtype_for_float,
                 )
     if pending:  # cannot happen: every pair member is in the weight map and was loaded
         raise ValueError(f"unpaired tensors after loading: {sorted(pending)}")
@@ -574,10 +581,7 @@ def iter_tensors(directory: str | os.PathLike, names: list[str]):
             path = directory / fname
             if not path.is_file():
                 raise FileNotFoundError(f"shard {path} listed in {INDEX_FILE} is missing (it should hold {name!r})")
-            try:
-                handles[fname] = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error type for corrupt headers
-                raise ValueError(f"{path}: cannot open as safetensors ({e})") from e
+            handles[fname] = _open_shard(path)
         try:
             return handles[fname].get_tensor(name)
         except Exception as e:
@@ -588,12 +592,9 @@ def iter_tensors(directory: str | os.PathLike, names: list[str]):
         if name in pairs:
             sname = pairs[name]
             s = read(sname)
-            files = weight_map[name] if weight_map[name] == weight_map[sname] else \
-                f"{weight_map[name]}, {weight_map[sname]}"
-            out = _dequantize_pair(name, t, sname, s, files, block)
+            out = _dequantize_pair(name, t, sname, s, _pair_files(weight_map, name, sname), block)
             yield name, out, _tensor_nbytes(t) + _tensor_nbytes(s) + _tensor_nbytes(out)
         else:
             if t.dtype == torch.float8_e4m3fn:
-                raise ValueError(f"tensor {name!r} (file {weight_map[name]}) is float8_e4m3fn but has no "
-                                 f"{_scale_name_for(name) or 'scale'!r} to dequantize it")
+                raise _unscaled_fp8(name, weight_map[name])
             yield name, t, _tensor_nbytes(t)
