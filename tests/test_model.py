@@ -108,19 +108,47 @@ def test_causality(seed, t):
 
 @pytest.mark.parametrize("prompt", [1, 5, 16, 33])
 def test_decode_matches_full_forward(seed, prompt):
-    """Incremental decoding (window KV, compressor partial blocks and overlap state,
-    compressed KV, indexer keys) gives the full forward's logits within 1e-5 (fp32),
+    """Incremental decoding (window ring, compressor partial blocks and overlap state,
+    compressed entries, indexer keys) gives the full forward's logits within 1e-5 (fp32),
     across several compression blocks and windows."""
     model = tiny_model(seed).eval()
     ids = random_ids(seed, 2, SEQ)
     with torch.no_grad():
         full = model(ids).logits
-    logits, state = model.prefill(ids[:, :prompt])
-    assert_close(logits, full[:, :prompt], atol=1e-5, what="prefill")
+    cache, slots = model.new_cache(2, SEQ + 1), torch.tensor([1, 0])  # slots in another order than rows
+    last = model.prefill(list(ids[:, :prompt]), cache, slots.tolist())
+    assert_close(last, full[:, prompt - 1], atol=1e-5, what="prefill")
     for t in range(prompt, SEQ):
-        step = model.decode_step(ids[:, t], state)
+        step = model.decode(ids[:, t], cache, slots)
         assert_close(step, full[:, t], atol=1e-5, what=f"decode position {t}")
-    assert state.pos == SEQ
+    assert cache.length.tolist() == [SEQ, SEQ]
+
+
+def test_decode_ragged_slots_reused(seed):
+    """Sequences of different lengths decode together, each at its own position, in slots
+    that earlier, longer sequences used (stale state must never leak), and a slot copied
+    from a prefilled one continues like the original: every step equals each sequence's
+    own full forward within 1e-5."""
+    model = tiny_model(seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(4, SEQ + 1)
+    with torch.no_grad():
+        old = torch.randint(0, model.config.vocab_size, (3, SEQ), generator=g)
+        model.prefill(list(old[:, :SEQ - 1]), cache, [0, 1, 2])  # fill the slots with other sequences
+        model.decode(old[:, -1], cache, torch.tensor([0, 1, 2]))
+        lens = [3, 21, 37]
+        seqs = [torch.randint(0, model.config.vocab_size, (n + 10,), generator=g) for n in lens]
+        last = model.prefill([s[:n] for s, n in zip(seqs, lens, strict=True)], cache, [2, 0, 1])
+        cache.copy_slot(0, [3])  # a second sample of the 21-token prompt
+        fulls = [model(s[None]).logits[0] for s in seqs]
+        for i, n in enumerate(lens):
+            assert_close(last[i], fulls[i][n - 1], atol=1e-5, what=f"prefill of prompt {i}")
+        slots = torch.tensor([2, 0, 1, 3])
+        rows = [0, 1, 2, 1]
+        for k in range(10):
+            step = model.decode(torch.stack([seqs[r][lens[r] + k] for r in rows]), cache, slots)
+            for b, r in enumerate(rows):
+                assert_close(step[b], fulls[r][lens[r] + k], atol=1e-5, what=f"row {b} step {k}")
 
 
 def test_batched_equals_unbatched_with_padding_and_packing(seed):

@@ -67,11 +67,11 @@ class SyntheticSource:
         ids = progressions(n, PROMPT + CONTINUATION, self.vocab, seed=-1 - self.seed)
         logp = torch.log_softmax(model.eval()(ids[:, :-1]).logits[:, PROMPT - 1:], -1)  # [n, CONTINUATION, V]
         nll = -logp.gather(-1, ids[:, PROMPT:, None]).mean().item()
-        logits, state = model.prefill(ids[:, :PROMPT])
-        tok = logits[:, -1].argmax(-1)
+        cache, slots = model.new_cache(n, PROMPT + CONTINUATION, ids.device), torch.arange(n)
+        tok = model.prefill(list(ids[:, :PROMPT]), cache, slots.tolist()).argmax(-1)
         out = [tok]
         for _ in range(CONTINUATION - 1):
-            tok = model.decode_step(tok, state).argmax(-1)
+            tok = model.decode(tok, cache, slots).argmax(-1)
             out.append(tok)
         acc = (torch.stack(out, 1) == ids[:, PROMPT:]).float().mean().item()
         return {f"eval/{self.name}/accuracy": acc, f"eval/{self.name}/nll": nll}

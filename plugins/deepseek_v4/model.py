@@ -69,35 +69,63 @@ class Fwd:
     aux: frozenset[str] = frozenset()  # auxiliary losses to compute: "indexer", "balance"
     indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
     balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
-    states: list | None = None  # filled by prefill
+    capture: PrefillCapture | None = None  # set by prefill
 
 
-# =========================================================================== state
+# =========================================================================== decoding state
 @dataclass
-class CompressorState:
-    """Decode state of one compressor: projections of the current partial block and of
-    the last complete block (CSA overlap), and the entries emitted so far."""
+class CompressorCache:
+    """One compressor's decoding state for N slots: the entries emitted so far (entry g =
+    block g), and the projections C, Z of the current block's tokens (token p at p % r) and
+    of the last complete block (CSA overlap only)."""
 
-    c: torch.Tensor  # [B, t, coff*D] fp32, t < ratio
-    z: torch.Tensor
-    prev_c: torch.Tensor | None  # [B, ratio, coff*D] fp32
-    prev_z: torch.Tensor | None
-    entries: torch.Tensor  # [B, G, D]
-
-
-@dataclass
-class AttnState:
-    kv: torch.Tensor  # [B, <= window, D] rotated kv of the last `window` tokens
-    comp: CompressorState | None
-    idx: CompressorState | None
+    entries: torch.Tensor  # [N, G, dim] (the main compressor's: a view into the layer's key pool)
+    tail: torch.Tensor  # [N, 2, r, coff*dim] fp32
+    prev: torch.Tensor | None  # [N, 2, r, coff*dim] fp32
 
 
 @dataclass
-class DecodeState:
-    """Incremental decoding state of the whole model; `pos` is the next token's position."""
+class LayerCache:
+    """One attention layer's decoding state for N slots. keys [N, W + G, D] is the pool the
+    attention core reads in place: the window's K = V as a ring (position p at p % W), then
+    the compressed entries."""
 
-    layers: list[AttnState]
-    pos: int
+    keys: torch.Tensor
+    comp: CompressorCache | None
+    idx: CompressorCache | None  # the indexer's own compressor (CSA)
+
+
+@dataclass
+class KVCache:
+    """Preallocated decoding state of the whole model for N independent sequences (slots).
+    `length[n]` tokens are held in slot n, so its next token sits at position length[n]."""
+
+    layers: list[LayerCache]
+    length: torch.Tensor  # [N] int64
+    max_len: int
+
+    @property
+    def slots(self) -> int:
+        return self.length.shape[0]
+
+    def copy_slot(self, src: int, dst: list[int]) -> None:
+        """Give slots `dst` the state of slot `src` (n samples of one prompt share its prefill)."""
+        tensors = [self.length]
+        for lc in self.layers:  # the main compressor's entries live inside `keys`
+            tensors += [lc.keys] + [t for cc in (lc.comp, lc.idx) if cc is not None
+                                    for t in (cc.entries if cc is lc.idx else None, cc.tail, cc.prev)
+                                    if t is not None]
+        for t in tensors:
+            t[dst] = t[src].clone()
+
+
+@dataclass
+class PrefillCapture:
+    """What a prefill forward keeps: the token indices whose logits it returns, and per
+    attention layer the tensors the cache is filled from."""
+
+    at: torch.Tensor  # [K] token indices of row 0
+    layers: list[tuple] = field(default_factory=list)  # (kv, (C, Z), entries, (Ci, Zi), index entries, blocks)
 
 
 # =========================================================================== attention parts
@@ -145,30 +173,44 @@ class Compressor(nn.Module):
         return self.pool(c[rows, cur], z[rows, cur], c[rows, prev], z[rows, prev], blocks.has_prev), (c, z)
 
     # ---- incremental decoding
-    @staticmethod
-    def init_state(ratio: int, cz: tuple[torch.Tensor, torch.Tensor], entries: torch.Tensor) -> CompressorState:
-        """State after a prefill (one document per row, no padding) from its projections."""
-        c, z = cz
-        r, s = ratio, c.shape[1]
-        n = s // r
-        prev = (c[:, (n - 1) * r: n * r], z[:, (n - 1) * r: n * r]) if n else (None, None)
-        return CompressorState(c[:, n * r:], z[:, n * r:], prev[0], prev[1], entries)
+    def new_cache(self, slots: int, entries: torch.Tensor | None, max_len: int, device) -> CompressorCache:
+        coff = 2 if self.overlap else 1
+        if entries is None:
+            entries = torch.zeros(slots, max_len // self.ratio, self.dim, device=device)
+        tail = torch.zeros(slots, 2, self.ratio, coff * self.dim, device=device)
+        return CompressorCache(entries, tail, torch.zeros_like(tail) if self.overlap else None)
 
-    def step(self, x: torch.Tensor, st: CompressorState, pos: int, rope_fn) -> CompressorState:
-        """Feed token at position `pos` (x [B, 1, d]); emit an entry when its block completes."""
-        c, z = self.project(x)
-        st.c, st.z = torch.cat((st.c, c), 1), torch.cat((st.z, z), 1)
-        if st.c.shape[1] == self.ratio:
-            b = x.shape[0]
-            has_prev = torch.full((b, 1), st.prev_c is not None, device=x.device)
-            pc = st.prev_c if st.prev_c is not None else torch.zeros_like(st.c)
-            pz = st.prev_z if st.prev_z is not None else torch.zeros_like(st.z)
-            entry = self.pool(st.c[:, None], st.z[:, None], pc[:, None], pz[:, None], has_prev)  # [B, 1, D]
-            entry = rope_fn(entry, torch.full((b, 1), pos - self.ratio + 1, device=x.device))
-            st.entries = torch.cat((st.entries, entry.to(st.entries.dtype)), 1)
-            st.prev_c, st.prev_z = st.c, st.z
-            st.c, st.z = st.c[:, :0], st.z[:, :0]
-        return st
+    def fill(self, cc: CompressorCache, slot: int, cz: tuple[torch.Tensor, torch.Tensor], tokens: slice,
+             entries: torch.Tensor) -> None:
+        """Slot state after a prefill of one document: its tokens' projections cz [.., T, coff*D]
+        (row 0, `tokens` of them) and its entries [n, D]."""
+        r, n = self.ratio, entries.shape[0]
+        c, z = (t[0, tokens] for t in cz)
+        cc.entries[slot, :n] = entries.to(cc.entries.dtype)
+        cc.tail[slot, 0, : c.shape[0] - n * r], cc.tail[slot, 1, : c.shape[0] - n * r] = c[n * r:], z[n * r:]
+        if cc.prev is not None and n:
+            cc.prev[slot, 0], cc.prev[slot, 1] = c[(n - 1) * r: n * r], z[(n - 1) * r: n * r]
+
+    def step(self, x: torch.Tensor, cc: CompressorCache, slots: torch.Tensor, pos: torch.Tensor, rope_fn) -> None:
+        """Feed each row's token at position pos [B] (x [B, 1, d]); rows whose block it
+        completes emit entry pos // r."""
+        r = self.ratio
+        c, z = self.project(x)  # [B, 1, coff*D]
+        j = pos % r
+        cc.tail[slots, 0, j], cc.tail[slots, 1, j] = c[:, 0], z[:, 0]
+        done = (j == r - 1).nonzero()[:, 0]
+        if not len(done):
+            return
+        s, g = slots[done], pos[done] // r
+        cur = cc.tail[s][:, :, None]  # [b, 2, 1, r, coff*D]
+        pc = pz = None
+        if cc.prev is not None:
+            prev = cc.prev[s][:, :, None]
+            pc, pz = prev[:, 0], prev[:, 1]
+        entry = self.pool(cur[:, 0], cur[:, 1], pc, pz, (g >= 1)[:, None])  # [b, 1, D]
+        cc.entries[s, g] = rope_fn(entry, (g * r)[:, None])[:, 0].to(cc.entries.dtype)
+        if cc.prev is not None:
+            cc.prev[s] = cc.tail[s]
 
 
 class Indexer(nn.Module):
@@ -243,7 +285,7 @@ class Attention(nn.Module):
         c_q, q = self._q(x, q_cos, q_sin)
         kv = self._kv(x_all, rope.cos, rope.sin)
         keys, chosen = kv, None
-        state = None
+        comp = cz = ki_entries = ki_cz = blocks = None
         if self.compressor is not None:
             blocks = fwd.layout.blocks(self.ratio)
             rope_e = self._rope_entries(rope)
@@ -259,17 +301,13 @@ class Attention(nn.Module):
                 scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
             keys = torch.cat((kv, comp), 1)
-            if fwd.states is not None:
-                state = (Compressor.init_state(self.ratio, cz, comp),
-                         Compressor.init_state(self.ratio, ki_cz, ki_entries)
-                         if self.indexer is not None else None)
         want_kl = self.indexer is not None and "indexer" in fwd.aux and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
         o, mass_c = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
         if want_kl:
             self._indexer_kl(self.ctx.sum_over_tp(mass_c), scores, chosen, fwd)
-        if fwd.states is not None:
-            fwd.states.append(AttnState(kv[:, -self.window:], *(state or (None, None))))
+        if fwd.capture is not None:
+            fwd.capture.layers.append((kv, cz, comp, ki_cz, ki_entries, blocks))
         return self._out(o, q_cos, q_sin)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, layout: SequenceLayout, q_rows: slice,
@@ -321,28 +359,62 @@ class Attention(nn.Module):
         kl = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - logp), 0.0).sum(-1)
         fwd.indexer_terms.append(torch.where(rows, kl, 0.0).sum())
 
-    def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope]) -> torch.Tensor:
-        """One token per row at position `pos`: x [B, 1, d] -> [B, 1, d]; updates st."""
+    # ---- incremental decoding
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> LayerCache:
+        g = max_len // self.ratio if self.ratio else 0
+        keys = torch.zeros(slots, self.window + g, self.head_dim, dtype=dtype, device=device)
+        comp = self.compressor.new_cache(slots, keys[:, self.window:], max_len, device) if self.ratio else None
+        idx = self.indexer.compressor.new_cache(slots, None, max_len, device) if self.indexer else None
+        return LayerCache(keys, comp, idx)
+
+    def fill(self, lc: LayerCache, slot: int, captured: tuple, tokens: slice, doc: int) -> None:
+        """Slot state after a prefill of one document (`tokens` of row 0, document id `doc`)."""
+        kv, cz, comp, ki_cz, ki_entries, blocks = captured
+        w = self.window
+        p = torch.arange(max(0, tokens.stop - tokens.start - w), tokens.stop - tokens.start, device=kv.device)
+        lc.keys[slot, p % w] = kv[0, tokens.start + p]
+        if self.compressor is not None:
+            mine = blocks.valid[0] & (blocks.doc[0] == doc)
+            self.compressor.fill(lc.comp, slot, cz, tokens, comp[0, mine])
+            if self.indexer is not None:
+                self.indexer.compressor.fill(lc.idx, slot, ki_cz, tokens, ki_entries[0, mine])
+
+    def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
+             ropes: dict[str, Rope]) -> torch.Tensor:
+        """One token per row, row b at position pos[b] of slot slots[b]: x [B, 1, d] -> [B, 1, d];
+        writes the token's K = V, compressor projections and any completed entry to the cache."""
         rope = ropes[self.rope_kind]
-        b = x.shape[0]
-        cos, sin = rope.at(torch.full((b, 1), pos, device=x.device))
-        c_q, q = self._q(x, cos, sin)
-        kv = self._kv(x, cos, sin)
-        st.kv = torch.cat((st.kv, kv), 1)[:, -self.window:]
-        keys = st.kv
-        mask = torch.ones(b, 1, keys.shape[1], dtype=torch.bool, device=x.device)
+        w = self.window
+        cos, sin = rope.at(pos[:, None])  # [B, 1, rd/2]
+        c_q, q = self._q(x, cos, sin)  # q [B, 1, H, D]
+        lc.keys[slots, pos % w] = self._kv(x, cos, sin)[:, 0]
+        mask = torch.arange(w, device=x.device) <= pos[:, None]  # [B, W] ring entries written so far
         if self.compressor is not None:
             rope_e = self._rope_entries(rope)
-            st.comp = self.compressor.step(x, st.comp, pos, rope_e)
-            chosen = torch.ones(b, 1, st.comp.entries.shape[1], dtype=torch.bool, device=x.device)
+            self.compressor.step(x, lc.comp, slots, pos, rope_e)
+            count = (pos + 1) // self.ratio  # [B] complete blocks, all visible
+            g = int(count.max())
+            chosen = torch.arange(g, device=x.device) < count[:, None]  # [B, G]
             if self.indexer is not None:
-                st.idx = self.indexer.compressor.step(x, st.idx, pos, rope_e)
+                self.indexer.compressor.step(x, lc.idx, slots, pos, rope_e)
                 qi, wi = self.indexer.queries(x, c_q, cos, sin)
-                scores = ops.indexer_scores(qi, self.indexer.keys(st.idx.entries), wi)
-                chosen = ops.topk_select(scores, chosen, self.indexer.topk)
-            keys = torch.cat((keys, st.comp.entries), 1)
-            mask = torch.cat((mask, chosen), -1)
-        o, _ = ops.sparse_attention(q, keys, mask, self.attn_sink, self.head_dim ** -0.5)
+                scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries[slots, :g]), wi)  # [B, 1, G]
+                chosen = ops.topk_select(scores, chosen[:, None], self.indexer.topk)[:, 0]
+            mask = torch.cat((mask, chosen), -1)  # [B, W + G]
+        scale = self.head_dim ** -0.5
+        if use_kernels(self.cfg, q):
+            from .kernels.sparse_attention import AttentionOptions
+            from .kernels.sparse_attention import sparse_attention as kernel
+
+            pick = ops.mask_to_index(mask)  # [B, K] into the slot's row of the pool
+            idx = torch.where(pick >= 0, pick + slots[:, None] * lc.keys.shape[1], -1).to(torch.int32)
+            b, _, h, d = q.shape
+            c = self.cfg
+            o, _ = kernel(q.reshape(b, h, d), lc.keys.view(-1, d), idx, self.attn_sink, scale,
+                          options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
+            o = o.view(b, 1, h, d)
+        else:
+            o, _ = ops.sparse_attention(q, lc.keys[slots, : mask.shape[1]], mask[:, None], self.attn_sink, scale)
         return self._out(o, cos, sin)
 
 
@@ -489,10 +561,11 @@ class Block(nn.Module):
         return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc[:, fwd.q] >= 0), x, post, comb,
                            fused=fused)
 
-    def step(self, x: torch.Tensor, st: AttnState, pos: int, ropes: dict[str, Rope], ids: torch.Tensor):
+    def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
+             ropes: dict[str, Rope], ids: torch.Tensor) -> torch.Tensor:
         fused = use_kernels(self.cfg, x)  # Sinkhorn and stream sum; hc_post stays the reference here
         u, post, comb = self._hc("attn", x, fused)
-        x = ops.hc_post(self.attn.step(self.attn_norm(u), st, pos, ropes), x, post, comb)
+        x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes), x, post, comb)
         u, post, comb = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool)),
                            x, post, comb)
@@ -648,7 +721,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, aux: tuple[str, ...] | frozenset[str] = (),
-                _states: list | None = None) -> CausalLMOutput:
+                _capture: PrefillCapture | None = None) -> CausalLMOutput:
         """input_ids [B, S] (the whole sequence on every rank); attention_mask (padding) or
         doc_ids (packed documents). `aux`: the auxiliary loss sums to compute ("indexer",
         "balance"; training forwards only). Under context parallelism outputs cover this
@@ -660,7 +733,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             raise ValueError(f"unknown auxiliary losses {sorted(unknown)}; known: {sorted(AUX_LOSSES)}")
         q = ctx.seq_chunk(s) if ctx.cp_size > 1 else slice(None)
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
-        fwd = Fwd(layout, self._ropes(layout.pos), q=q, states=_states, aux=frozenset(aux))
+        fwd = Fwd(layout, self._ropes(layout.pos), q=q, capture=_capture, aux=frozenset(aux))
         ids = input_ids[:, q]
         if ctx.first_stage:
             x = self._streams(self.embed(ids))  # [B, s, n, d]
@@ -670,9 +743,11 @@ class DeepSeekV4ForCausalLM(nn.Module):
             x = layer(x, fwd, ids)
         if not ctx.last_stage:
             return CausalLMOutput(None, hidden=x.flatten(2), aux=self._aux_sums(fwd))
+        if _capture is not None:
+            x = x[:, _capture.at]  # only the tokens whose next token is sampled
         logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V/tp]
         out = CausalLMOutput(logits)
-        if self.mtp and _states is None:
+        if self.mtp and _capture is None:
             out.mtp_logits, mfwd = self._mtp(x, ids, layout, fwd)
             out.mtp_rows = self.loss_rows(layout)["mtp"][:, q]
             main, mtp = self._aux_sums(fwd), self._aux_sums(mfwd)
@@ -732,26 +807,48 @@ class DeepSeekV4ForCausalLM(nn.Module):
                 load.zero_()
 
     # ------------------------------------------------------------------ decoding
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
-        """Full forward over prompts [B, S] (equal lengths, no padding) that also builds
-        the decoding state. Returns logits [B, S, V] and the state."""
-        states: list[AttnState] = []
-        out = self.forward(input_ids, _states=states)
-        return self.ctx.gather_vocab(out.logits), DecodeState(states, input_ids.shape[1])
+    def new_cache(self, slots: int, max_len: int, device: torch.device | str | None = None) -> KVCache:
+        """Decoding state for `slots` sequences of up to `max_len` tokens each, allocated once."""
+        if self.ctx.tp_size * self.ctx.pp_size * self.ctx.cp_size > 1:
+            raise ValueError("incremental decoding runs one whole model replica (TP = PP = CP = 1)")
+        dt = self.embed.weight.dtype
+        layers = [layer.attn.new_cache(slots, max_len, dt, device) for layer in self.layers]
+        return KVCache(layers, torch.zeros(slots, dtype=torch.long, device=device), max_len)
 
     @torch.no_grad()
-    def decode_step(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """Next token of each row: input_ids [B] or [B, 1] at position state.pos -> logits
-        [B, V]; state advances by one token."""
+    def prefill(self, prompts: list[torch.Tensor], cache: KVCache, slots: list[int]) -> torch.Tensor:
+        """Prompts (1-D token ids, any lengths >= 1) packed into one row and run as one forward
+        (documents never see each other); each prompt's state goes to its cache slot. Returns
+        the logits after each prompt's last token [B, V]."""
+        lens = [int(p.numel()) for p in prompts]
+        if min(lens) < 1 or max(lens) >= cache.max_len:
+            raise ValueError(f"prompt lengths must be in [1, {cache.max_len - 1}], got {lens}")
+        ids = torch.cat([p.reshape(-1) for p in prompts])[None]  # [1, T]
+        dev = ids.device
+        doc = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))[None]
+        ends = torch.tensor(lens, device=dev).cumsum(0)
+        capture = PrefillCapture(at=ends - 1)
+        out = self.forward(ids, doc_ids=doc, _capture=capture)
+        for lc, layer, captured in zip(cache.layers, self.layers, capture.layers, strict=True):
+            for d, slot in enumerate(slots):
+                layer.attn.fill(lc, slot, captured, slice(int(ends[d]) - lens[d], int(ends[d])), d)
+        cache.length[slots] = torch.tensor(lens, device=cache.length.device)
+        return self.ctx.gather_vocab(out.logits)[0]
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, V] after input_ids [B], row b being the next token of slot
+        slots[b] (each slot at its own position); the slots advance by one token."""
+        slots = slots.to(cache.length.device)
+        pos = cache.length[slots]  # [B]
+        if int(pos.max()) >= cache.max_len:
+            raise ValueError(f"a slot is full ({cache.max_len} tokens)")
         ids = input_ids.reshape(-1, 1)
-        pos = state.pos
-        ropes = {"swa": Rope(self.inv_freq_swa, None, None),
-                 "compressed": Rope(self.inv_freq_compressed, None, None)}
+        ropes = {"swa": Rope(self.inv_freq_swa, None, None), "compressed": Rope(self.inv_freq_compressed, None, None)}
         x = self._streams(self.embed(ids))
-        for layer, st in zip(self.layers, state.layers, strict=True):
-            x = layer.step(x, st, pos, ropes, ids)
-        state.pos += 1
+        for layer, lc in zip(self.layers, cache.layers, strict=True):
+            x = layer.step(x, lc, slots, pos, ropes, ids)
+        cache.length[slots] += 1
         return self.ctx.gather_vocab(self._logits(head_collapse(self, self.config, x)))[:, 0]
 
     # ------------------------------------------------------------------ HF layout
