@@ -227,7 +227,28 @@ class TrainConfig(Section):
 
 
 class RolloutConfig(Section):
-    """Generation settings arrive with the rollout issue; no keys are accepted yet."""
+    """Generation: engines (ours or SGLang's) behind SGLang's router, and weight sync."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"  # sglang: GPU clusters with SGLang installed
+    num_engines: PosInt = 1
+    cpus_per_engine: PosFloat = 1.0
+    gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; fractions when colocated with the trainer
+    max_running: PosInt = 64  # sequences one engine decodes together
+    max_len: PosInt = 4096  # prompt + generated tokens per sequence
+    prefill_tokens: PosInt = 8192  # prompt tokens per prefill forward
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+    router_args: list[Str] = []  # more sglang-router flags, passed through unchanged
+    concurrency: PosInt = 256  # requests in flight through the router
+    request_timeout: PosFloat = 600.0  # seconds per /generate request; a timed-out sample is re-queued
+    max_attempts: PosInt = 5  # tries per sample before the rollout fails
+    health_interval: PosFloat = 2.0  # seconds between engine health checks
+    health_timeout: PosFloat = 10.0  # a /health answer slower than this counts as a failure
+    health_failures: PosInt = 2  # consecutive failures before an engine is replaced
+    hang_timeout: PosFloat = 60.0  # an engine with work and no decoding step for this long is unhealthy
+    sync: Literal["object_store", "broadcast"] = "object_store"  # weight-sync path (broadcast: gloo/nccl group)
+    bucket_mb: PosInt = 256  # weight-sync bucket size
+    tokenizer: Str | None = None  # text in and out of the engines (default: data.tokenizer)
+    sglang: dict[str, Any] = {}  # engine: sglang: every key becomes --key value of sglang.launch_server
 
 
 class AlgoConfig(Section):

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from miles.memory import offload, restore, unique_storages
 from miles.observe.alignment import grad_checksums
-from miles.train import losses
+from miles.train import losses, weight_export
 from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import Gate
@@ -64,6 +65,7 @@ class TrainWorker:
         self._profile = None
         self._asleep: list | None = None
         self._saves = None  # Megatron's AsyncCallsQueue, once an async save was asked for
+        self._sync_group = None  # weight-sync broadcast group with the engines
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the others connect: this node's address and a free port."""
@@ -416,35 +418,59 @@ class TrainWorker:
         return str(path)
 
     # ------------------------------------------------------------------ weights
-    @torch.no_grad()
     def export_weights(self, bucket_bytes: int = 256 << 20) -> list[dict[str, torch.Tensor]]:
-        """Full (TP-gathered) tensors under DeepSeek's names, in buckets of about
-        `bucket_bytes`, for the names this rank exports: one rank per tensor (data-parallel
-        and context-parallel rank 0, TP rank 0; experts from their EP rank, layers from their
-        pipeline stage). Every rank must call it (TP gathers are collectives)."""
-        from megatron.core import parallel_state as ps
+        """This rank's share of the full (TP-gathered) weights under DeepSeek's names, in host
+        buckets of about `bucket_bytes` (see weight_export). Every rank must call it."""
+        return [{k: v.cpu().clone() for k, v in b.items()} for b in weight_export.buckets(self.model, bucket_bytes)]
 
-        dense_owner = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-        expert_owner = ps.get_expert_data_parallel_rank() == 0  # each expert lives on one EP rank
-        tp_group, tp0 = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() == 0
-        from miles.ckpt.sharded import model_tensors
+    def put_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
+        """Weight sync through the object store: this rank's buckets put one at a time, as
+        [(ObjectRef, {name: md5})]; nothing passes through the driver."""
+        import ray
 
-        buckets, cur, size = [], {}, 0
-        for name, t in model_tensors(self.model).items():
-            if getattr(t, "tensor_model_parallel", False) and self.model.ctx.tp_size > 1:
-                from miles.train.parallel_context import _all_gather
+        from miles.rollout.weights import checksums
 
-                t = torch.cat(_all_gather(t.detach(), tp_group), t.partition_dim)
-            if not (tp0 and (expert_owner if getattr(t, "allreduce", True) is False else dense_owner)):
-                continue
-            if name == "embed.weight" and not self.model.ctx.first_stage:
-                continue  # the last stage's MTP copy equals the first stage's
-            cur[name] = t.detach().cpu().clone()
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                buckets.append(cur)
-                cur, size = {}, 0
-        return buckets + ([cur] if cur else [])
+        out = []
+        for b in weight_export.buckets(self.model, bucket_bytes):
+            host = {k: v.cpu() for k, v in b.items()}
+            out.append((ray.put(host), checksums(host)))
+        return out
+
+    def weight_plan(self, bucket_bytes: int) -> list:
+        return weight_export.plan(self.model, bucket_bytes)
+
+    def open_sync_group(self, host: str, port: int, rank: int, size: int) -> None:
+        """Join the weight-sync broadcast group with the engines (gloo on CPU, nccl on GPU)."""
+        from miles.rollout.weights import open_group
+
+        self._sync_group = open_group(host, port, rank, size, "nccl" if torch.cuda.is_available() else "gloo")
+
+    def broadcast_weights(self, plan: list[dict], bucket_bytes: int, me: int | None) -> dict[str, str]:
+        """Send this rank's buckets to the engines over the sync group (`me` = this rank's index
+        in it, None when it sends nothing but takes part in the TP gathers); every member takes
+        part in every bucket in plan order. Returns {name: md5} of what this rank sent."""
+        from miles.rollout.weights import bucket_buffer, checksums, pack
+
+        gen = weight_export.buckets(self.model, bucket_bytes)
+        if me is None:
+            for _ in gen:
+                pass
+            return {}
+        sums = {}
+        for b in plan:
+            if b["src"] == me:
+                bucket = next(gen)
+                flat = pack(bucket)
+                sums.update(checksums(bucket))
+            else:
+                flat, _ = bucket_buffer(b["spec"], self.device)
+            self._sync_group.broadcast(flat, b["src"]).wait()
+        if next(gen, None) is not None:
+            raise RuntimeError(f"rank {self.rank}: the sync plan misses some of this rank's buckets")
+        return sums
+
+    def close_sync_group(self) -> None:
+        self._sync_group = None
 
     def state(self) -> dict:
         """Parameters and router biases (for parity checks); Megatron's linears add `None`
@@ -467,15 +493,7 @@ class TrainWorker:
                     ts += list(group["params"])
                 for st in o.optimizer.state.values():
                     ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
-        seen, out = set(), []
-        for t in ts:
-            if t is None:
-                continue
-            s = t.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                out.append(t)
-        return out
+        return unique_storages(ts)
 
     def resident_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self._storages())
@@ -495,17 +513,7 @@ class TrainWorker:
         colocated rollout engine; the bytes move to host memory. Returns bytes freed."""
         if self._asleep is not None:
             raise RuntimeError(f"rank {self.rank}: sleep() called twice without wake_up()")
-        self._asleep = []
-        freed = 0
-        for t in self._storages():
-            s = t.untyped_storage()
-            host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            host.untyped_storage().copy_(s)
-            self._asleep.append((s, host))
-            freed += s.nbytes()
-            s.resize_(0)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self._asleep, freed = offload(self._storages())
         return freed
 
     def wake_up(self) -> None:
@@ -513,9 +521,7 @@ class TrainWorker:
         DDP buffer and optimizer reference stays valid)."""
         if self._asleep is None:
             raise RuntimeError(f"rank {self.rank}: wake_up() without sleep()")
-        for s, host in self._asleep:
-            s.resize_(host.numel())
-            s.copy_(host.untyped_storage())
+        restore(self._asleep)
         self._asleep = None
 
     def shutdown(self) -> None:

@@ -1,0 +1,59 @@
+"""The embedded engine as a Ray actor: an `EngineService` behind its HTTP server, plus the
+weight-update calls a trainer drives through Ray (object store buckets, broadcast group)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from miles.rollout.server import HttpServer, build_app
+from miles.rollout.service import EngineService, EngineSpec
+
+
+class EmbeddedEngine:
+    def __init__(self, spec: dict):
+        torch.set_grad_enabled(False)
+        self.svc = EngineService(EngineSpec(**spec))
+        self.http = HttpServer(build_app(self.svc), self.svc.spec.host, self.svc.spec.port)
+
+    def url(self) -> str:
+        return self.http.url
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def info(self) -> dict:
+        return {**self.svc.info(), **self.svc.engine.stats(), "url": self.url()}
+
+    # ---- weight updates (see miles/rollout/sync.py)
+    def begin_update(self) -> None:
+        self.svc.begin_update()
+
+    def stage(self, bucket: dict[str, torch.Tensor], sums: dict[str, str]) -> int:
+        return self.svc.stage(bucket, sums)
+
+    def commit(self, names: list[str], version: int | None = None) -> dict:
+        return self.svc.commit(names, version)
+
+    def abort_update(self) -> None:
+        self.svc.abort_update()
+
+    def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
+        self.svc.open_group(host, port, rank, size, backend)
+
+    def receive_broadcast(self, plan: list[dict]) -> dict[str, str]:
+        return self.svc.receive_broadcast(plan)
+
+    def close_group(self) -> None:
+        self.svc.close_group()
+
+    def release_memory(self) -> int:
+        return self.svc.release_memory()
+
+    def resume_memory(self) -> None:
+        self.svc.resume_memory()
+
+    def shutdown(self) -> None:
+        self.http.stop()
+        self.svc.stop()

@@ -1,0 +1,266 @@
+"""The embedded engine: continuous batching over the plugin's model and its slot cache.
+
+One scheduler thread owns the model. Each iteration it admits waiting requests into free
+slots (distinct prompts prefilled together in one packed forward; requests with the same
+prompt share one prefill and copy its slot), then runs one decode step over every running
+sequence, each at its own position. Requests join and leave at every step. Weight updates
+are staged off to the side and swapped in between two steps (see `weights.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.rollout.sampling import SamplingParams, sample
+from plugins.deepseek_v4.model import DeepSeekV4ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (reported to the client as a 4xx)."""
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    on_done: Callable[[dict], None]
+    gen: torch.Generator | None = None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int = -1
+    aborted: str | None = None
+    finish: dict | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    """Serves one model replica. Thread-safe entry points: submit, abort, pause/resume,
+    stats; `run_exclusive` runs a function between two decoding steps (weight swaps)."""
+
+    def __init__(self, model: DeepSeekV4ForCausalLM, max_running: int = 64, max_len: int = 4096,
+                 tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_running, self.max_len, self.prefill_tokens = max_running, max_len, prefill_tokens
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.vocab = model.config.vocab_size
+        self.cache = model.new_cache(max_running, max_len, self.device)
+        self.free = list(range(max_running))[::-1]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.cv = threading.Condition()
+        self.step_lock = threading.Lock()  # held for each scheduler iteration and each weight swap
+        self.paused = False
+        self.weight_version = 0
+        self.last_progress = time.monotonic()  # end of the last step (or when work arrived at an idle engine)
+        self.counters = {"prefill_tokens": 0, "generated_tokens": 0, "finished": 0, "steps": 0}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ entry points
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a request that cannot be served (checked before queueing)."""
+        if not prompt:
+            raise RequestError("input_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise RequestError(f"input_ids hold ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
+        if any(not 0 <= t < self.vocab for t in params.stop_token_ids or []):
+            raise RequestError(f"stop_token_ids must be ids in [0, {self.vocab})")
+        if len(prompt) + params.max_new_tokens > self.max_len:
+            raise RequestError(f"input ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                               f"the engine's context length {self.max_len}")
+        if params.stops and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_done: Callable[[dict], None],
+               return_logprob: bool = False, rid: str | None = None) -> str:
+        self.check(prompt, params)
+        seq = Sequence(rid or uuid.uuid4().hex, list(prompt), params, return_logprob, on_done,
+                       params.generator(self.device))
+        if params.max_new_tokens == 0:
+            self._finish(seq, {"type": "length", "length": 0})
+            return seq.rid
+        with self.cv:
+            if not (self.waiting or self.running):
+                self.last_progress = time.monotonic()
+            self.waiting.append(seq)
+            self.cv.notify_all()
+        return seq.rid
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort one request (rid) or all (None); each finishes with finish_reason abort."""
+        with self.cv:
+            hit = [s for s in list(self.waiting) + self.running if rid is None or s.rid == rid]
+            for s in hit:
+                s.aborted = "aborted by request"
+            self.cv.notify_all()
+        return len(hit)
+
+    def pause(self) -> None:
+        with self.cv:
+            self.paused = True
+
+    def resume(self) -> None:
+        with self.cv:
+            self.paused = False
+            self.cv.notify_all()
+
+    def run_exclusive(self, fn: Callable[[], object]) -> object:
+        """Run fn with no decoding step in progress (the model's weights may change)."""
+        with self.step_lock:
+            return fn()
+
+    def stats(self) -> dict:
+        with self.cv:
+            return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": len(self.free),
+                    "weight_version": self.weight_version, "paused": self.paused, **self.counters}
+
+    def stop(self) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        self._thread.join(timeout=30)
+        self.abort()
+        for s in list(self.waiting) + self.running:
+            self._finish(s, {"type": "abort", "message": "engine stopped"})
+
+    # ------------------------------------------------------------------ scheduler
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self._stop and (self.paused or not (self.waiting or self.running)):
+                    self.cv.wait()
+                if self._stop:
+                    return
+            with self.step_lock:
+                try:
+                    self._iteration()
+                except Exception as e:  # a failed step fails its requests, never the engine
+                    log.exception("engine step failed")
+                    with self.cv:
+                        failed = self.running + list(self.waiting)
+                        self.running, self.waiting = [], deque()
+                    for s in failed:
+                        self._release(s)
+                        self._finish(s, {"type": "abort", "message": f"engine error: {e}"})
+
+    def _iteration(self) -> None:
+        with self.cv:
+            for s in [s for s in self.running if s.aborted]:
+                self.running.remove(s)
+                self._release(s)
+                self._finish(s, {"type": "abort", "message": s.aborted})
+            for s in [s for s in self.waiting if s.aborted]:
+                self.waiting.remove(s)
+                self._finish(s, {"type": "abort", "message": s.aborted})
+            admit, budget = [], self.prefill_tokens
+            while self.waiting and self.free and (not admit or budget >= len(self.waiting[0].prompt)):
+                s = self.waiting.popleft()
+                s.slot = self.free.pop()
+                budget -= len(s.prompt)
+                admit.append(s)
+        if admit:
+            self._prefill(admit)
+        if self.running:
+            self._decode()
+        self.counters["steps"] += 1
+        self.last_progress = time.monotonic()
+
+    def _prefill(self, admit: list[Sequence]) -> None:
+        """Distinct prompts in one packed forward; requests with an equal prompt copy the slot
+        of the first one; each then samples its first token from the shared logits."""
+        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        for s in admit:
+            groups.setdefault(tuple(s.prompt), []).append(s)
+        firsts = [g[0] for g in groups.values()]
+        prompts = [torch.tensor(s.prompt, dtype=torch.long, device=self.device) for s in firsts]
+        logits = self.model.prefill(prompts, self.cache, [s.slot for s in firsts])  # [P, V]
+        self.counters["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
+        rows = []
+        for i, g in enumerate(groups.values()):
+            if len(g) > 1:
+                self.cache.copy_slot(g[0].slot, [s.slot for s in g[1:]])
+            rows += [i] * len(g)
+        seqs = [s for g in groups.values() for s in g]
+        with self.cv:
+            self.running += seqs
+        self._append(seqs, logits[rows])
+
+    def _decode(self) -> None:
+        seqs = list(self.running)
+        ids = torch.tensor([s.out[-1] for s in seqs], dtype=torch.long, device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        self._append(seqs, self.model.decode(ids, self.cache, slots))
+
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens, logps = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        self.counters["generated_tokens"] += len(seqs)
+        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist(), strict=True):
+            s.out.append(t)
+            s.logprobs.append(lp)
+            reason = self._stopped(s)
+            if reason is not None:
+                with self.cv:
+                    self.running.remove(s)
+                self._release(s)
+                self._finish(s, reason)
+
+    def _stopped(self, s: Sequence) -> dict | None:
+        p, t, n = s.params, s.out[-1], len(s.out)
+        if n >= p.min_new_tokens:
+            if t in (p.stop_token_ids or ()) or (t in self.eos_ids and not p.ignore_eos):
+                return {"type": "stop", "matched": t}
+            if p.stops:
+                text = self.tokenizer.decode(s.out[-32:], skip_special_tokens=False)
+                hit = next((x for x in p.stops if x in text), None)
+                if hit is not None:
+                    return {"type": "stop", "matched": hit}
+        if n >= p.max_new_tokens:
+            return {"type": "length", "length": n}
+        if len(s.prompt) + n >= self.max_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _release(self, s: Sequence) -> None:
+        if s.slot >= 0:
+            with self.cv:
+                self.free.append(s.slot)
+            s.slot = -1
+
+    def _finish(self, s: Sequence, reason: dict) -> None:
+        s.finish = reason
+        self.counters["finished"] += 1
+        try:
+            s.on_done(self.result(s))
+        except Exception:
+            log.exception("request %s: completion callback failed", s.rid)
+
+    def result(self, s: Sequence) -> dict:
+        """SGLang's /generate response for one request."""
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(s.out, skip_special_tokens=s.params.skip_special_tokens)
+            hit = s.finish.get("matched") if s.finish else None
+            if isinstance(hit, str) and not s.params.no_stop_trim and hit in text:
+                text = text[: text.index(hit)]
+        meta = {"id": s.rid, "prompt_tokens": len(s.prompt), "completion_tokens": len(s.out),
+                "finish_reason": s.finish, "weight_version": self.weight_version,
+                "e2e_latency": time.monotonic() - s.started}
+        if s.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.out, strict=True)]
+        return {"text": text, "output_ids": list(s.out), "meta_info": meta}

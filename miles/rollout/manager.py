@@ -1,0 +1,195 @@
+"""The rollout manager: engines, SGLang's router in front of them, and generation that loses
+no sample.
+
+Every sample goes through the router with a timeout; a failed or timed-out request is
+re-queued (up to `max_attempts`), and a sample's result is recorded once, by its id. A health
+monitor checks each engine's /health; an engine that fails `health_failures` checks in a row
+(dead, hung, or stuck with work waiting) is removed from the router, killed and replaced,
+and the replacement gets the latest weights before it is added back. Runs in the driver or
+as a Ray actor (`ray.remote(RolloutManager)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import ray
+
+from miles.config import RolloutConfig
+from miles.rollout.embedded import EmbeddedEngine
+from miles.rollout.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """A sample that could not be generated (a 4xx from the engines, or every attempt failed)."""
+
+
+@dataclass
+class EngineSlot:
+    actor: object
+    url: str
+    pid: int
+    failures: int = 0
+
+
+class RolloutManager:
+    def __init__(self, cfg: dict | RolloutConfig, spec: dict, log_dir: str | None = None):
+        """cfg: the job's `rollout` section; spec: the EngineSpec fields every engine shares
+        (model config or HF directory, seed, dtype)."""
+        self.cfg = cfg if isinstance(cfg, RolloutConfig) else RolloutConfig.model_validate(cfg)
+        c = self.cfg
+        self.spec = {**spec, "max_running": c.max_running, "max_len": c.max_len, "prefill_tokens": c.prefill_tokens,
+                     "hang_timeout": c.hang_timeout}
+        if c.tokenizer is not None:
+            self.spec["tokenizer"] = c.tokenizer
+        self._actor_cls = ray.remote(EmbeddedEngine).options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
+                                                             max_restarts=0)
+        self.engines = self._start_engines(c.num_engines)
+        self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
+                             health_interval=c.health_interval, extra_args=list(c.router_args),
+                             log_file=f"{log_dir}/router.log" if log_dir else None)
+        self.latest: dict | None = None  # the last weight update, replayed to replacement engines
+        self.stats = {"restarts": 0, "retries": 0, "timeouts": 0}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------------ engines
+    def _start_engines(self, n: int) -> list[EngineSlot]:
+        actors = [self._actor_cls.remote(self.spec) for _ in range(n)]
+        urls = ray.get([a.url.remote() for a in actors], timeout=300)
+        pids = ray.get([a.pid.remote() for a in actors])
+        return [EngineSlot(a, u, p) for a, u, p in zip(actors, urls, pids, strict=True)]
+
+    def engine_actors(self) -> list:
+        with self._lock:
+            return [e.actor for e in self.engines]
+
+    def engine_info(self) -> list[dict]:
+        with self._lock:
+            return [{"url": e.url, "pid": e.pid, "failures": e.failures} for e in self.engines]
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=self.cfg.health_timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.cfg.health_interval):
+            with self._lock:
+                engines = list(self.engines)
+            for e in engines:
+                if self._stop.is_set():
+                    return
+                if self._healthy(e.url):
+                    e.failures = 0
+                    continue
+                e.failures += 1
+                if e.failures >= self.cfg.health_failures:
+                    try:
+                        self._replace(e)
+                    except Exception:
+                        log.exception("replacing engine %s failed; will retry", e.url)
+
+    def _replace(self, dead: EngineSlot) -> None:
+        log.warning("engine %s (pid %d) failed %d health checks: replacing it", dead.url, dead.pid, dead.failures)
+        self.router.remove(dead.url)
+        ray.kill(dead.actor, no_restart=True)
+        new = self._start_engines(1)[0]
+        if self.latest is not None:
+            self._apply([new], self.latest)
+        self.router.add(new.url)
+        with self._lock:
+            self.engines = [new if e is dead else e for e in self.engines]
+            self.stats["restarts"] += 1
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, buckets: list[tuple], names: list[str], version: int) -> dict:
+        """Object-store path: buckets [(ObjectRef of {name: tensor}, {name: md5})] from the
+        trainer's owning ranks go to every engine; each verifies and swaps them in whole."""
+        update = {"buckets": buckets, "names": names, "version": version}
+        with self._lock:
+            engines = list(self.engines)
+        res = self._apply(engines, update)
+        self.latest = update
+        return res
+
+    @staticmethod
+    def _apply(engines: list[EngineSlot], update: dict) -> dict:
+        t0 = time.perf_counter()
+        ray.get([e.actor.begin_update.remote() for e in engines])
+        try:
+            ray.get([e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]])
+        except Exception:
+            ray.get([e.actor.abort_update.remote() for e in engines])
+            raise
+        res = ray.get([e.actor.commit.remote(update["names"], update["version"]) for e in engines])
+        return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines)}
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests: list[dict]) -> list[dict]:
+        """requests: {"id": sample id, "input_ids" or "text", "sampling_params", ...} (the rest
+        is SGLang's /generate body). Returns one result per request, in order, each the
+        engine's response plus its "id"; every sample finished exactly once."""
+        ids = [r["id"] for r in requests]
+        if len(set(ids)) != len(ids):
+            raise RolloutError("sample ids must be unique within one generate call")
+        return asyncio.run(self._generate(requests))
+
+    async def _generate(self, requests: list[dict]) -> list[dict]:
+        c = self.cfg
+        done: dict[str, dict] = {}
+        sem = asyncio.Semaphore(c.concurrency)
+        limits = httpx.Limits(max_connections=c.concurrency, max_keepalive_connections=c.concurrency)
+        async with httpx.AsyncClient(base_url=self.router.url, timeout=c.request_timeout, limits=limits) as client:
+            async def one(req: dict) -> None:
+                body = {k: v for k, v in req.items() if k != "id"}
+                last = ""
+                for attempt in range(c.max_attempts):
+                    if attempt:
+                        self.stats["retries"] += 1
+                        await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
+                    try:
+                        async with sem:
+                            r = await client.post("/generate", json=body)
+                    except httpx.TimeoutException:
+                        self.stats["timeouts"] += 1
+                        last = f"timed out after {c.request_timeout:.0f} s"
+                        continue
+                    except httpx.HTTPError as e:
+                        last = f"{type(e).__name__}: {e}"
+                        continue
+                    if r.status_code == 200:
+                        if req["id"] not in done:  # exactly once, whatever retried underneath
+                            done[req["id"]] = {**r.json(), "id": req["id"]}
+                        return
+                    last = f"HTTP {r.status_code}: {r.text[:300]}"
+                    if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+                        raise RolloutError(f"sample {req['id']}: the engine refused it: {last}")
+                raise RolloutError(f"sample {req['id']}: {c.max_attempts} attempts failed, the last: {last}")
+
+            await asyncio.gather(*(one(r) for r in requests))
+        return [done[r["id"]] for r in requests]
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._monitor.join(timeout=30)
+        self.router.stop()
+        with self._lock:
+            for e in self.engines:
+                try:
+                    ray.get(e.actor.shutdown.remote(), timeout=10)
+                except Exception:
+                    pass
+                ray.kill(e.actor, no_restart=True)
+            self.engines = []

@@ -1,0 +1,83 @@
+"""SGLang's own router (`sglang-router`, a Rust binary) in front of the engines: started,
+watched and stopped here; workers added and removed through its HTTP API."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Router:
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", host: str = "127.0.0.1",
+                 port: int = 0, request_timeout: float = 600, health_interval: float = 5,
+                 extra_args: list[str] | None = None, log_file: str | Path | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
+                    "--policy", policy, "--request-timeout-secs", str(int(request_timeout)),
+                    "--health-check-interval-secs", str(max(1, int(health_interval))),
+                    "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+                    "--log-level", "warn", *(extra_args or [])]
+        if worker_urls:
+            self.cmd += ["--worker-urls", *worker_urls]
+        self._log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=self.url, timeout=10)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with code {self.proc.returncode}: {' '.join(self.cmd)}"
+                                   + (f" (log: {log_file})" if log_file else ""))
+            try:
+                if self.client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"sglang-router did not answer /health on {self.url} within 60 s")
+            time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def workers(self) -> list[dict]:
+        """The router's workers: {"id", "url", "is_healthy", "load", ...}."""
+        return self.client.get("/workers").json().get("workers", [])
+
+    def add(self, url: str, timeout: float = 60) -> None:
+        """Register an engine and wait until the router lists it (it reads /model_info first)."""
+        r = self.client.post("/workers", json={"url": url})
+        if r.status_code >= 400:
+            raise RuntimeError(f"sglang-router refused worker {url}: {r.status_code} {r.text[:200]}")
+        deadline = time.monotonic() + timeout
+        while url not in [w["url"] for w in self.workers()]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang-router did not list worker {url} within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def remove(self, url: str) -> None:
+        for w in self.workers():
+            if w["url"] == url:
+                self.client.delete(f"/workers/{w['id']}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()

@@ -1,0 +1,247 @@
+"""SGLang's native HTTP API over an `EngineService` (FastAPI, served by uvicorn in a thread).
+
+Every malformed request gets a 400 with a message naming the field; nothing a client sends
+can stop the engine. Bound to 127.0.0.1 unless the spec says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+
+from miles.rollout.engine import RequestError
+from miles.rollout.sampling import SamplingParams
+from miles.rollout.service import EngineService
+from miles.rollout.weights import WeightSyncError, decode_tensors
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: StrictStr | list[StrictStr] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] = SamplingParams()
+    return_logprob: StrictBool | list[StrictBool] = False
+    rid: StrictStr | list[StrictStr] | None = None
+    stream: Literal[False] = False  # streaming is not served
+    logprob_start_len: StrictInt = -1  # accepted for SGLang clients; prompt log-probs are not returned
+    top_logprobs_num: Literal[0] = 0
+    return_text_in_logprobs: StrictBool = False
+
+    def items(self, tokenizer) -> tuple[bool, list[tuple[list[int], SamplingParams, bool, str | None]]]:
+        """(batched?, one (ids, params, return_logprob, rid) per request)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise RequestError("give exactly one of 'text' and 'input_ids'")
+        if self.text is not None:
+            if tokenizer is None:
+                raise RequestError("'text' needs a tokenizer; this engine has none (send input_ids)")
+            batched = isinstance(self.text, list)
+            prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in
+                       (self.text if batched else [self.text])]
+        else:
+            batched = bool(self.input_ids) and isinstance(self.input_ids[0], list)
+            prompts = self.input_ids if batched else [self.input_ids]
+        n = len(prompts)
+        if batched and n == 0:
+            raise RequestError("empty batch")
+
+        def per(v, name):
+            if isinstance(v, list):
+                if not batched or len(v) != n:
+                    raise RequestError(f"'{name}' is a list of {len(v)}, the batch has {n if batched else 1} prompt")
+                return v
+            return [v] * n
+
+        rids = per(self.rid, "rid") if self.rid is not None else [None] * n
+        return batched, list(zip(prompts, per(self.sampling_params, "sampling_params"),
+                                 per(self.return_logprob, "return_logprob"), rids, strict=True))
+
+
+def _bad(msg: str, code: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg, "code": code}}, status_code=code)
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _pydantic_message(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+
+
+def build_app(svc: EngineService) -> FastAPI:
+    app = FastAPI(title="miles embedded engine", docs_url=None, redoc_url=None)
+    engine = svc.engine
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_, e: RequestError):
+        return _bad(str(e))
+
+    @app.exception_handler(ValidationError)
+    async def _validation_error(_, e: ValidationError):
+        return _bad(_pydantic_message(e))
+
+    @app.exception_handler(WeightSyncError)
+    async def _sync_error(_, e: WeightSyncError):
+        return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+
+    @app.get("/health")
+    async def health():
+        ok, why = svc.healthy()
+        return JSONResponse({"status": why}, status_code=200 if ok else 503)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """A one-token generation end to end (the scheduler really runs)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        engine.submit([0], SamplingParams(temperature=0, max_new_tokens=1),
+                      lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
+        try:
+            r = await asyncio.wait_for(fut, timeout=svc.spec.hang_timeout)
+        except TimeoutError:
+            return _bad("generation did not finish in time", 503)
+        ok = r["meta_info"]["finish_reason"]["type"] != "abort"
+        return JSONResponse({"status": "ok" if ok else "failed"}, status_code=200 if ok else 503)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return svc.info()
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        return {**svc.info(), **engine.stats(), "spec": svc.spec.to_dict(), "last_weight_update": svc.last_update}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = GenerateRequest.model_validate(await _body(request))
+        batched, items = req.items(svc.tokenizer)
+        for ids, params, _, _ in items:  # all checked before any is queued
+            engine.check(ids, params)
+        loop = asyncio.get_running_loop()
+        futs = []
+        for ids, params, lp, rid in items:
+            fut = loop.create_future()
+            futs.append(fut)
+            engine.submit(ids, params, lambda r, f=fut: loop.call_soon_threadsafe(
+                lambda: f.done() or f.set_result(r)), lp, rid)
+        results = await asyncio.gather(*futs)
+        failed = [r for r in results if r["meta_info"]["finish_reason"].get("message", "").startswith("engine")]
+        if failed:
+            return _bad(failed[0]["meta_info"]["finish_reason"]["message"], 500)
+        return results if batched else results[0]
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _body(request)
+        if body.get("abort_all"):
+            return {"aborted": engine.abort(None)}
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise RequestError("give 'rid' (a string) or 'abort_all': true")
+        return {"aborted": engine.abort(rid)}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        # No prefix cache outlives its requests here: nothing to drop.
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/pause_generation")
+    async def pause_generation():
+        engine.pause()
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        engine.resume()
+        return {"success": True}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        """Body: serialized_named_tensors (base64 safetensors buckets, see weights.encode_tensors),
+        optional checksums {name: md5} and weight_version. Applied whole or not at all."""
+        body = await _body(request)
+        blobs = body.get("serialized_named_tensors")
+        if not isinstance(blobs, list) or not all(isinstance(b, str) for b in blobs):
+            raise RequestError("'serialized_named_tensors' must be a list of base64 strings")
+        tensors = {}
+        for blob in blobs:
+            tensors.update(decode_tensors(blob))
+        sums = body.get("checksums")
+        version = body.get("weight_version")
+        res = await asyncio.to_thread(svc.update_all, tensors, sums, _version(version))
+        return {"success": True, "message": f"updated {res['tensors']} tensors", **res}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            raise RequestError("'model_path' (a directory of safetensors) is required")
+        res = await asyncio.to_thread(svc.update_from_disk, path, _version(body.get("weight_version")))
+        return {"success": True, "message": f"updated {res['tensors']} tensors from {path}", **res}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation():
+        freed = await asyncio.to_thread(svc.release_memory)
+        return {"success": True, "freed_bytes": freed}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation():
+        await asyncio.to_thread(svc.resume_memory)
+        return {"success": True}
+
+    return app
+
+
+def _version(v) -> int | None:
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"weight_version must be an integer, got {v!r}") from e
+
+
+class HttpServer:
+    """uvicorn serving `app` from a daemon thread; `url` once started."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.host, self.port = host, sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="engine-http",
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the engine's HTTP server did not start on {host}:{self.port}")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

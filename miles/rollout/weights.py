@@ -1,0 +1,127 @@
+"""Weight updates of a serving model: staged to the side, verified, swapped in whole.
+
+An update is a set of DeepSeek-named tensors, arriving in buckets (from the Ray object
+store, a torch.distributed broadcast, a directory or an HTTP body). Each bucket is checked
+on arrival (name known, shape equal, MD5 of the received bytes equal to the sender's),
+converted to the model's dtype and device and kept in a staging area. `commit` checks that
+every announced name arrived and copies all of them into the model between two decoding
+steps. Any failure drops the staging area: the model keeps serving its old weights, and the
+error goes back to whoever drove the update. Staging holds one extra copy of the updated
+tensors (an engine's weights are small next to its trainer's state).
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from plugins.deepseek_v4.hf_io import tensor_md5
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update that was refused; the model still holds its previous weights."""
+
+
+def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: tensor_md5(v) for k, v in tensors.items()}
+
+
+class Staging:
+    """One update in progress against `model` (its state_dict names and shapes)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None) -> None:
+        for name, t in tensors.items():
+            target = self.targets.get(name)
+            if target is None:
+                raise WeightSyncError(f"update holds '{name}', which the model does not have")
+            if tuple(t.shape) != tuple(target.shape):
+                raise WeightSyncError(f"'{name}': update has shape {list(t.shape)}, the model {list(target.shape)}")
+            if sums is not None:
+                if name not in sums:
+                    raise WeightSyncError(f"'{name}': no checksum came with the tensor")
+                got = tensor_md5(t)
+                if got != sums[name]:
+                    raise WeightSyncError(f"'{name}': checksum mismatch (sent {sums[name]}, received {got})")
+            if name in self.staged:
+                raise WeightSyncError(f"'{name}' arrived twice in one update")
+            self.staged[name] = t.detach().to(device=target.device, dtype=target.dtype, copy=True)
+            self.bytes += t.numel() * t.element_size()
+
+    def commit(self, names: list[str]) -> int:
+        """Copy the staged tensors into the model once `names` (all announced) have arrived."""
+        missing = sorted(set(names) - set(self.staged))
+        extra = sorted(set(self.staged) - set(names))
+        if missing or extra:
+            raise WeightSyncError(f"update incomplete: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                                  f", not announced {extra[:5]}")
+        with torch.no_grad():
+            for name, t in self.staged.items():
+                self.targets[name].copy_(t)
+        return len(self.staged)
+
+
+# --------------------------------------------------------------------------- HTTP bodies
+def encode_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """A bucket as base64 safetensors bytes (the body of POST /update_weights_from_tensor;
+    safetensors, not pickle: an engine never unpickles what it is sent)."""
+    return base64.b64encode(safetensors_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+                            ).decode()
+
+
+def decode_tensors(blob: str) -> dict[str, torch.Tensor]:
+    try:
+        return safetensors_load(base64.b64decode(blob, validate=True))
+    except Exception as e:
+        raise WeightSyncError(f"serialized_named_tensors: not base64 safetensors bytes ({e})") from e
+
+
+# --------------------------------------------------------------------------- broadcast group
+def open_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float = 300):
+    """A process group of its own between the trainer's sending ranks and the engines (not
+    the default group: trainers and engines live in different worlds). gloo on CPU, nccl on GPU."""
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+
+
+def bucket_buffer(spec: list[tuple[str, list[int], str]], device=None) -> tuple[torch.Tensor, dict]:
+    """One flat byte buffer for a bucket [(name, shape, dtype)] and the tensor views into it."""
+    sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dt)).element_size()
+             for _, shape, dt in spec]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    views, off = {}, 0
+    for (name, shape, dt), n in zip(spec, sizes, strict=True):
+        views[name] = flat[off: off + n].view(getattr(torch, dt)).view(shape)
+        off += n
+    return flat, views
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A bucket's tensors as one flat byte buffer (in dict order)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+
+
+def spec_of(tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[int], str]]:
+    return [(k, list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()]
+
+
+def read_dir(path: str) -> dict[str, torch.Tensor]:
+    from plugins.deepseek_v4.hf_io import load_safetensors_dir
+
+    try:
+        return load_safetensors_dir(path)
+    except (OSError, ValueError) as e:
+        raise WeightSyncError(f"{path}: {e}") from e
+

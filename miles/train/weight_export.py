@@ -1,0 +1,73 @@
+"""A trainer's weights as full tensors under DeepSeek's names, in buckets, from the ranks
+that own them: one rank per tensor (data- and context-parallel rank 0, TP rank 0; experts
+from their EP rank, layers from their pipeline stage). Every rank walks all tensors in the
+same order (TP-split ones are gathered over the TP group, a collective), so `plan` (shapes
+only, no communication) and `buckets` cut the same buckets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from miles.ckpt.sharded import model_tensors
+
+
+def _items(model) -> Iterator[tuple[str, torch.Tensor, list[int], bool]]:
+    """(name, this rank's tensor, full shape, this rank exports it) for every model tensor."""
+    from megatron.core import parallel_state as ps
+
+    dense_owner = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    expert_owner = ps.get_expert_data_parallel_rank() == 0  # each expert lives on one EP rank
+    tp0, tp = ps.get_tensor_model_parallel_rank() == 0, model.ctx.tp_size
+    for name, t in model_tensors(model).items():
+        split = getattr(t, "tensor_model_parallel", False) and tp > 1
+        shape = list(t.shape)
+        if split:
+            shape[t.partition_dim] *= tp
+        owned = tp0 and (expert_owner if getattr(t, "allreduce", True) is False else dense_owner)
+        if name == "embed.weight" and not model.ctx.first_stage:
+            owned = False  # the last stage's MTP copy equals the first stage's
+        yield name, t, shape, owned
+
+
+def _cut(sizes: Iterator[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    out, cur, size = [], [], 0
+    for name, n in sizes:
+        cur.append(name)
+        size += n
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def plan(model, bucket_bytes: int) -> list[list[tuple[str, list[int], str]]]:
+    """This rank's buckets as [(name, full shape, dtype)] without moving any data."""
+    owned = [(n, s, t.dtype) for n, t, s, own in _items(model) if own]
+    meta = {n: (s, d) for n, s, d in owned}
+    cuts = _cut(((n, torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in owned),
+                bucket_bytes)
+    return [[(n, meta[n][0], str(meta[n][1]).removeprefix("torch.")) for n in names] for names in cuts]
+
+
+@torch.no_grad()
+def buckets(model, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's buckets {name: full tensor on the model's device}, the same cut as `plan`.
+    Every rank must exhaust it (TP gathers are collectives)."""
+    from megatron.core import parallel_state as ps
+
+    from miles.train.parallel_context import _all_gather
+
+    cuts = iter(plan(model, bucket_bytes))
+    want = next(cuts, [])
+    cur: dict[str, torch.Tensor] = {}
+    for name, t, _, own in _items(model):
+        if getattr(t, "tensor_model_parallel", False) and model.ctx.tp_size > 1:
+            t = torch.cat(_all_gather(t.detach(), ps.get_tensor_model_parallel_group()), t.partition_dim)
+        if not own:
+            continue
+        cur[name] = t.detach()
+        if len(cur) == len(want):
+            yield cur
+            cur, want = {}, next(cuts, [])

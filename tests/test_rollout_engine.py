@@ -1,0 +1,206 @@
+"""The embedded engine in one process: continuous batching against one request at a time,
+seeded sampling, shared prefill, stop conditions, abort, and its HTTP API under bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import assert_close, randomize, tiny_model
+
+from miles.data.sft import tokenizer_path
+from miles.rollout.engine import Engine
+from miles.rollout.sampling import SamplingParams
+from miles.rollout.server import HttpServer, build_app
+from miles.rollout.service import EngineService, EngineSpec
+from plugins.deepseek_v4 import DeepSeekV4Config
+
+VOCAB = 320
+
+
+class Collector:
+    def __init__(self):
+        self.results: dict[str, dict] = {}
+        self.cv = threading.Condition()
+
+    def __call__(self, r: dict) -> None:
+        with self.cv:
+            assert r["meta_info"]["id"] not in self.results, "a request finished twice"
+            self.results[r["meta_info"]["id"]] = r
+            self.cv.notify_all()
+
+    def wait(self, n: int, timeout: float = 120) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.results) >= n, timeout), f"{len(self.results)}/{n} finished"
+
+
+def _engine(seed: int, **kw) -> Engine:
+    return Engine(randomize(tiny_model(seed), seed).eval(), max_len=kw.pop("max_len", 128), **kw)
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + 11)
+    return [torch.randint(2, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+def _logprobs(r: dict) -> torch.Tensor:
+    return torch.tensor([x[0] for x in r["meta_info"]["output_token_logprobs"]])
+
+
+def _run(engine: Engine, prompts, params, stagger: float = 0.0, prefix: str = "") -> dict[str, dict]:
+    col = Collector()
+    for i, p in enumerate(prompts):
+        engine.submit(p, params[i] if isinstance(params, list) else params, col, True, rid=f"{prefix}{i}")
+        if stagger:
+            time.sleep(stagger * (i % 4))  # requests join a batch that is already decoding
+    col.wait(len(prompts))
+    return col.results
+
+
+def test_continuous_batching_equals_one_at_a_time(seed):
+    """16 greedy requests of different lengths joining a running batch at different times
+    (8 slots: some wait for others to leave) give each request the tokens it gets alone, and
+    log-probs within 1e-5 (fp32; batch composition changes BLAS blocking, not the math).
+    Seeded sampling gives the same tokens in the same mix twice, and alone."""
+    engine = _engine(seed, max_running=8)
+    prompts = _prompts(seed, 16)
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+        together = _run(engine, prompts, greedy, stagger=0.02)
+        assert engine.counters["steps"] < 16 * 24, "requests were not batched"
+        for i, p in enumerate(prompts):
+            alone = _run(engine, [p], greedy, prefix=f"alone{i}-")["alone%d-0" % i]
+            both = together[str(i)]
+            assert both["output_ids"] == alone["output_ids"], f"request {i}: tokens depend on the batch"
+            assert_close(_logprobs(both), _logprobs(alone), atol=1e-5, what=f"request {i} log-probs")
+        seeded = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=16, seed=seed + i,
+                                 ignore_eos=True) for i in range(16)]
+        a = _run(engine, prompts, seeded, stagger=0.01)
+        b = _run(engine, prompts, seeded, stagger=0.01)
+        for i in range(16):
+            assert a[str(i)]["output_ids"] == b[str(i)]["output_ids"], f"seeded request {i} not reproducible"
+        alone = _run(engine, [prompts[3]], [seeded[3]])["0"]
+        assert alone["output_ids"] == a["3"]["output_ids"], "a seeded request depends on its batch"
+        assert len({tuple(a[str(i)]["output_ids"]) for i in range(16)}) > 1
+    finally:
+        engine.stop()
+
+
+def test_samples_of_one_prompt_share_its_prefill(seed):
+    """8 requests with one prompt: the prompt is prefilled once (prefill token counter), the
+    8 greedy continuations are identical, seeded ones differ from each other."""
+    engine = _engine(seed, max_running=16)
+    prompt = _prompts(seed, 1)[0] + [5, 6, 7]
+    try:
+        res = _run(engine, [prompt] * 8, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+        assert engine.counters["prefill_tokens"] == len(prompt)
+        assert len({tuple(r["output_ids"]) for r in res.values()}) == 1
+        res = _run(engine, [prompt] * 8, [SamplingParams(max_new_tokens=12, seed=i, ignore_eos=True)
+                                          for i in range(8)])
+        assert engine.counters["prefill_tokens"] == 2 * len(prompt)
+        assert len({tuple(r["output_ids"]) for r in res.values()}) > 1
+    finally:
+        engine.stop()
+
+
+def test_stop_conditions_and_abort(seed):
+    """max_new_tokens, stop_token_ids (the matched id reported, kept in output_ids), EOS unless
+    ignore_eos, abort of a running request (finish_reason abort, its slot reused)."""
+    engine = _engine(seed, max_running=2, max_len=512)
+    p = _prompts(seed, 1)[0]
+    try:
+        free = _run(engine, [p], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))["0"]
+        assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+        stop_at = free["output_ids"][4]
+        first = free["output_ids"].index(stop_at)
+        r = _run(engine, [p], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop_at]))["0"]
+        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+        assert r["output_ids"] == free["output_ids"][: first + 1]
+        engine.eos_ids = frozenset({stop_at})
+        assert _run(engine, [p], SamplingParams(temperature=0, max_new_tokens=10))["0"]["output_ids"] == \
+            free["output_ids"][: first + 1]
+        engine.eos_ids = frozenset()
+        col = Collector()
+        engine.submit(p, SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True), col, rid="long")
+        time.sleep(0.3)
+        assert engine.abort("long") == 1
+        col.wait(1)
+        assert col.results["long"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(col.results["long"]["output_ids"]) < 400
+        assert engine.stats()["free_slots"] == 2
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def server():
+    svc = EngineService(EngineSpec(config=DeepSeekV4Config.tiny(vocab_size=512).to_dict(), seed=3, max_running=4,
+                                   max_len=96, tokenizer=tokenizer_path("tiny")))
+    http = HttpServer(build_app(svc))
+    yield svc, httpx.Client(base_url=http.url, timeout=60)
+    http.stop()
+    svc.stop()
+
+
+BAD = {
+    "garbage JSON": b"{garbage",
+    "not an object": b"[1, 2]",
+    "negative max_new_tokens": b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}',
+    "unknown field": b'{"input_ids": [1, 2], "temprature": 0.5}',
+    "unknown sampling field": b'{"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}',
+    "id outside the vocabulary": b'{"input_ids": [1, 512]}',
+    "negative id": b'{"input_ids": [-1]}',
+    "too long": b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 94}}',
+    "empty input": b'{"input_ids": []}',
+    "text and ids": b'{"input_ids": [1], "text": "a"}',
+    "string ids": b'{"input_ids": "abc"}',
+    "bad temperature": b'{"input_ids": [1], "sampling_params": {"temperature": "hot"}}',
+    "top_p 0": b'{"input_ids": [1], "sampling_params": {"top_p": 0}}',
+    "top_k 0": b'{"input_ids": [1], "sampling_params": {"top_k": 0}}',
+    "NaN temperature": b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}',
+    "streaming": b'{"input_ids": [1], "stream": true}',
+    "rid list of the wrong length": b'{"input_ids": [[1], [2]], "rid": ["a"]}',
+}
+
+
+def test_bad_requests_get_4xx_and_the_engine_keeps_serving(server):
+    svc, client = server
+    good = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    want = client.post("/generate", json=good).json()["output_ids"]
+    for what, body in BAD.items():
+        r = client.post("/generate", content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, f"{what}: HTTP {r.status_code} {r.text[:200]}"
+        assert r.json()["error"]["message"], what
+        assert client.post("/generate", json=good).json()["output_ids"] == want, f"engine broken after {what}"
+    for path, body in (("/abort_request", b"{}"), ("/update_weights_from_disk", b'{"model_path": "/nonexistent"}'),
+                       ("/update_weights_from_tensor", b'{"serialized_named_tensors": ["@@"]}')):
+        r = client.post(path, content=body)
+        assert 400 <= r.status_code < 500, f"{path}: HTTP {r.status_code}"
+    assert svc.engine.weight_version == 0
+    assert client.get("/health").status_code == 200
+
+
+def test_http_api_serves_sglang_shapes(server):
+    """Text in and out with the tokenizer, batches, output_token_logprobs as [logprob, id,
+    None], stop strings trimmed from the text, the info endpoints the router reads."""
+    svc, client = server
+    r = client.post("/generate", json={"text": ["hello", "a b c"], "return_logprob": True,
+                                       "sampling_params": {"max_new_tokens": 5, "seed": 1}}).json()
+    assert len(r) == 2 and all(len(x["output_ids"]) == len(x["meta_info"]["output_token_logprobs"]) for x in r)
+    lp = r[0]["meta_info"]["output_token_logprobs"]
+    assert all(x[1] == t and x[0] <= 0 and x[2] is None for x, t in zip(lp, r[0]["output_ids"], strict=True))
+    free = client.post("/generate", json={"text": "hello", "sampling_params": {"temperature": 0,
+                                                                               "max_new_tokens": 12}}).json()
+    stop = free["text"][3:5]
+    if stop:
+        got = client.post("/generate", json={"text": "hello", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "stop": stop}}).json()
+        assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in got["text"]
+    for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+        assert client.get(path).json()["vocab_size"] == 512
+    assert client.get("/health_generate").status_code == 200
+    assert client.post("/flush_cache").status_code == 200
