@@ -23,6 +23,7 @@ import ray
 from miles.config import RolloutConfig
 from miles.rollout.embedded import EmbeddedEngine
 from miles.rollout.router import Router
+from miles.rollout.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +128,16 @@ class RolloutManager:
     def _apply(engines: list[EngineSlot], update: dict) -> dict:
         t0 = time.perf_counter()
         ray.get([e.actor.begin_update.remote() for e in engines])
-        try:
-            ray.get([e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]])
-        except Exception:
+        staged = [e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]]
+        errors = []
+        for ref in staged:  # in order: the first error is the cause, later ones its echo
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as err:
+                errors.append(err.cause if isinstance(getattr(err, "cause", None), Exception) else err)
+        if errors:
             ray.get([e.actor.abort_update.remote() for e in engines])
-            raise
+            raise WeightSyncError(f"weight update failed, engines keep their weights: {errors[0]}")
         res = ray.get([e.actor.commit.remote(update["names"], update["version"]) for e in engines])
         return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines)}
 
@@ -153,6 +159,9 @@ class RolloutManager:
         async with httpx.AsyncClient(base_url=self.router.url, timeout=c.request_timeout, limits=limits) as client:
             async def one(req: dict) -> None:
                 body = {k: v for k, v in req.items() if k != "id"}
+                sp = body.get("sampling_params") or {}
+                if "seed" in sp:  # the router forwards SGLang's name only
+                    body["sampling_params"] = {**{k: v for k, v in sp.items() if k != "seed"}, "sampling_seed": sp["seed"]}
                 last = ""
                 for attempt in range(c.max_attempts):
                     if attempt:

@@ -35,6 +35,16 @@ class GenerateRequest(BaseModel):
     logprob_start_len: StrictInt = -1  # accepted for SGLang clients; prompt log-probs are not returned
     top_logprobs_num: Literal[0] = 0
     return_text_in_logprobs: StrictBool = False
+    # Fields sglang-router adds to what it forwards (its defaults; other values are refused).
+    model: StrictStr | None = None
+    log_metrics: StrictBool = True
+    return_hidden_states: Literal[False] = False
+    background: Literal[False] = False
+    no_logs: StrictBool = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
+    lora_path: None = None
+    data_parallel_rank: None = None
 
     def items(self, tokenizer) -> tuple[bool, list[tuple[list[int], SamplingParams, bool, str | None]]]:
         """(batched?, one (ids, params, return_logprob, rid) per request)."""
