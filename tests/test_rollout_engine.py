@@ -72,7 +72,7 @@ def test_continuous_batching_equals_one_at_a_time(seed):
         together = _run(engine, prompts, greedy, stagger=0.02)
         assert engine.counters["steps"] < 16 * 24, "requests were not batched"
         for i, p in enumerate(prompts):
-            alone = _run(engine, [p], greedy, prefix=f"alone{i}-")["alone%d-0" % i]
+            alone = _run(engine, [p], greedy, prefix=f"alone{i}-")[f"alone{i}-0"]
             both = together[str(i)]
             assert both["output_ids"] == alone["output_ids"], f"request {i}: tokens depend on the batch"
             assert_close(_logprobs(both), _logprobs(alone), atol=1e-5, what=f"request {i} log-probs")

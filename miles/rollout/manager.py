@@ -23,6 +23,7 @@ import ray
 from miles.config import RolloutConfig
 from miles.rollout.embedded import EmbeddedEngine
 from miles.rollout.router import Router
+from miles.rollout.sglang import SGLangEngine
 from miles.rollout.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ class RolloutManager:
                      "hang_timeout": c.hang_timeout}
         if c.tokenizer is not None:
             self.spec["tokenizer"] = c.tokenizer
-        self._actor_cls = ray.remote(EmbeddedEngine).options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
-                                                             max_restarts=0)
+        if c.engine == "sglang" and not spec.get("hf"):
+            raise ValueError("rollout.engine: sglang serves a model directory (DeepSeek's HF layout): set its path")
+        cls = EmbeddedEngine if c.engine == "embedded" else SGLangEngine
+        self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
+                                                  max_restarts=0)
         self.engines = self._start_engines(c.num_engines)
         self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
                              health_interval=c.health_interval, extra_args=list(c.router_args),
@@ -65,7 +69,10 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, n: int) -> list[EngineSlot]:
-        actors = [self._actor_cls.remote(self.spec) for _ in range(n)]
+        if self.cfg.engine == "sglang":
+            actors = [self._actor_cls.remote(self.spec["hf"], dict(self.cfg.sglang)) for _ in range(n)]
+        else:
+            actors = [self._actor_cls.remote(self.spec) for _ in range(n)]
         urls = ray.get([a.url.remote() for a in actors], timeout=300)
         pids = ray.get([a.pid.remote() for a in actors])
         return [EngineSlot(a, u, p) for a, u, p in zip(actors, urls, pids, strict=True)]
@@ -117,6 +124,9 @@ class RolloutManager:
     def update_weights(self, buckets: list[tuple], names: list[str], version: int) -> dict:
         """Object-store path: buckets [(ObjectRef of {name: tensor}, {name: md5})] from the
         trainer's owning ranks go to every engine; each verifies and swaps them in whole."""
+        if self.cfg.engine == "sglang":
+            raise WeightSyncError("object-store weight sync serves the embedded engine; SGLang engines take "
+                                  "weights from a directory (SGLangEngine.update_from_disk)")
         update = {"buckets": buckets, "names": names, "version": version}
         with self._lock:
             engines = list(self.engines)
@@ -161,7 +171,8 @@ class RolloutManager:
                 body = {k: v for k, v in req.items() if k != "id"}
                 sp = body.get("sampling_params") or {}
                 if "seed" in sp:  # the router forwards SGLang's name only
-                    body["sampling_params"] = {**{k: v for k, v in sp.items() if k != "seed"}, "sampling_seed": sp["seed"]}
+                    sp = {k: v for k, v in sp.items() if k != "seed"} | {"sampling_seed": sp["seed"]}
+                    body["sampling_params"] = sp
                 last = ""
                 for attempt in range(c.max_attempts):
                     if attempt:

@@ -1,0 +1,85 @@
+"""The SGLang engine (GPU clusters): `python -m sglang.launch_server` with the model path and
+every `rollout.sglang.*` option passed through unchanged, used through the same HTTP API and
+router as the embedded engine. SGLang cannot run on the CPU machines: its command line is
+snapshot-tested, and the client and router are tested against the embedded engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from miles.rollout.router import free_port
+
+OWN_FLAGS = ("model_path", "host", "port")  # set by the launcher
+
+
+def launch_command(model_path: str, host: str, port: int, options: dict) -> list[str]:
+    """The server's argv: each option `key: value` becomes `--key value` (underscores to dashes),
+    `key: true` a bare flag, `key: false`/None is left out, a list gives one value each."""
+    clash = sorted(k for k in options if k.replace("-", "_") in OWN_FLAGS)
+    if clash:
+        raise ValueError(f"rollout.sglang: {clash} are set by miles (the model path, host and port)")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+           "--port", str(port)]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list | tuple):
+            cmd += [flag, *map(str, value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+class SGLangEngine:
+    """One SGLang server process (a Ray actor on a GPU node, or in the driver)."""
+
+    def __init__(self, model_path: str, options: dict, host: str = "127.0.0.1", port: int = 0,
+                 startup_timeout: float = 1800, log_file: str | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.cmd = launch_command(model_path, self.host, self.port, options)
+        self._log = open(log_file, "ab") if log_file else None  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang.launch_server exited with code {self.proc.returncode}"
+                                   + (f" (log: {log_file})" if log_file else ""))
+            try:
+                if httpx.get(f"{self.url()}/health_generate", timeout=30).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"SGLang did not become healthy within {startup_timeout:.0f} s")
+            time.sleep(2)
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def update_from_disk(self, path: str, version: int | None = None) -> dict:
+        body = {"model_path": path} | ({"weight_version": str(version)} if version is not None else {})
+        r = httpx.post(f"{self.url()}/update_weights_from_disk", json=body, timeout=3600)
+        out = r.json()
+        if r.status_code != 200 or not out.get("success", False):
+            raise RuntimeError(f"SGLang refused the weights at {path}: {out}")
+        return out
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
