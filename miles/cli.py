@@ -145,11 +145,18 @@ def _convert(argv: list[str]) -> None:
     main(argv)
 
 
+def _serve(argv: list[str]) -> None:
+    from miles.rollout.serve import main
+
+    main(argv)
+
+
 COMMANDS = {"run": (_run, "run a job file"), "sft": (lambda a: _run(a, "sft"), "run an SFT job file"),
             "submit": (_submit, "submit a job file with `ray job submit` (local cluster by default)"),
             "report": (_report, "plot a run's logged curves as PNG files"),
             "check-alignment": (_check_alignment, "compare two runs' loss and gradient checksums"),
-            "convert": (_convert, "HF checkpoint <-> sharded checkpoint (hf-to-dist, dist-to-hf)")}
+            "convert": (_convert, "HF checkpoint <-> sharded checkpoint (hf-to-dist, dist-to-hf)"),
+            "serve": (_serve, "serve a checkpoint with SGLang's HTTP API (embedded engine + sglang-router)")}
 
 
 def main(argv: list[str] | None = None) -> None:

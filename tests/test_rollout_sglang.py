@@ -1,4 +1,4 @@
-"""The SGLang launcher's command line (SGLang cannot run on these machines)."""
+"""The SGLang launcher's command line (SGLang cannot run on these machines) and `miles serve`."""
 
 from __future__ import annotations
 
@@ -23,3 +23,41 @@ def test_every_option_is_passed_through_unchanged():
 def test_options_miles_sets_are_refused(key):
     with pytest.raises(ValueError, match="set by miles"):
         launch_command("/m", "127.0.0.1", 1, {key: "x"})
+
+
+def test_miles_serve_answers_curl(tmp_path):
+    """`miles serve HF_DIR` starts an engine behind the router; a plain HTTP client gets
+    tokens from the router's port; SIGTERM stops everything."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    from miles.rollout.router import free_port
+    from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+
+    DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(), seed=2).save_pretrained(tmp_path / "hf")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(tmp_path / "hf"), "--port", str(port),
+                             "--dtype", "float32", "--max-len", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert f"127.0.0.1:{port}" in line, line
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30,
+                               json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+        assert httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [999]}).status_code == 400
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "stopped" in out, out
