@@ -204,3 +204,19 @@ def test_http_api_serves_sglang_shapes(server):
         assert client.get(path).json()["vocab_size"] == 512
     assert client.get("/health_generate").status_code == 200
     assert client.post("/flush_cache").status_code == 200
+
+
+def test_flat_buckets_round_trip_mixed_dtypes(seed):
+    """A broadcast bucket packs tensors of odd byte sizes and mixed dtypes (fp32, bf16, int64
+    router tables, bool) into one byte buffer; the receiver's views of a buffer laid out from
+    the spec alone give back every tensor bit for bit."""
+    from miles.rollout.weights import bucket_buffer, checksums, pack, spec_of
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"a": torch.randn(3, 7, generator=g), "b": torch.randint(0, 9, (5, 3), generator=g),
+               "c": torch.randn(11, generator=g).bfloat16(), "d": torch.rand(3, generator=g) > 0.5,
+               "e": torch.randint(0, 9, (2,), generator=g)}
+    flat = pack(tensors)
+    recv, views = bucket_buffer(spec_of(tensors))
+    recv.copy_(flat)
+    assert checksums(views) == checksums(tensors)

@@ -164,6 +164,9 @@ class EngineService:
             raise WeightSyncError("no broadcast group: open_group first")
         sums = {}
         dev = next(self.model.parameters()).device
+        # Refuse a plan this model cannot take before the first broadcast: once one starts,
+        # a member that leaves would stall the senders until the group's timeout.
+        Staging(self.model).check_spec([x for bucket in plan for x in bucket["spec"]])
         for bucket in plan:
             flat, views = bucket_buffer(bucket["spec"], dev)
             self._group.broadcast(flat, bucket["src"]).wait()

@@ -58,6 +58,18 @@ class Staging:
             self.staged[name] = t.detach().to(device=target.device, dtype=target.dtype, copy=True)
             self.bytes += t.numel() * t.element_size()
 
+    def check_spec(self, spec: list[tuple[str, list[int], str]]) -> None:
+        """Names and shapes of an announced update, before any byte arrives."""
+        for name, shape, dt in spec:
+            target = self.targets.get(name)
+            if target is None:
+                raise WeightSyncError(f"update announces '{name}', which the model does not have")
+            if tuple(shape) != tuple(target.shape):
+                raise WeightSyncError(f"'{name}': update announces shape {list(shape)}, the model has "
+                                      f"{list(target.shape)}")
+            if not isinstance(getattr(torch, dt, None), torch.dtype):
+                raise WeightSyncError(f"'{name}': unknown dtype {dt!r}")
+
     def commit(self, names: list[str]) -> int:
         """Copy the staged tensors into the model once `names` (all announced) have arrived."""
         missing = sorted(set(names) - set(self.staged))
@@ -96,21 +108,36 @@ def open_group(host: str, port: int, rank: int, size: int, backend: str, timeout
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
+ALIGN = 16  # bytes: every tensor of a flat bucket starts aligned for any dtype's view
+
+
+def _layout(spec: list[tuple[str, list[int], str]]) -> tuple[list[int], int]:
+    offsets, off = [], 0
+    for _, shape, dt in spec:
+        offsets.append(off)
+        off += -(-int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dt)).element_size()
+                 // ALIGN) * ALIGN
+    return offsets, off
+
+
 def bucket_buffer(spec: list[tuple[str, list[int], str]], device=None) -> tuple[torch.Tensor, dict]:
     """One flat byte buffer for a bucket [(name, shape, dtype)] and the tensor views into it."""
-    sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dt)).element_size()
-             for _, shape, dt in spec]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    views, off = {}, 0
-    for (name, shape, dt), n in zip(spec, sizes, strict=True):
+    offsets, total = _layout(spec)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    views = {}
+    for (name, shape, dt), off in zip(spec, offsets, strict=True):
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dt)).element_size()
         views[name] = flat[off: off + n].view(getattr(torch, dt)).view(shape)
-        off += n
     return flat, views
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A bucket's tensors as one flat byte buffer (in dict order)."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+    """A bucket's tensors in one flat byte buffer laid out as `bucket_buffer(spec_of(...))`."""
+    device = next(iter(tensors.values())).device
+    flat, views = bucket_buffer(spec_of(tensors), device)
+    for name, t in tensors.items():
+        views[name].copy_(t)
+    return flat
 
 
 def spec_of(tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[int], str]]:

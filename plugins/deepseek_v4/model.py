@@ -124,7 +124,7 @@ class PrefillCapture:
     """What a prefill forward keeps: the token indices whose logits it returns, and per
     attention layer the tensors the cache is filled from."""
 
-    at: torch.Tensor  # [K] token indices of row 0
+    at: torch.Tensor  # [B] each row's last token index
     layers: list[tuple] = field(default_factory=list)  # (kv, (C, Z), entries, (Ci, Zi), index entries, blocks)
 
 
@@ -180,12 +180,12 @@ class Compressor(nn.Module):
         tail = torch.zeros(slots, 2, self.ratio, coff * self.dim, device=device)
         return CompressorCache(entries, tail, torch.zeros_like(tail) if self.overlap else None)
 
-    def fill(self, cc: CompressorCache, slot: int, cz: tuple[torch.Tensor, torch.Tensor], tokens: slice,
+    def fill(self, cc: CompressorCache, slot: int, cz: tuple[torch.Tensor, torch.Tensor], row: int, length: int,
              entries: torch.Tensor) -> None:
-        """Slot state after a prefill of one document: its tokens' projections cz [.., T, coff*D]
-        (row 0, `tokens` of them) and its entries [n, D]."""
+        """Slot state after a prefill: the projections cz [B, S, coff*D] of the first `length`
+        tokens of `row`, and its entries [n, D]."""
         r, n = self.ratio, entries.shape[0]
-        c, z = (t[0, tokens] for t in cz)
+        c, z = (t[row, :length] for t in cz)
         cc.entries[slot, :n] = entries.to(cc.entries.dtype)
         cc.tail[slot, 0, : c.shape[0] - n * r], cc.tail[slot, 1, : c.shape[0] - n * r] = c[n * r:], z[n * r:]
         if cc.prev is not None and n:
@@ -367,17 +367,17 @@ class Attention(nn.Module):
         idx = self.indexer.compressor.new_cache(slots, None, max_len, device) if self.indexer else None
         return LayerCache(keys, comp, idx)
 
-    def fill(self, lc: LayerCache, slot: int, captured: tuple, tokens: slice, doc: int) -> None:
-        """Slot state after a prefill of one document (`tokens` of row 0, document id `doc`)."""
+    def fill(self, lc: LayerCache, slot: int, captured: tuple, row: int, length: int) -> None:
+        """Slot state after a prefill: the first `length` tokens of `row` (the rest is padding)."""
         kv, cz, comp, ki_cz, ki_entries, blocks = captured
         w = self.window
-        p = torch.arange(max(0, tokens.stop - tokens.start - w), tokens.stop - tokens.start, device=kv.device)
-        lc.keys[slot, p % w] = kv[0, tokens.start + p]
+        p = torch.arange(max(0, length - w), length, device=kv.device)
+        lc.keys[slot, p % w] = kv[row, p]
         if self.compressor is not None:
-            mine = blocks.valid[0] & (blocks.doc[0] == doc)
-            self.compressor.fill(lc.comp, slot, cz, tokens, comp[0, mine])
+            mine = blocks.valid[row]
+            self.compressor.fill(lc.comp, slot, cz, row, length, comp[row, mine])
             if self.indexer is not None:
-                self.indexer.compressor.fill(lc.idx, slot, ki_cz, tokens, ki_entries[0, mine])
+                self.indexer.compressor.fill(lc.idx, slot, ki_cz, row, length, ki_entries[row, mine])
 
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
              ropes: dict[str, Rope]) -> torch.Tensor:
@@ -744,7 +744,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         if not ctx.last_stage:
             return CausalLMOutput(None, hidden=x.flatten(2), aux=self._aux_sums(fwd))
         if _capture is not None:
-            x = x[:, _capture.at]  # only the tokens whose next token is sampled
+            x = x[torch.arange(b, device=x.device), _capture.at][:, None]  # [B, 1, n, d]: each row's last token
         logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V/tp]
         out = CausalLMOutput(logits)
         if self.mtp and _capture is None:
@@ -817,23 +817,25 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prefill(self, prompts: list[torch.Tensor], cache: KVCache, slots: list[int]) -> torch.Tensor:
-        """Prompts (1-D token ids, any lengths >= 1) packed into one row and run as one forward
-        (documents never see each other); each prompt's state goes to its cache slot. Returns
+        """Prompts (1-D token ids, any lengths >= 1) as the rows of one right-padded forward
+        (padding never attends or pools); each prompt's state goes to its cache slot. Returns
         the logits after each prompt's last token [B, V]."""
         lens = [int(p.numel()) for p in prompts]
         if min(lens) < 1 or max(lens) >= cache.max_len:
             raise ValueError(f"prompt lengths must be in [1, {cache.max_len - 1}], got {lens}")
-        ids = torch.cat([p.reshape(-1) for p in prompts])[None]  # [1, T]
-        dev = ids.device
-        doc = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))[None]
-        ends = torch.tensor(lens, device=dev).cumsum(0)
-        capture = PrefillCapture(at=ends - 1)
-        out = self.forward(ids, doc_ids=doc, _capture=capture)
+        dev = prompts[0].device
+        ids = torch.zeros(len(lens), max(lens), dtype=torch.long, device=dev)  # [B, S]
+        for b, p in enumerate(prompts):
+            ids[b, : lens[b]] = p.reshape(-1)
+        n = torch.tensor(lens, device=dev)
+        mask = torch.arange(max(lens), device=dev) < n[:, None]
+        capture = PrefillCapture(at=n - 1)
+        out = self.forward(ids, attention_mask=mask, _capture=capture)
         for lc, layer, captured in zip(cache.layers, self.layers, capture.layers, strict=True):
-            for d, slot in enumerate(slots):
-                layer.attn.fill(lc, slot, captured, slice(int(ends[d]) - lens[d], int(ends[d])), d)
-        cache.length[slots] = torch.tensor(lens, device=cache.length.device)
-        return self.ctx.gather_vocab(out.logits)[0]
+            for b, slot in enumerate(slots):
+                layer.attn.fill(lc, slot, captured, b, lens[b])
+        cache.length[slots] = n.to(cache.length.device)
+        return self.ctx.gather_vocab(out.logits)[:, 0]
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:

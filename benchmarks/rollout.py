@@ -1,0 +1,160 @@
+"""Rollout: generated tokens/s of the embedded engine against recompute-everything generation
+of the same model in the same process, the shared prefill of n samples per prompt, and
+weight-sync time and GB/s per path.
+
+    .venv/bin/python benchmarks/rollout.py [--configs tiny small_50m] [--gen 32] [--sync]
+
+Per config and batch size B (1, 16, 64): B greedy requests with distinct prompts of --prompt
+tokens, --gen new tokens each (EOS ignored), submitted together to the engine (continuous
+batching, slot cache); the baseline generates the same tokens by running the full forward
+over the whole sequence for every new token (no cache). "n=8" sends B/8 prompts 8 times
+each (one prefill per prompt) against B distinct prompts. --sync adds the weight sync of
+a one-rank TrainGroup to one engine actor, per path (Ray object store, gloo/nccl broadcast).
+Medians over --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.train_gpu import CONFIGS  # noqa: E402
+from miles.rollout.engine import Engine  # noqa: E402
+from miles.rollout.sampling import SamplingParams  # noqa: E402
+from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM  # noqa: E402
+
+PRESETS = {"tiny": lambda seq: DeepSeekV4Config.tiny(), **CONFIGS}
+
+
+def engine_run(engine: Engine, prompts: list[list[int]], gen: int) -> float:
+    done, cv = [], threading.Condition()
+
+    def cb(r):
+        with cv:
+            done.append(r)
+            cv.notify_all()
+
+    params = SamplingParams(temperature=0, max_new_tokens=gen, ignore_eos=True)
+    t = time.perf_counter()
+    for p in prompts:
+        engine.submit(p, params, cb)
+    with cv:
+        cv.wait_for(lambda: len(done) == len(prompts))
+    return time.perf_counter() - t
+
+
+@torch.no_grad()
+def recompute_run(model, prompts: list[list[int]], gen: int) -> float:
+    dev = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=dev)
+    t = time.perf_counter()
+    for _ in range(gen):
+        nxt = model(ids).logits[:, -1].argmax(-1)
+        ids = torch.cat((ids, nxt[:, None]), 1)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def median_of(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
+    cfg = PRESETS[name](args.prompt + args.gen)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = DeepSeekV4ForCausalLM(cfg, dtype=dt, seed=0).to(dev).eval()
+    engine = Engine(model, max_running=64, max_len=args.prompt + args.gen + 1)
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return torch.randint(2, cfg.vocab_size, (n, args.prompt), generator=g).tolist()
+
+    rows = []
+    engine_run(engine, prompts(2), 2)  # warm-up
+    for b in args.batches:
+        ps = prompts(b)
+        t_eng = median_of(lambda ps=ps: engine_run(engine, ps, args.gen), args.repeats)
+        t_base = median_of(lambda ps=ps: recompute_run(model, ps, args.gen), args.repeats) if b <= 16 else None
+        tok = b * args.gen
+        rows.append((name, f"B={b}", tok / t_eng, tok / t_base if t_base else None,
+                     t_base / t_eng if t_base else None))
+    b = max(8, args.batches[-1] if args.batches[-1] % 8 == 0 else 16)
+    distinct = prompts(b)
+    shared = [p for p in prompts(b // 8) for _ in range(8)]
+    t_d = median_of(lambda: engine_run(engine, distinct, args.gen), args.repeats)
+    t_s = median_of(lambda: engine_run(engine, shared, args.gen), args.repeats)
+    rows.append((name, f"B={b}, n=8 shared", b * args.gen / t_s, b * args.gen / t_d, t_d / t_s))
+    engine.stop()
+    return rows
+
+
+def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
+    import ray
+
+    from miles.cluster.train_group import TrainGroup
+    from miles.rollout.manager import RolloutManager
+    from miles.rollout.sync import sync_broadcast, sync_object_store
+
+    cfg = PRESETS[name](args.prompt + args.gen)
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    rows = []
+    try:
+        group = TrainGroup(1, resources={"CPU": 1} | ({"GPU": 0.5} if gpu else {}))
+        group.call("build_model", cfg.to_dict(), 0, dtype="bfloat16" if gpu else "float32")
+        mgr = RolloutManager({"num_engines": 1, "max_running": 4, "max_len": 64,
+                              "gpus_per_engine": 0.5 if gpu else 0.0},
+                             {"config": cfg.to_dict(), "seed": 0, "dtype": "bfloat16" if gpu else "float32"})
+        engines = mgr.engine_actors()
+        bucket = args.bucket_mb << 20
+        for path, fn in (("object_store", lambda v: sync_object_store(group, mgr, bucket, v)),
+                         ("broadcast", lambda v: sync_broadcast(group, engines, bucket, v,
+                                                                "nccl" if gpu else "gloo"))):
+            infos = [fn(v) for v in range(1, args.repeats + 2)][1:]  # the first warms up
+            s = statistics.median(i["seconds"] for i in infos)
+            gb = infos[0]["bytes"] / 1e9
+            rows.append((name, path, gb, s, gb / s))
+        mgr.shutdown()
+        group.shutdown()
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["tiny", "small_50m"], choices=sorted(PRESETS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sync", action="store_true", help="also time weight sync (starts a local Ray cluster)")
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}")
+    print(f"\n{'config':<10} {'workload':<18} {'engine tok/s':>13} {'baseline tok/s':>15} {'speed-up':>9}")
+    for name in args.configs:
+        for c, w, e, b, r in generation_rows(name, args, dev):
+            base = f"{b:>15.1f}" if b else f"{'-':>15}"
+            ratio = f"{r:>8.2f}x" if r else f"{'-':>9}"
+            print(f"{c:<10} {w:<18} {e:>13.1f} {base} {ratio}", flush=True)
+    print("(n=8 shared: baseline column = the same batch with distinct prompts, speed-up = distinct / shared time)")
+    if args.sync:
+        print(f"\n{'config':<10} {'sync path':<14} {'GB':>8} {'seconds':>9} {'GB/s':>8}")
+        for name in args.configs:
+            for c, p, gb, s, rate in sync_rows(name, args, gpu):
+                print(f"{c:<10} {p:<14} {gb:>8.3f} {s:>9.3f} {rate:>8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
