@@ -88,3 +88,41 @@ def test_hung_engine_is_detected_and_replaced(manager):
         for _ in range(50):
             os.kill(pid, 0)
             time.sleep(0.1)
+
+
+async def tool_turns(client, sample):
+    """A toy two-turn environment: the policy speaks, a tool answers with fixed ids, the
+    policy speaks again."""
+    from miles.rollout.multiturn import Transcript
+
+    t = Transcript.start(sample["input_ids"])
+    params = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "seed": sample["seed"]}
+    t.add_generated(await client.generate(t.request(params)))
+    t.add_environment([7, 8, 9])
+    t.add_generated(await client.generate(t.request(params)))
+    return t
+
+
+def test_multi_turn_transcripts_are_the_generated_tokens(manager):
+    """Token in, token out through the router: each transcript is prompt + turn + tool ids +
+    turn, the loss mask covers exactly the generated tokens, and the recorded log-probs are
+    the model's own on the whole transcript (a full forward of the engines' weights, 1e-5)."""
+    import torch
+    from conftest import assert_close
+
+    from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
+
+    samples = [{"id": f"mt-{i}", "input_ids": [3 + i, 11, 12 + i], "seed": i} for i in range(6)]
+    out = manager.generate_transcripts(samples, f"{__name__}:tool_turns")
+    model = DeepSeekV4ForCausalLM(CFG, seed=5).eval()  # the engines' spec: seeded init
+    for s, t in zip(samples, out, strict=True):
+        assert t.ids[:3] == s["input_ids"] and t.ids[8:11] == [7, 8, 9] and len(t.ids) == 16
+        assert t.loss_mask == [0] * 3 + [1] * 5 + [0] * 3 + [1] * 5
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([t.ids])).logits[0, :-1], -1)
+        ids = torch.tensor(t.ids)
+        want = logp.gather(-1, ids[1:, None])[:, 0]
+        on = torch.tensor(t.loss_mask[1:]).bool()
+        assert_close(torch.tensor(t.logprobs[1:])[on], want[on], atol=1e-5, what=f"{s['id']} log-probs")
+    with pytest.raises(ValueError, match="expected 'package.module:function'"):
+        manager.generate_transcripts(samples, "no_colon")

@@ -156,49 +156,79 @@ class RolloutManager:
         """requests: {"id": sample id, "input_ids" or "text", "sampling_params", ...} (the rest
         is SGLang's /generate body). Returns one result per request, in order, each the
         engine's response plus its "id"; every sample finished exactly once."""
-        ids = [r["id"] for r in requests]
+        self._unique(requests)
+
+        async def one(post, req: dict) -> dict:
+            return {**await post({k: v for k, v in req.items() if k != "id"}, req["id"]), "id": req["id"]}
+
+        return asyncio.run(self._each(requests, one))
+
+    def generate_transcripts(self, samples: list[dict], fn: str = "miles.rollout.multiturn:single_turn") -> list:
+        """Multi-turn: the generate function `fn` ("module:function") runs once per sample
+        {"id", "input_ids", ...} with a client whose every request has the timeouts and
+        retries of `generate`. Returns the Transcripts, in order."""
+        from miles.rollout.multiturn import Client, load_generate_fn
+
+        gen = load_generate_fn(fn)
+        self._unique(samples)
+
+        async def one(post, sample: dict):
+            return await gen(Client(lambda body: post(body, sample["id"])), sample)
+
+        return asyncio.run(self._each(samples, one))
+
+    @staticmethod
+    def _unique(items: list[dict]) -> None:
+        ids = [r["id"] for r in items]
         if len(set(ids)) != len(ids):
             raise RolloutError("sample ids must be unique within one generate call")
-        return asyncio.run(self._generate(requests))
 
-    async def _generate(self, requests: list[dict]) -> list[dict]:
+    async def _each(self, items: list[dict], one) -> list:
+        """Run `one(post, item)` for every item; results recorded once per item id."""
         c = self.cfg
-        done: dict[str, dict] = {}
+        done: dict[str, object] = {}
         sem = asyncio.Semaphore(c.concurrency)
         limits = httpx.Limits(max_connections=c.concurrency, max_keepalive_connections=c.concurrency)
         async with httpx.AsyncClient(base_url=self.router.url, timeout=c.request_timeout, limits=limits) as client:
-            async def one(req: dict) -> None:
-                body = {k: v for k, v in req.items() if k != "id"}
-                sp = body.get("sampling_params") or {}
-                if "seed" in sp:  # the router forwards SGLang's name only
-                    sp = {k: v for k, v in sp.items() if k != "seed"} | {"sampling_seed": sp["seed"]}
-                    body["sampling_params"] = sp
-                last = ""
-                for attempt in range(c.max_attempts):
-                    if attempt:
-                        self.stats["retries"] += 1
-                        await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
-                    try:
-                        async with sem:
-                            r = await client.post("/generate", json=body)
-                    except httpx.TimeoutException:
-                        self.stats["timeouts"] += 1
-                        last = f"timed out after {c.request_timeout:.0f} s"
-                        continue
-                    except httpx.HTTPError as e:
-                        last = f"{type(e).__name__}: {e}"
-                        continue
-                    if r.status_code == 200:
-                        if req["id"] not in done:  # exactly once, whatever retried underneath
-                            done[req["id"]] = {**r.json(), "id": req["id"]}
-                        return
-                    last = f"HTTP {r.status_code}: {r.text[:300]}"
-                    if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
-                        raise RolloutError(f"sample {req['id']}: the engine refused it: {last}")
-                raise RolloutError(f"sample {req['id']}: {c.max_attempts} attempts failed, the last: {last}")
+            async def post(body: dict, sample_id: str) -> dict:
+                return await self._post(client, sem, body, sample_id)
 
-            await asyncio.gather(*(one(r) for r in requests))
-        return [done[r["id"]] for r in requests]
+            async def run(item: dict) -> None:
+                res = await one(post, item)
+                done.setdefault(item["id"], res)  # exactly once, whatever retried underneath
+
+            await asyncio.gather(*(run(x) for x in items))
+        return [done[x["id"]] for x in items]
+
+    async def _post(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, body: dict, sample_id: str) -> dict:
+        """One /generate through the router with a timeout; failures and timeouts retried
+        (a 4xx other than 408/429 is the request's fault and is not)."""
+        c = self.cfg
+        sp = body.get("sampling_params") or {}
+        if "seed" in sp:  # the router forwards SGLang's name only
+            sp = {k: v for k, v in sp.items() if k != "seed"} | {"sampling_seed": sp["seed"]}
+            body = {**body, "sampling_params": sp}
+        last = ""
+        for attempt in range(c.max_attempts):
+            if attempt:
+                self.stats["retries"] += 1
+                await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
+            try:
+                async with sem:
+                    r = await client.post("/generate", json=body)
+            except httpx.TimeoutException:
+                self.stats["timeouts"] += 1
+                last = f"timed out after {c.request_timeout:.0f} s"
+                continue
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code == 200:
+                return r.json()
+            last = f"HTTP {r.status_code}: {r.text[:300]}"
+            if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+                raise RolloutError(f"sample {sample_id}: the engine refused it: {last}")
+        raise RolloutError(f"sample {sample_id}: {c.max_attempts} attempts failed, the last: {last}")
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
