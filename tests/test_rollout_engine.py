@@ -220,3 +220,21 @@ def test_flat_buckets_round_trip_mixed_dtypes(seed):
     recv, views = bucket_buffer(spec_of(tensors))
     recv.copy_(flat)
     assert checksums(views) == checksums(tensors)
+
+
+def test_release_and_resume_memory_keep_weights_and_cache(server):
+    """Colocation: releasing memory empties the weights' and the slot cache's storages (the
+    bytes go to the host), resuming brings them back bit for bit: the same greedy tokens and
+    log-probs as before. A weight update while released is refused, not half-applied."""
+    svc, client = server
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True}
+    before = client.post("/generate", json=body).json()
+    r = client.post("/release_memory_occupation").json()
+    weights = sum(p.numel() * p.element_size() for p in svc.model.parameters())
+    assert r["success"] and r["freed_bytes"] > weights
+    assert all(p.untyped_storage().nbytes() == 0 for p in svc.model.parameters())
+    assert client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).status_code == 400
+    assert client.post("/resume_memory_occupation").json()["success"]
+    after = client.post("/generate", json=body).json()
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
