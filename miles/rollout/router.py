@@ -12,6 +12,24 @@ from pathlib import Path
 import httpx
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log_file=None,
+                 poll: float = 1.0) -> None:
+    """Until GET url answers 200; an error if the process exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}: {' '.join(map(str, proc.args))}"
+                               + (f" (log: {log_file})" if log_file else ""))
+        try:
+            if httpx.get(url, timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+        time.sleep(poll)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -33,20 +51,11 @@ class Router:
         self._log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=self.url, timeout=10)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with code {self.proc.returncode}: {' '.join(self.cmd)}"
-                                   + (f" (log: {log_file})" if log_file else ""))
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"sglang-router did not answer /health on {self.url} within 60 s")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, f"{self.url}/health", 60, "sglang-router", log_file, poll=0.2)
+        except RuntimeError:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 
-from miles.rollout.router import free_port
+from miles.rollout.router import free_port, wait_healthy
 
 OWN_FLAGS = ("model_path", "host", "port")  # set by the launcher
 
@@ -47,20 +46,12 @@ class SGLangEngine:
         self.cmd = launch_command(model_path, self.host, self.port, options)
         self._log = open(log_file, "ab") if log_file else None  # noqa: SIM115
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang.launch_server exited with code {self.proc.returncode}"
-                                   + (f" (log: {log_file})" if log_file else ""))
-            try:
-                if httpx.get(f"{self.url()}/health_generate", timeout=30).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"SGLang did not become healthy within {startup_timeout:.0f} s")
-            time.sleep(2)
+        try:
+            wait_healthy(self.proc, f"{self.url()}/health_generate", startup_timeout, "sglang.launch_server",
+                         log_file, poll=2)
+        except RuntimeError:
+            self.shutdown()
+            raise
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
