@@ -1,0 +1,1 @@
+"""RL algorithms as small pure functions: advantages, policy losses, rewards, dynamic sampling."""

@@ -1,0 +1,111 @@
+"""RL formulas against hand-computed values (ALGORITHMS.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles.algo.advantages import group_advantages
+from miles.algo.losses import policy_loss
+from miles.algo.rewards import dapo_reward, extract_answer, overlong_penalty
+from miles.algo.sampling import DynamicSamplingError, dynamic_filter
+
+
+def test_group_advantages_by_hand():
+    """Group (1, 0, 0, 1): mean 0.5, sample std sqrt(1/3), so +-0.866025; a group of equal
+    rewards gets 0 (not NaN); Dr. GRPO only centres."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    a = group_advantages(r, 4, "grpo")
+    s = 0.5 / math.sqrt(1 / 3)
+    assert torch.isfinite(a).all()
+    assert torch.allclose(a, torch.tensor([s, -s, -s, s, 0, 0, 0, 0]), atol=1e-5)
+    assert torch.equal(group_advantages(r, 4, "dr_grpo"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    assert torch.equal(group_advantages(torch.tensor([3.0, -1.0]), 1), torch.zeros(2))
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(torch.ones(6), 4)
+    with pytest.raises(ValueError, match="unknown advantage method"):
+        group_advantages(torch.ones(4), 2, "ppo")
+
+
+def _one(ratio: float, adv: float, **kw):
+    lp = torch.tensor([[math.log(ratio)]], dtype=torch.float64)
+    return policy_loss(lp, torch.zeros_like(lp), torch.tensor([adv], dtype=torch.float64),
+                       torch.ones_like(lp), **kw)
+
+
+@pytest.mark.parametrize("ratio, adv, want, clipped", [
+    (1.5, 1.0, -1.28, 1),  # positive advantage, above 1 + eps_high: clipped at 1.28
+    (0.5, 1.0, -0.5, 0),  # positive advantage, below 1 - eps_low: the lower bound does not bind
+    (0.5, -1.0, 0.8, 1),  # negative advantage, below 1 - eps_low: clipped at 0.8
+    (1.5, -1.0, 1.5, 0),  # negative advantage, above 1 + eps_high: unclipped (pessimistic)
+    (1.1, 2.0, -2.2, 0),  # inside the trust region
+])
+def test_clip_higher_at_both_bounds(ratio, adv, want, clipped):
+    loss, m = _one(ratio, adv)
+    assert loss.item() == pytest.approx(want, abs=1e-9)
+    assert m["pg_clipfrac"].item() == clipped
+    assert m["ppo_kl"].item() == pytest.approx(-math.log(ratio), abs=1e-9)
+
+
+def test_dual_clip_caps_negative_advantages():
+    assert _one(5.0, -1.0)[0].item() == pytest.approx(5.0)
+    assert _one(5.0, -1.0, dual_clip=3.0)[0].item() == pytest.approx(3.0)
+    assert _one(2.0, -1.0, dual_clip=3.0)[0].item() == pytest.approx(2.0)  # below the cap: untouched
+    assert _one(5.0, 1.0, dual_clip=3.0)[0].item() == pytest.approx(-1.28)  # positive advantages: no effect
+    with pytest.raises(ValueError, match="dual_clip"):
+        _one(1.0, 1.0, dual_clip=0.5)
+
+
+def test_aggregations_differ_where_lengths_differ():
+    """Token losses (1, 3) in a 2-token response and (5) in a 1-token one, T = 4: token mean
+    (1+3+5)/3 = 3; mean of sequence means (2+5)/2 = 3.5; Dr. GRPO sums / 4 averaged: 1.125."""
+    adv = -torch.tensor([[1.0, 3.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    lp = torch.zeros(2, 4)
+    want = {"token_mean": 3.0, "seq_mean_token_mean": 3.5, "seq_mean_token_sum_norm": 1.125}
+    for agg, v in want.items():
+        assert policy_loss(lp, lp, adv, mask, agg=agg)[0].item() == pytest.approx(v), agg
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        policy_loss(lp, lp, adv, mask, agg="mean")
+
+
+def test_truncated_importance_sampling_and_gradient():
+    """w = min(exp(old - rollout), C) scales the token's loss and gradient (not differentiated);
+    the gradient of the unclipped term is -A r."""
+    lp = torch.tensor([[0.1]], requires_grad=True)
+    old = torch.zeros(1, 1)
+    roll = torch.tensor([[-math.log(3.0)]])
+    loss, _ = policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 1), rollout_logp=roll, tis_cap=2.0)
+    loss.backward()
+    r = math.exp(0.1)
+    assert torch.isfinite(lp.grad).all()
+    assert loss.item() == pytest.approx(-2 * r, rel=1e-6)
+    assert lp.grad.item() == pytest.approx(-2 * r, rel=1e-6)
+
+
+def test_overlong_shaping_in_its_three_regions():
+    got = overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
+    assert got.tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError):
+        overlong_penalty(3, max_len=4, cache_len=5)
+
+
+def test_dapo_answer_verifier():
+    assert dapo_reward("so the sum is 12.\nAnswer: 1,234.", "1234") == 1.0
+    assert dapo_reward("Answer: 7\nwait, no.\nAnswer: $8$", "8") == 1.0  # the last answer counts
+    assert dapo_reward("Answer: 8", "9") == -1.0
+    assert dapo_reward("no answer here", "9") == -1.0
+    assert extract_answer("x" * 1000 + "Answer: 5") == "5"
+    assert extract_answer("Answer: 5" + "x" * 1000) is None  # only the end is read
+
+
+def test_dynamic_filter_keeps_informative_groups_and_gives_up_clearly():
+    rounds = [[("a", torch.tensor([1.0, 1.0])), ("b", torch.tensor([-1.0, 1.0])), ("c", torch.tensor([-1.0, -1.0]))],
+              [("d", torch.tensor([1.0, -1.0])), ("e", torch.tensor([1.0, -1.0]))]]
+    kept, counts = dynamic_filter(lambda i: rounds[i], need=2, max_rounds=5)
+    assert kept == ["b", "d"]
+    assert counts == {"drop_all_correct": 1, "drop_all_wrong": 1, "rounds": 2, "surplus": 1}
+    with pytest.raises(DynamicSamplingError, match="3 of 4 groups .* after 2 rounds"):
+        dynamic_filter(lambda i: rounds[i], need=4, max_rounds=2)
