@@ -125,6 +125,11 @@ class Engine:
         with self.step_lock:
             return fn()
 
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs (it never exits on a failed step, only on stop)."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict:
         with self.cv:
             return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": len(self.free),

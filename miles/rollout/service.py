@@ -79,7 +79,7 @@ class EngineService:
     # ------------------------------------------------------------------ health
     def healthy(self) -> tuple[bool, str]:
         e = self.engine
-        if not e._thread.is_alive():
+        if not e.alive:
             return False, "scheduler thread died"
         st = e.stats()
         stuck = time.monotonic() - e.last_progress
@@ -186,14 +186,8 @@ class EngineService:
                 return 0
             self.engine.pause()
 
-            def out():
-                ts = list(self.model.parameters()) + list(self.model.buffers())
-                for lc in self.engine.cache.layers:
-                    ts += [lc.keys] + [t for cc in (lc.comp, lc.idx) if cc is not None for t in (cc.entries, cc.tail,
-                                                                                                  cc.prev)]
-                return offload(ts)
-
-            self._released, freed = self.engine.run_exclusive(out)
+            tensors = list(self.model.parameters()) + list(self.model.buffers()) + self.engine.cache.tensors()
+            self._released, freed = self.engine.run_exclusive(lambda: offload(tensors))
             return freed
 
     def resume_memory(self) -> None:

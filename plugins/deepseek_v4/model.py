@@ -110,13 +110,20 @@ class KVCache:
 
     def copy_slot(self, src: int, dst: list[int]) -> None:
         """Give slots `dst` the state of slot `src` (n samples of one prompt share its prefill)."""
-        tensors = [self.length]
-        for lc in self.layers:  # the main compressor's entries live inside `keys`
-            tensors += [lc.keys] + [t for cc in (lc.comp, lc.idx) if cc is not None
-                                    for t in (cc.entries if cc is lc.idx else None, cc.tail, cc.prev)
-                                    if t is not None]
-        for t in tensors:
+        for t in self.tensors():
             t[dst] = t[src].clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache with a slot dimension first, each storage once (the main
+        compressor's entries live inside `keys`)."""
+        out = [self.length]
+        for lc in self.layers:
+            out.append(lc.keys)
+            if lc.comp is not None:
+                out += [t for t in (lc.comp.tail, lc.comp.prev) if t is not None]
+            if lc.idx is not None:
+                out += [t for t in (lc.idx.entries, lc.idx.tail, lc.idx.prev) if t is not None]
+        return out
 
 
 @dataclass
