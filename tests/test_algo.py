@@ -109,3 +109,28 @@ def test_dynamic_filter_keeps_informative_groups_and_gives_up_clearly():
     assert counts == {"drop_all_correct": 1, "drop_all_wrong": 1, "rounds": 2, "surplus": 1}
     with pytest.raises(DynamicSamplingError, match="3 of 4 groups .* after 2 rounds"):
         dynamic_filter(lambda i: rounds[i], need=4, max_rounds=2)
+
+
+def test_kl_estimators_by_hand():
+    from miles.algo.losses import kl_estimate
+
+    lp, ref = torch.tensor([math.log(0.5)], dtype=torch.float64), torch.tensor([math.log(0.25)], dtype=torch.float64)
+    d = math.log(2.0)  # log(pi / ref)
+    assert kl_estimate(lp, ref, "k1").item() == pytest.approx(d)
+    assert kl_estimate(lp, ref, "k2").item() == pytest.approx(0.5 * d * d)
+    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(0.5 - 1 + d)  # ref/pi - 1 - log(ref/pi)
+    assert kl_estimate(lp, lp, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(lp, ref, "k4")
+
+
+def test_sequence_weights_sum_to_the_aggregations():
+    from miles.algo.losses import aggregation_weights
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    tok = aggregation_weights(mask, "token_mean")
+    assert tok.sum().item() == pytest.approx(1.0) and tok[0, 0].item() == pytest.approx(1 / 4)
+    seq = aggregation_weights(mask, "seq_mean_token_mean")  # 2 responses (the empty row is none)
+    assert seq[0, 0].item() == pytest.approx(1 / 6) and seq[1, 0].item() == pytest.approx(1 / 2)
+    dr = aggregation_weights(mask, "seq_mean_token_sum_norm", norm_len=8)
+    assert dr[0, 0].item() == pytest.approx(1 / 16) and dr[2].abs().sum() == 0

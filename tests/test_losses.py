@@ -165,3 +165,37 @@ def test_aux_losses_do_not_change_when_positions_are_masked_as_prompt(seed):
     for k in (k for k in g_base if k.startswith("mtp.") and ".indexer." not in k):
         assert_close(g_first[k], g_base[k], atol=1e-9, rtol=1e-4, what=f"mtp grad {k}")
     assert n_first["lm"] != n_base["lm"] and n_first["mtp"] == n_base["mtp"]
+
+
+def test_policy_loss_in_the_trainer_is_the_algo_formula(seed):
+    """The trainer's policy loss (weights of the global batch in the micro-batch) equals
+    miles.algo.losses.policy_loss on the model's own log-probs, loss and gradient; the
+    entropy metric equals the softmax's."""
+    from miles.algo.losses import aggregation_weights, policy_loss
+
+    model = tiny_model(seed)
+    ids = random_ids(seed, 3, 24)
+    lab = torch.roll(ids, -1, 1)
+    lab[:, -1] = IGNORE_INDEX
+    mask = (lab != IGNORE_INDEX).float()
+    mask[:, :7] = 0  # the prompt
+    mask[2, 15:] = 0  # a shorter response
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        lp0 = losses.compute(model, MicroBatch(ids, lab, mask))[1].logprobs
+    old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
+    adv = torch.tensor([1.3, -0.8, 0.4])
+    opts = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 3.0}
+    mb = MicroBatch(ids, lab, mask, advantages=adv[:, None].expand_as(mask).contiguous() * mask, old_logprobs=old,
+                    token_weights=aggregation_weights(mask, "seq_mean_token_mean").float())
+    out, res = losses.compute(model, mb, losses.LossCoefs(mtp=0.0, indexer=0.0), name="policy", options=opts)
+    (gw,) = torch.autograd.grad(res.loss, [model.head.weight], retain_graph=True)
+    lp = losses.label_logprobs(model.ctx, out.logits, mb)
+    want, metrics = policy_loss(lp, old, adv, mask, agg="seq_mean_token_mean", **opts)
+    (gw_want,) = torch.autograd.grad(want, [model.head.weight])
+    assert_close(res.loss, want.detach(), atol=1e-6, what="loss")
+    assert_close(gw, gw_want, atol=1e-6, what="head gradient")
+    assert res.metrics["pg_clipfrac"].item() == metrics["pg_clipfrac"].item() > 0
+    p = torch.softmax(out.logits.detach().double(), -1)
+    entropy = (-(p * p.log()).sum(-1) * mask).sum() / mask.sum()
+    assert abs(res.metrics["entropy"].item() - entropy.item()) <= 1e-5 * entropy.item()

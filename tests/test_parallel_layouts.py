@@ -65,6 +65,28 @@ def _batch(seed: int, step: int = 0) -> MicroBatch:
     return MicroBatch(ids, lab, mask, docs)
 
 
+# Every option of the policy loss on: clip-higher, dual clip, truncated IS, KL (k3).
+POLICY = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 3.0, "tis_cap": 1.5, "kl_coef": 0.1}
+
+
+def _policy_batch(seed: int, logprobs: torch.Tensor) -> MicroBatch:
+    """_batch(seed) as RL data: per-row advantages of both signs; old, rollout and reference
+    log-probs scattered around the model's own (so some ratios leave the clip range, some
+    truncated-IS weights reach the cap); GRPO's per-sequence weights (rows as sequences)."""
+    from miles.algo.losses import aggregation_weights
+
+    mb = _batch(seed, 0)
+    g = torch.Generator().manual_seed(seed + 7)
+    m = mb.loss_mask
+
+    def near(scale: float) -> torch.Tensor:
+        return (logprobs + scale * torch.randn(m.shape, generator=g)) * m
+    adv = (torch.randn(BATCH, 1, generator=g) + torch.tensor([[0.7], [-0.9], [0.3], [-0.2]])).expand_as(m) * m
+    return MicroBatch(mb.input_ids, mb.labels, m, mb.doc_ids, advantages=adv.contiguous(), old_logprobs=near(0.3),
+                      rollout_logprobs=near(0.5), ref_logprobs=near(0.4),
+                      token_weights=aggregation_weights(m, "seq_mean_token_mean").float())
+
+
 def _cuts(name: str, dp: int, dp_rank: int) -> list[tuple[int, int]]:
     """This replica's micro-batches (row ranges of the global batch). One replica takes all 4
     sequences as micro-batches of 1 and 3; with DP=2 rank 0 takes 2 micro-batches of 1 and
@@ -91,6 +113,13 @@ def reference():
     model = DeepSeekV4ForCausalLM(cfg, seed=seed).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
     init = {k: v.clone() for k, v in model.state_dict().items()}
+    _, res = losses.compute(model, _batch(seed, 0))
+    policy_batch = _policy_batch(seed, res.logprobs)
+    _, res = losses.compute(model, policy_batch, name="policy", options=POLICY)
+    res.loss.backward()
+    policy = {"batch": policy_batch, "losses": {k: v.item() for k, v in res.metrics.items()},
+              "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}}
+    model.zero_grad(set_to_none=True)
     steps = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -110,7 +139,7 @@ def reference():
         res.loss.backward()
         single16 = {"losses": {k: v.item() for k, v in res.metrics.items()}, "logprobs": res.logprobs.cpu(),
                     "grads": {k: p.grad.float().cpu() for k, p in m16.named_parameters() if p.grad is not None}}
-    return {"seed": seed, "cfg": cfg, "init": init, "steps": steps, "single16": single16}
+    return {"seed": seed, "cfg": cfg, "init": init, "steps": steps, "single16": single16, "policy": policy}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, single16: torch.Tensor | None, what: str) -> None:
@@ -207,6 +236,23 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
             for (a, b), lp in zip(_cuts(name, x["dp"], x["dp_rank"]), lps, strict=True) if lps else ():
                 _close(lp, reference["steps"][0]["logprobs"][a:b], s16 and s16["logprobs"][a:b],
                        f"{name} forward_logprobs")
+
+        # The policy loss (every option on) through the same schedules: losses and gradients.
+        group.call("set_loss", "policy", POLICY)
+        pol = reference["policy"]
+        ranks = group.call_each("loss_and_grads", [(_split(name, pol["batch"], x),) for x in lay])
+        for x, r in zip(lay, ranks, strict=True):
+            assert r["losses"].keys() == pol["losses"].keys(), f"{name}: policy metrics {sorted(r['losses'])}"
+            for k, v in pol["losses"].items():
+                assert r["losses"][k] == pytest.approx(v, rel=2e-2 if GPU else 1e-5, abs=1e-7), f"{name} policy {k}"
+            for k, g in r["grads"].items():
+                want = pol["grads"][k]
+                if r["dims"][k] is not None:
+                    want = want.chunk(x["tp"], r["dims"][k])[x["tp_rank"]]
+                if not GPU:
+                    assert_close(g.float(), want, atol=ATOL, what=f"{name} rank {x['rank']} policy grad {k}")
+        assert set().union(*(r["grads"] for r in ranks)) == set(pol["grads"]), f"{name}: policy gradients missing"
+        group.call("set_loss", "lm")
 
         exported = {}
         for bucket in group.export_weights(bucket_bytes=1 << 16):

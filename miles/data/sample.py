@@ -14,11 +14,17 @@ class Sample:
     tokens: list[int]
     loss_mask: list[int]
     origin: str | None = field(default=None, compare=False)  # where it came from: "file:row", "file:row#k"
+    # Per-token values for policy losses, by MicroBatch field name (advantages, rollout_logprobs,
+    # token_weights, ...), each aligned with `tokens` (0 where loss_mask is 0).
+    values: dict[str, list[float]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.loss_mask):
             raise ValueError(f"sample: {len(self.tokens)} tokens but {len(self.loss_mask)} loss-mask entries")
         if len(self.tokens) < 2:
             raise ValueError("sample: needs at least 2 tokens (one input, one target)")
+        for k, v in self.values.items():
+            if len(v) != len(self.tokens):
+                raise ValueError(f"sample: {len(self.tokens)} tokens but {len(v)} values of {k}")
         if self.loss_mask[0]:
             raise ValueError("sample: the first token cannot be trained (nothing precedes it)")

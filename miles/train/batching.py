@@ -31,7 +31,12 @@ class MicroBatch:
                 by the global batch's total weight.
     doc_ids     int64 packed documents (equal ids in contiguous runs, -1 = padding), or None:
                 one document per row, no padding.
-    advantages, old_logprobs, rollout_logprobs   float32 per position, for policy losses (RL).
+    advantages, old_logprobs, rollout_logprobs, ref_logprobs, token_weights
+                float32 per position, for policy losses (RL): the advantage of the token
+                position t predicts, its log-probability under the policy before this
+                rollout's updates (None: the current one, detached), under the engine that
+                sampled it, under the reference model; token_weights the aggregation weight
+                (miles.algo.losses.sequence_weight, the global batch's normaliser included).
     """
 
     input_ids: torch.Tensor
@@ -41,6 +46,8 @@ class MicroBatch:
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -128,14 +135,20 @@ def to_micro_batch(rows: list[list[Sample]], pad_to_multiple: int = 1) -> MicroB
     lab = torch.full((len(rows), n), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros(len(rows), n)
     doc = torch.full((len(rows), n), -1, dtype=torch.long)
+    keys = sorted({k for row in rows for s in row for k in s.values})
+    if any(set(s.values) != set(keys) for row in rows for s in row):
+        raise ValueError(f"samples of one micro-batch carry different per-token values (some lack one of {keys})")
+    extra = {k: torch.zeros(len(rows), n) for k in keys}
     for i, row in enumerate(rows):
         at = 0
         for d, s in enumerate(row):
             k = positions(s)
             ids[i, at:at + k], lab[i, at:at + k] = torch.tensor(s.tokens[:-1]), torch.tensor(s.tokens[1:])
             mask[i, at:at + k], doc[i, at:at + k] = torch.tensor(s.loss_mask[1:], dtype=torch.float32), d
+            for key, v in s.values.items():  # the value of token t + 1 sits where it is predicted
+                extra[key][i, at:at + k] = torch.tensor(v[1:], dtype=torch.float32)
             at += k
-    return MicroBatch(ids, lab, mask, None if bool((doc == 0).all()) else doc)
+    return MicroBatch(ids, lab, mask, None if bool((doc == 0).all()) else doc, **extra)
 
 
 def replica_micro_batches(samples: list[Sample], dp: int, micro_batch_size: int,

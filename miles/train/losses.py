@@ -16,9 +16,11 @@ whatever share of a batch is prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from miles.algo.losses import kl_estimate, token_terms
 from miles.train.batching import MicroBatch
 from plugins.deepseek_v4.layout import SequenceLayout
 from plugins.deepseek_v4.model import IGNORE_INDEX, CausalLMOutput, DeepSeekV4ForCausalLM
@@ -38,6 +40,18 @@ class LossCoefs:
     def aux_terms(self) -> tuple[str, ...]:
         """The auxiliary sums the model must compute for these weights."""
         return tuple(k for k in ("indexer", "balance") if getattr(self, k) > 0)
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The policy loss's settings (a job's `algo` section; ALGORITHMS.md)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher
+    dual_clip: float | None = None  # cap of -A * ratio for negative advantages (> 1)
+    tis_cap: float | None = None  # truncated importance sampling of the rollout/train mismatch
+    kl_coef: float = 0.0  # weight of the KL to the reference policy (needs ref_logprobs)
+    kl_estimator: str = "k3"
 
 
 @dataclass
@@ -85,8 +99,14 @@ def lm_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tensor], 
     w = mb.loss_mask[:, ctx.seq_chunk(mb.shape[1])].float()  # 0 wherever the label is IGNORE_INDEX
     lp = label_logprobs(ctx, out.logits, mb)  # [B, s]
     lm = -(lp * w).sum() / norm["lm"]
-    loss, metrics = lm, {"lm_loss": lm.detach()}
-    if out.mtp_logits is not None:
+    return _with_side_terms(lm, {"lm_loss": lm.detach()}, out, mb, norm, coef, ctx, w, lp)
+
+
+def _with_side_terms(loss: torch.Tensor, metrics: dict, out: CausalLMOutput, mb: MicroBatch, norm: dict,
+                     coef: LossCoefs, ctx: ParallelContext, w: torch.Tensor, lp: torch.Tensor) -> LossResult:
+    """The main loss plus MTP's cross-entropy on the labels weighted `w` (where MTP has a
+    prediction) and the auxiliary terms."""
+    if out.mtp_logits is not None and coef.mtp > 0:
         mtp = -(label_logprobs(ctx, out.mtp_logits, mb) * w * out.mtp_rows).sum() / norm["mtp"]
         loss = loss + coef.mtp * mtp
         metrics["mtp_loss"] = mtp.detach()
@@ -96,20 +116,59 @@ def lm_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tensor], 
     return LossResult(loss, metrics, lp.detach())
 
 
-LOSSES = {"lm": lm_loss}
+def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tensor], coef: LossCoefs,
+                ctx: ParallelContext, opts: PolicyOptions = PolicyOptions()) -> LossResult:
+    """The clipped policy-gradient loss (miles.algo.losses.token_terms) summed with the
+    micro-batch's token_weights, which carry the aggregation and the global batch's
+    normaliser; plus the KL to the reference (same weights), MTP's cross-entropy on the
+    response tokens and the auxiliary terms. Metrics (token means over the global batch's
+    response tokens): pg_clipfrac, ppo_kl, entropy, train_rollout_logprob_abs_diff, kl_loss."""
+    if mb.advantages is None or mb.token_weights is None:
+        raise ValueError("the policy loss needs micro-batches with advantages and token_weights")
+    cols = ctx.seq_chunk(mb.shape[1])
+    m = mb.loss_mask[:, cols].float()
+    lp = label_logprobs(ctx, out.logits, mb)  # [B, s]
+    old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs[:, cols]
+    roll = None if mb.rollout_logprobs is None else mb.rollout_logprobs[:, cols]
+    pg, clipped = token_terms(lp, old, mb.advantages[:, cols], opts.eps_low, opts.eps_high, opts.dual_clip,
+                              roll, opts.tis_cap)
+    weights = mb.token_weights[:, cols] * m
+    loss = (pg * weights).sum()
+    n = norm["lm"]
+    metrics = {"pg_loss": loss.detach(), "pg_clipfrac": (clipped.float() * m).sum() / n,
+               "ppo_kl": ((old - lp.detach()) * m).sum() / n,
+               "entropy": (ctx.token_entropy(out.logits) * m).sum() / n}
+    if roll is not None:
+        metrics["train_rollout_logprob_abs_diff"] = ((lp.detach() - roll).abs() * m).sum() / n
+    if opts.kl_coef > 0:
+        if mb.ref_logprobs is None:
+            raise ValueError("algo.kl_coef > 0 needs the reference log-probs (ref_logprobs)")
+        kl = (kl_estimate(lp, mb.ref_logprobs[:, cols], opts.kl_estimator) * weights).sum()
+        loss = loss + opts.kl_coef * kl
+        metrics["kl_loss"] = kl.detach()
+    return _with_side_terms(loss, metrics, out, mb, norm, coef, ctx, m, lp)
 
 
-def get(name: str):
+LOSSES = {"lm": lm_loss, "policy": policy_loss}
+
+
+def get(name: str, options: dict | None = None):
+    """The loss function `name`; `options` are the policy loss's (PolicyOptions fields)."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss '{name}'; known: {sorted(LOSSES)}")
+    if name == "policy":
+        return partial(policy_loss, opts=PolicyOptions(**(options or {})))
+    if options:
+        raise ValueError(f"loss '{name}' takes no options, got {sorted(options)}")
     return LOSSES[name]
 
 
 def compute(model: DeepSeekV4ForCausalLM, mb: MicroBatch, coef: LossCoefs = LossCoefs(), name: str = "lm",
-            norm: dict[str, torch.Tensor] | None = None) -> tuple[CausalLMOutput, LossResult]:
+            norm: dict[str, torch.Tensor] | None = None, options: dict | None = None
+            ) -> tuple[CausalLMOutput, LossResult]:
     """One process: forward `mb` and apply the loss, normalised by `norm` (default: this
     micro-batch's own counts). What a trainer rank computes, for tests and tools."""
     if norm is None:
         norm = {k: v.clamp_min(1) for k, v in counts(model, mb).items()}
     out = model(mb.input_ids, doc_ids=mb.doc_ids, aux=coef.aux_terms)
-    return out, get(name)(out, mb, norm, coef, model.ctx)
+    return out, get(name, options)(out, mb, norm, coef, model.ctx)

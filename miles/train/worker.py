@@ -139,14 +139,15 @@ class TrainWorker:
             num_moe_experts=cfg.n_routed_experts if ps.get_expert_model_parallel_world_size() > 1 else None)
         return sum(p.numel() for p in self.model.parameters())
 
-    def set_loss(self, name: str, **coefs: float) -> None:
-        """The loss function (miles.train.losses, by name) and the auxiliary terms' weights
-        (losses.LossCoefs: mtp, indexer, balance; its defaults where not given)."""
+    def set_loss(self, name: str, options: dict | None = None, **coefs: float) -> None:
+        """The loss function (miles.train.losses, by name; `options`: the policy loss's
+        PolicyOptions) and the auxiliary terms' weights (losses.LossCoefs: mtp, indexer,
+        balance; its defaults where not given)."""
         coef = losses.LossCoefs(**coefs)
         if coef.balance > 0 and self.model.ctx.cp_size > 1:
             raise ValueError("the sequence balance loss is per whole sequence: it cannot be split over "
                              "context-parallel ranks (use cp=1 or balance weight 0)")
-        self.loss_fn, self.coef = losses.get(name), coef
+        self.loss_fn, self.coef = losses.get(name, options), coef
         self._metric_keys = None
 
     def setup_training(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine",

@@ -109,6 +109,16 @@ class ParallelContext:
         picked = logits.gather(-1, ids.clamp(0, v - 1)[..., None])[..., 0]
         return self.reduce_from_tp(torch.where(mine, picked, 0.0)) - lse
 
+    @torch.no_grad()
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy [...] of the softmax over vocabulary-sharded logits [..., V/tp] (a metric:
+        detached). H = log-sum-exp(z) - E_p[z], each sum one reduction over the TP ranks."""
+        z = logits.float()
+        m = self.max_over_tp(z.amax(-1))
+        e = torch.exp(z - m[..., None])
+        s = self.sum_over_tp(e.sum(-1))
+        return m + torch.log(s) - self.sum_over_tp((e * z).sum(-1)) / s
+
     # ------------------------------------------------------------------ PP
     def stage_layers(self, n_layers: int) -> range:
         """This pipeline stage's layers: contiguous, earlier stages take the remainder."""
