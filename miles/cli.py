@@ -2,6 +2,7 @@
 
     miles run JOB.yaml [KEY=VALUE ...]     run a job (the controller, in this process)
     miles sft JOB.yaml [KEY=VALUE ...]     the same, for SFT jobs (data.source: chat)
+    miles rl JOB.yaml [KEY=VALUE ...]      an RL job (DAPO / GRPO: data.source: prompts, algo.loss: policy)
     miles submit JOB.yaml [KEY=VALUE ...]  submit a job with `ray job submit` (to --address, or
                                            to a local cluster started and stopped for it)
     miles report RUN_DIR                   PNG plots of a run's logged curves
@@ -35,12 +36,13 @@ def _load(prog: str, job_path: str, overrides: list[str]):
 
 def _run(argv: list[str], command: str = "run") -> None:
     prog = f"miles {command}"
-    what = "an SFT job file (data.source: chat)" if command == "sft" else "a job file"
+    what = {"sft": "an SFT job file (data.source: chat)", "rl": "an RL job file (data.source: prompts)"}.get(
+        command, "a job file")
     ap = argparse.ArgumentParser(prog=prog, description=f"Run {what} through the miles controller.",
                                  epilog=RUN_EPILOG.replace("miles run", prog),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("job", help="a job file (YAML), e.g. " + ("jobs/sft_tiny.yaml" if command == "sft"
-                                                             else "jobs/demo_tiny.yaml"))
+    ap.add_argument("job", help="a job file (YAML), e.g. " + {"sft": "jobs/sft_tiny.yaml", "rl": "jobs/dapo_tiny.yaml"}
+                    .get(command, "jobs/demo_tiny.yaml"))
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=20")
     ap.add_argument("--address", help="Ray cluster to run on (default: cluster.address, $RAY_ADDRESS, or local)")
     ap.add_argument("--check", action="store_true", help="validate the job and print it resolved; run nothing")
@@ -51,6 +53,10 @@ def _run(argv: list[str], command: str = "run") -> None:
         print(f"{prog}: {args.job}: data.source is {job.data.source}; SFT trains on conversations "
               "(data.source: chat). Use `miles run` for other jobs.", file=sys.stderr)
         raise SystemExit(2)
+    if (command == "rl") != (job.data.source == "prompts"):
+        right = "miles rl" if job.data.source == "prompts" else "miles run` or `miles sft"
+        print(f"{prog}: {args.job}: data.source is {job.data.source}; use `{right}` for this job", file=sys.stderr)
+        raise SystemExit(2)
     if args.address:
         job.cluster.address = args.address  # taken as given (not read as YAML)
     if args.check:
@@ -58,13 +64,15 @@ def _run(argv: list[str], command: str = "run") -> None:
 
         print(yaml.safe_dump(job.resolved(), sort_keys=False), end="")
         return
+    from miles.algo.sampling import DynamicSamplingError
     from miles.ckpt.store import CheckpointError
     from miles.controller import JobError, run
     from miles.data.dataset import DataError
+    from miles.rl import run_rl
 
     try:
-        result = run(job)
-    except (JobError, DataError, CheckpointError) as e:
+        result = run_rl(job) if command == "rl" else run(job)
+    except (JobError, DataError, CheckpointError, DynamicSamplingError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"run directory: {result.run_dir}")
@@ -79,8 +87,8 @@ def _run(argv: list[str], command: str = "run") -> None:
 
 
 SUBMIT_EPILOG = """\
-The job file is validated here first; then `ray job submit` runs `miles sft` (SFT jobs) or
-`miles run` on the cluster, in this directory, with this Python, and streams its output.
+The job file is validated here first; then `ray job submit` runs `miles sft` (SFT jobs),
+`miles rl` (RL jobs) or `miles run` on the cluster, in this directory, with this Python, and streams its output.
 Without --address a local cluster (127.0.0.1, token auth, cluster.num_cpus CPUs) is started
 for the job and stopped after it. The run directory is fixed here (log.run_dir) and printed.
 exit status: 0 done, 1 the job failed, 2 the job file or an override is invalid."""
@@ -101,7 +109,7 @@ def _submit(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     job = _load("miles submit", args.job, args.overrides)
     run_dir = os.path.abspath(job.log.run_dir)
-    command = "sft" if job.data.source == "chat" else "run"
+    command = {"chat": "sft", "prompts": "rl"}.get(job.data.source, "run")
     entry = [sys.executable, "-m", "miles.cli", command, os.path.abspath(args.job), *args.overrides,
              f"log.run_dir={run_dir}"] + (["--report"] if args.report else [])
     entrypoint = f"cd {shlex.quote(os.getcwd())} && {shlex.join(entry)}"
@@ -152,6 +160,7 @@ def _serve(argv: list[str]) -> None:
 
 
 COMMANDS = {"run": (_run, "run a job file"), "sft": (lambda a: _run(a, "sft"), "run an SFT job file"),
+            "rl": (lambda a: _run(a, "rl"), "run an RL job file (DAPO / GRPO)"),
             "submit": (_submit, "submit a job file with `ray job submit` (local cluster by default)"),
             "report": (_report, "plot a run's logged curves as PNG files"),
             "check-alignment": (_check_alignment, "compare two runs' loss and gradient checksums"),

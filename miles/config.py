@@ -5,8 +5,8 @@
     model:   the architecture (a preset or DeepSeek's config.json, field overrides), dtype, kernels
     data:    the data source
     train:   steps, batch sizes, seed, determinism, the parallel layout, the optimizer and LR schedule
-    rollout: generation (arrives with the rollout issue)
-    algo:    the loss, by name, and the auxiliary terms' weights
+    rollout: generation: engines, router, weight sync; RL's batch shape, sampling, placement, evaluation
+    algo:    the loss, by name, and the auxiliary terms' weights; RL's advantages, clipping, rewards, KL
     ckpt:    what is saved
     log:     run directory, wandb, progress display, alignment records, profiling window
 
@@ -109,10 +109,13 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """synthetic: bundled arithmetic progressions (miles.data.synthetic), evaluated by generation
     after the last step. chat: conversations from JSONL/Parquet for SFT (miles.data.sft), with
-    DeepSeek-V4's loss masks (miles.data.chat), packed into rows of seq_len positions."""
+    DeepSeek-V4's loss masks (miles.data.chat), packed into rows of seq_len positions.
+    prompts: RL prompts with the label their reward is checked against (miles.data.prompts;
+    `miles rl`), rendered with the same template and tokenizer keys as chat."""
 
-    source: Literal["synthetic", "chat"] = "synthetic"
-    seq_len: Annotated[int, Strict(), Field(ge=3)] = 64  # positions per row (chat: the longest conversation)
+    source: Literal["synthetic", "chat", "prompts"] = "synthetic"
+    seq_len: Annotated[int, Strict(), Field(ge=3)] = 64  # positions per row (chat: the longest conversation;
+    # prompts: the packed training rows, at least rollout.max_len)
     eval_size: NonNegInt = 0  # held-out sequences (synthetic) or conversations (chat; 0 with eval_path: all)
     # chat only
     path: Str | None = None  # a .jsonl/.parquet file, a directory of shards or a glob (relative: to the cwd)
@@ -126,6 +129,7 @@ class DataConfig(Section):
     reasoning_effort: ReasoningEffort | None = None  # thinking mode's preamble; None: the recipe's default
     on_bad_row: Literal["skip", "error"] = "skip"  # skip: report, count (data/skipped_rows) and go on
     shuffle_buffer: NonNegInt = 10000  # samples in the streaming shuffle (0: file order)
+    eval_name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_.-]+$")] = "heldout"  # prompts: eval/<name>/...
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
@@ -133,10 +137,11 @@ class DataConfig(Section):
         if self.source == "synthetic":
             given = [k for k in chat_keys if getattr(self, k) is not None]
             if given:
-                raise ValueError(f"data.{given[0]}: only for data.source: chat")
+                raise ValueError(f"data.{given[0]}: only for data.source: chat or prompts")
             return self
         if self.path is None:
-            raise ValueError("data.path: missing (data.source: chat reads conversations from a file, directory "
+            what = "conversations" if self.source == "chat" else "prompts"
+            raise ValueError(f"data.path: missing (data.source: {self.source} reads {what} from a file, directory "
                              "or glob)")
         from miles.data.dataset import dataset_files
         from miles.data.sft import tokenizer_path
@@ -249,13 +254,64 @@ class RolloutConfig(Section):
     bucket_mb: PosInt = 256  # weight-sync bucket size
     tokenizer: Str | None = None  # text in and out of the engines (default: data.tokenizer)
     sglang: dict[str, Any] = {}  # engine: sglang: every key becomes --key value of sglang.launch_server
+    # RL (`miles rl`): one rollout = rollout_batch_size prompts x n_samples_per_prompt responses,
+    # trained in optimizer steps of train.global_batch_size responses.
+    rollout_batch_size: PosInt = 32  # prompts (groups) per rollout, after dynamic sampling
+    n_samples_per_prompt: PosInt = 8  # responses per prompt (the group of GRPO's advantages)
+    over_sampling: Annotated[float, Strict(), Field(ge=1)] = 1.0  # prompts generated per round / needed
+    dynamic_sampling: Bool = True  # DAPO: drop groups whose rewards are all equal, generate more
+    max_rounds: PosInt = 4  # generation rounds to fill one rollout before the job fails
+    max_new_tokens: PosInt = 512  # tokens generated per response (longer: truncated)
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+    top_k: Int = -1  # -1: off
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: the trainer sleeps while
+    # engines generate, engines release memory while it trains
+    off_policy: Bool = False  # one-step-off: generate rollout k+1 while training on k (staleness 1)
+    eval_interval: NonNegInt = 0  # evaluate on data's held-out prompts every N rollouts (and first, last)
+    eval_samples: PosInt = 4  # responses per held-out prompt (avg@k)
+    eval_temperature: NonNegFloat = 1.0
+    eval_top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
 
 
 class AlgoConfig(Section):
-    loss: Literal["lm"] = "lm"  # miles.train.losses: "lm" = cross-entropy of the labels (pre-training, SFT)
+    loss: Literal["lm", "policy"] = "lm"  # miles.train.losses: "lm" = cross-entropy of the labels (pre-training,
+    # SFT); "policy" = the clipped policy-gradient loss of RL (`miles rl`)
     mtp_loss_coef: NonNegFloat = LossCoefs.mtp
     indexer_loss_coef: NonNegFloat = LossCoefs.indexer  # the lightning indexer's KL to the attention (0: untrained)
     balance_loss_coef: NonNegFloat = LossCoefs.balance  # sequence-level expert balance (V4 balances by router bias)
+    # RL (ALGORITHMS.md)
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    eps_low: NonNegFloat = 0.2
+    eps_high: NonNegFloat = 0.28  # clip-higher
+    dual_clip: Annotated[float, Strict(), Field(gt=1)] | None = None  # e.g. 3: caps -A * ratio for A < 0
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"  # DAPO's
+    norm_len: PosInt | None = None  # Dr. GRPO's constant length (default rollout.max_new_tokens)
+    tis_cap: PosFloat | None = None  # truncated importance sampling cap (default 2.0 with rollout.off_policy)
+    kl_coef: NonNegFloat = 0.0  # KL to the reference (the starting weights, kept on the host); DAPO: 0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    reward: Str = "dapo"  # dapo (the `Answer:` verifier, +1/-1), math (math-verify), or "module:function"
+    reward_url: Str | None = None  # instead: POST {"response", "label", "prompt"} -> {"reward": r}
+    reward_timeout: PosFloat = 30.0  # seconds per remote reward request (retried 3 times)
+    overlong_max_len: PosInt | None = None  # DAPO's overlong shaping: L_max (response tokens) ...
+    overlong_cache: PosInt | None = None  # ... and the buffer L_cache before it
+
+    @model_validator(mode="after")
+    def _rl(self) -> AlgoConfig:
+        if (self.overlong_max_len is None) != (self.overlong_cache is None):
+            raise ValueError("algo.overlong_max_len and algo.overlong_cache: give both or neither")
+        if self.overlong_cache is not None and self.overlong_cache > self.overlong_max_len:
+            raise ValueError(f"algo.overlong_cache={self.overlong_cache} exceeds algo.overlong_max_len="
+                             f"{self.overlong_max_len}")
+        if self.reward not in ("dapo", "math") and ":" not in self.reward:
+            raise ValueError(f"algo.reward: {self.reward!r} is not dapo, math or \"module:function\"")
+        return self
+
+    def policy_options(self, off_policy: bool = False) -> dict:
+        """The trainer's PolicyOptions (truncated IS on by default in the one-step-off mode)."""
+        tis = self.tis_cap if self.tis_cap is not None else (2.0 if off_policy else None)
+        return {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip": self.dual_clip, "tis_cap": tis,
+                "kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
 
 
 class CkptConfig(Section):
@@ -348,7 +404,9 @@ class JobConfig(Section):
         for field in ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size"):  # split over TP
             if getattr(arch, field) % tp:
                 raise ValueError(f"train.parallel.tp={tp} must divide the model's {field} ({getattr(arch, field)})")
-        if self.data.source == "chat":
+        if self.data.source == "prompts" or self.algo.loss == "policy":
+            self._check_rl()
+        if self.data.source in ("chat", "prompts"):
             from miles.data.sft import tokenizer_path, vocab_size
 
             ids = vocab_size(tokenizer_path(self.data.tokenizer), self.data.template)
@@ -366,6 +424,32 @@ class JobConfig(Section):
             raise ValueError("ckpt.load and ckpt.hf: give one (a checkpoint resumes training; an HF checkpoint "
                              "starts it; with ckpt.load: auto, ckpt.hf is where a run without checkpoints starts)")
         return self
+
+    def _check_rl(self) -> None:
+        r, t = self.rollout, self.train
+        if self.data.source != "prompts" or self.algo.loss != "policy":
+            raise ValueError(f"an RL job has data.source: prompts and algo.loss: policy (got {self.data.source} and "
+                             f"{self.algo.loss})")
+        responses = r.rollout_batch_size * r.n_samples_per_prompt
+        if responses % t.global_batch_size:
+            raise ValueError(f"rollout.rollout_batch_size x rollout.n_samples_per_prompt = {responses} responses must "
+                             f"be a multiple of train.global_batch_size={t.global_batch_size} (optimizer steps "
+                             "per rollout)")
+        if r.off_policy and r.placement == "colocated":
+            raise ValueError("rollout.off_policy generates while the trainer trains: it needs rollout.placement: "
+                             "disaggregated (colocated engines and trainer take turns)")
+        if self.data.seq_len < r.max_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} (positions per packed training row) must hold a "
+                             f"whole sequence of rollout.max_len={r.max_len}")
+        if r.max_new_tokens >= r.max_len:
+            raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in "
+                             f"rollout.max_len={r.max_len}")
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps per rollout (RL): its responses over train.global_batch_size."""
+        r = self.rollout
+        return max(1, r.rollout_batch_size * r.n_samples_per_prompt // self.train.global_batch_size)
 
     def resolved(self) -> dict:
         """Plain data (paths as strings), as written to <run_dir>/config.yaml; loads back to this job."""

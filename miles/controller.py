@@ -107,7 +107,7 @@ def prepare_run_dir(job: JobConfig, resume_from: int | None = None, stream: Text
             raise JobError(f"{run_dir} already holds a run ({METRICS_FILE}); choose another log.run_dir, remove "
                            f"it, or resume it (ckpt.load: auto)")
         last = resume_from if resume_from > 0 else -1  # a fresh start redoes the evaluation before step 1 too
-        dropped = sum(records.truncate(run_dir / f, last) for f in (METRICS_FILE, alignment.FILE))
+        dropped = sum(records.truncate(run_dir / f, last) for f in (METRICS_FILE, alignment.FILE, records.ROLLOUTS))
         if dropped:
             print(f"{run_dir}: dropped {dropped} records after step {resume_from} (this run redoes those steps)",
                   file=stream or sys.stdout, flush=True)
@@ -162,9 +162,11 @@ def start_trainer(job: JobConfig, device: str):
     try:
         group.call("build_model", model.arch.to_dict(), job.train.seed, dtype=model.dtype,
                    deterministic=job.train.deterministic)
-        group.call("set_loss", algo.loss, mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef,
-                   balance=algo.balance_loss_coef)
-        group.call("setup_training", **job.train.optim.model_dump(), total_steps=job.train.steps)
+        rl = algo.loss == "policy"  # RL: train.steps counts rollouts, each several optimizer steps
+        group.call("set_loss", algo.loss, algo.policy_options(job.rollout.off_policy) if rl else None,
+                   mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef, balance=algo.balance_loss_coef)
+        group.call("setup_training", **job.train.optim.model_dump(),
+                   total_steps=job.train.steps * (job.updates_per_rollout if rl else 1))
     except BaseException:
         group.shutdown()
         raise

@@ -34,3 +34,81 @@ def dapo_reward(response: str, label: str) -> float:
     got = extract_answer(response)
     want = extract_answer(f"Answer: {label}")
     return 1.0 if got is not None and got == want else -1.0
+
+
+def math_reward(response: str, label: str) -> float:
+    """+1 if the response's final answer (its last `Answer:`, else the whole response) is
+    mathematically equal to the label by math-verify (LaTeX, fractions, sets, ...), else -1."""
+    from math_verify import parse, verify
+
+    got = extract_answer(response)
+    gold, pred = parse(f"${label}$" if "$" not in label else label), parse(got if got is not None else response)
+    return 1.0 if gold and pred and verify(gold, pred) else -1.0
+
+
+BUILTIN = {"dapo": dapo_reward, "math": math_reward}
+
+
+def load_reward(spec: str):
+    """algo.reward: "dapo", "math", or "module:function" taking (response, label, prompt) ->
+    float, plain or async."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"algo.reward: cannot load {spec!r}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"algo.reward: {spec!r} is not a function")
+    return fn
+
+
+async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 3) -> float:
+    import asyncio
+
+    import httpx
+
+    last = ""
+    for attempt in range(attempts):
+        if attempt:
+            await asyncio.sleep(0.5 * 2 ** attempt)
+        try:
+            r = await client.post(url, json=item, timeout=timeout)
+            if r.status_code == 200:
+                return float(r.json()["reward"])
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+                break
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+            last = f"{type(e).__name__}: {e}"
+    raise RuntimeError(f"reward server {url}: {last}")
+
+
+def score(items: list[dict], spec: str = "dapo", url: str | None = None, timeout: float = 30.0,
+          concurrency: int = 64) -> list[float]:
+    """Rewards of items {"response", "label", "prompt"}: through `url` (POSTed each item,
+    answering {"reward": r}; timeouts and 3 tries) or the reward function `spec`."""
+    import asyncio
+    import inspect
+
+    fn = None if url else load_reward(spec)
+
+    async def run() -> list[float]:
+        import httpx
+
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient() as client:
+            async def one(item: dict) -> float:
+                async with sem:
+                    if url:
+                        return await _remote(client, url, item, timeout)
+                    args = (item["response"], item["label"]) + ((item["prompt"],) if fn not in BUILTIN.values()
+                                                                  else ())
+                    out = fn(*args)
+                    return float(await out if inspect.isawaitable(out) else out)
+            return list(await asyncio.gather(*(one(i) for i in items)))
+
+    return asyncio.run(run())

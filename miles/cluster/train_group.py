@@ -56,11 +56,12 @@ class TrainGroup:
         refs = [ray.put(r) for r in replicas]
         return self.call_each("train_step", [(refs[x["dp_rank"]], checksums) for x in self.layout])
 
-    def forward_logprobs(self, replicas: list[list[MicroBatch]]) -> list[list]:
+    def forward_logprobs(self, replicas: list[list[MicroBatch]], reference: bool = False) -> list[list]:
         """Forward only: per data-parallel replica, log p(label) [B, S] of each of its
-        micro-batches (from the replica's last pipeline stage, first TP and CP rank)."""
+        micro-batches (from the replica's last pipeline stage, first TP and CP rank);
+        `reference`: under the reference weights (TrainWorker.keep_reference)."""
         refs = [ray.put(r) for r in replicas]
-        out = self.call_each("forward_logprobs", [(refs[x["dp_rank"]],) for x in self.layout])
+        out = self.call_each("forward_logprobs", [(refs[x["dp_rank"]], reference) for x in self.layout])
         last = {x["dp_rank"]: i for i, x in enumerate(self.layout)
                 if x["pp_rank"] == x["pp"] - 1 and x["tp_rank"] == 0 and x["cp_rank"] == 0}
         return [out[last[r]] for r in range(len(replicas))]

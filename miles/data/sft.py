@@ -118,11 +118,15 @@ class SFTSource:
         self.consumed = 0  # samples drawn from this epoch's stream
 
     # ------------------------------------------------------------------ rows -> samples
+    def row_items(self, row: Row) -> list:
+        """What one row gives (BadRow if nothing): its training samples."""
+        return row_samples(row, self.data, self.tokenizer, self.data.seq_len)
+
     def _samples(self, spec: str, skip_rows: int = 0) -> Iterator[tuple[Row, list[Sample]]]:
         usable = 0
         for row in iter_rows(spec):
             try:
-                samples = row_samples(row, self.data, self.tokenizer, self.data.seq_len)
+                samples = self.row_items(row)
             except BadRow as e:
                 self._bad(e)
                 continue

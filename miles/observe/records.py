@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+ROLLOUTS = "rollouts.jsonl"  # RL: per rollout, the prompt ids drawn and kept, and the sample rewards
+
 
 def read(path: Path, required: set[str], kind: str) -> list[dict]:
     """Every line of `path` as a dict holding the `required` keys, in order."""

@@ -61,6 +61,7 @@ class RolloutManager:
                              health_interval=c.health_interval, extra_args=list(c.router_args),
                              log_file=f"{log_dir}/router.log" if log_dir else None)
         self.latest: dict | None = None  # the last weight update, replayed to replacement engines
+        self.version: int | None = None  # the trainer step the engines' weights come from (set by the caller)
         self.stats = {"restarts": 0, "retries": 0, "timeouts": 0}
         self._lock = threading.RLock()
         self._stop = threading.Event()

@@ -66,6 +66,7 @@ class TrainWorker:
         self._asleep: list | None = None
         self._saves = None  # Megatron's AsyncCallsQueue, once an async save was asked for
         self._sync_group = None  # weight-sync broadcast group with the engines
+        self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the others connect: this node's address and a free port."""
@@ -299,12 +300,39 @@ class TrainWorker:
         return out
 
     @torch.no_grad()
-    def forward_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+    def forward_logprobs(self, micro_batches: list[MicroBatch], reference: bool = False) -> list[torch.Tensor] | None:
         """Per-token log p(label) [B, S] of each micro-batch (whole sequence: CP chunks are
-        gathered); None on ranks that are not the last pipeline stage."""
+        gathered); None on ranks that are not the last pipeline stage. `reference`: under the
+        weights keep_reference() stored (swapped in for this forward, then back)."""
         mbs = self._to_device(micro_batches)
-        res, _ = self._schedule(self.model, mbs, None, forward_only=True)
+        current = self._swap_weights(self._reference) if reference else None
+        try:
+            res, _ = self._schedule(self.model, mbs, None, forward_only=True)
+        finally:
+            if current is not None:
+                self._swap_weights(current)
         return [self.model.ctx.gather_seq(r["logprobs"]).cpu() for r in res] if self.model.ctx.last_stage else None
+
+    def keep_reference(self) -> int:
+        """Store this rank's current weights on the host as the reference policy (RL's KL
+        term). Returns its bytes."""
+        from miles.ckpt.sharded import model_tensors
+
+        self._reference = {k: v.detach().cpu().clone() for k, v in model_tensors(self.model).items()}
+        return sum(v.numel() * v.element_size() for v in self._reference.values())
+
+    @torch.no_grad()
+    def _swap_weights(self, weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Copy `weights` into the model; returns a host copy of what they replaced."""
+        from miles.ckpt.sharded import model_tensors
+
+        if weights is None:
+            raise RuntimeError(f"rank {self.rank}: no reference weights (keep_reference() first)")
+        own = model_tensors(self.model)
+        old = {k: v.detach().cpu().clone() for k, v in own.items()}
+        for k, v in own.items():
+            v.copy_(weights[k])
+        return old
 
     def train_step(self, micro_batches: list[MicroBatch], checksums: bool = False) -> dict:
         """One optimizer step over this rank's micro-batches. Each loss term is normalised by
@@ -433,7 +461,9 @@ class TrainWorker:
 
         out = []
         for b in weight_export.buckets(self.model, bucket_bytes):
-            host = {k: v.cpu() for k, v in b.items()}
+            # A copy even on the host: Ray pickles tensors through numpy, which would pin the
+            # parameters' storages (sleep() could no longer free them).
+            host = {k: v.to("cpu", copy=True) for k, v in b.items()}
             out.append((ray.put(host), checksums(host)))
         return out
 

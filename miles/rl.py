@@ -1,0 +1,392 @@
+"""The RL loop (`miles rl`): DAPO / GRPO on a TrainGroup and rollout engines behind SGLang's router.
+
+    run_rl(job):
+        run directory, Ray, prompts (data.source: prompts), trainer (the policy loss)
+        start   <- the checkpoint ckpt.load names (weights, optimizer, data position), or 0
+        engines <- the trainer's weights (version = the step they come from)
+        for step in start+1..steps:
+            groups   <- generate n responses per prompt -> reward -> keep groups whose rewards
+                        differ (dynamic sampling, up to rollout.max_rounds rounds)
+            samples  <- group advantages, per-token weights of each optimizer step's batch
+            (one-step-off: rollout step+1 starts generating now, on the current weights)
+            train    <- old (and reference) log-probs, then updates_per_rollout optimizer steps
+            engines  <- the new weights (colocated: engines and trainer take turns in memory)
+            eval     <- held-out accuracy every rollout.eval_interval steps
+            log, checkpoint
+
+The pieces that decide (advantages, the loss, rewards, filtering, aggregation weights) are
+pure functions in miles.algo; this file only moves data between them and the actors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from miles.algo.advantages import group_advantages
+from miles.algo.losses import sequence_weight
+from miles.algo.rewards import overlong_penalty, score
+from miles.algo.sampling import dynamic_filter
+from miles.ckpt.manager import Checkpoints
+from miles.config import JobConfig
+from miles.controller import RunResult, prepare_run_dir, ray_session, resolve_device, start_trainer
+from miles.data.prompts import Prompt, PromptSource
+from miles.data.sample import Sample
+from miles.observe import records
+from miles.observe.metrics import Monitor
+from miles.train.batching import MicroBatch, packed_replica_micro_batches
+
+
+@dataclass
+class Response:
+    prompt: Prompt
+    ids: list[int]  # generated tokens (the end-of-sentence id included when it stopped there)
+    logprobs: list[float]  # the engine's log-probs of them
+    text: str
+    truncated: bool  # stopped by the length limit
+    correct: bool = False  # the raw reward was positive
+    reward: float = 0.0  # shaped (overlong penalty added)
+
+
+@dataclass
+class Rollout:
+    step: int
+    groups: list[list[Response]]  # rollout_batch_size groups of n_samples_per_prompt
+    version: int  # the weights it was generated with (a trainer step)
+    metrics: dict[str, float]
+    drawn: list[str]  # every prompt id drawn for it, kept or not (the data position's record)
+    data_state: dict  # the data position right after it (what a checkpoint of its step saves)
+
+
+@dataclass
+class Position:
+    """The data position a checkpoint saves: taken when the rollout was drawn, since the next
+    one may already be drawing (one-step-off, or generation ahead of the save)."""
+
+    saved: dict
+
+    def state(self) -> dict:
+        return self.saved
+
+
+def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
+    out = stream or sys.stdout
+    ckpt = Checkpoints(job, report=lambda text: print(text, file=out, flush=True))
+    run_dir = prepare_run_dir(job, resume_from=ckpt.iteration if job.ckpt.load else None, stream=out)
+    r = job.rollout
+    with ray_session(job), contextlib.ExitStack() as stack:
+        device = resolve_device(job)
+        monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
+        stack.push(lambda exc_type, *_: monitor.close(failed=exc_type is not None))
+        ckpt.report = monitor.print
+        data = PromptSource(job.data, job.train.seed, r.max_len - r.max_new_tokens, run_dir, report=monitor.print)
+        stack.callback(data.close)
+        trainer = start_trainer(job, device)
+        stack.callback(trainer.shutdown)
+        if job.algo.kl_coef > 0:  # the reference: the weights the run starts from
+            if job.ckpt.hf is not None:
+                trainer.call("load_hf", str(job.ckpt.hf))
+            trainer.call("keep_reference")
+        start = ckpt.restore(trainer, data)
+        engines = start_engines(job, run_dir, device)
+        stack.callback(engines.shutdown)
+        update_engines(job, trainer, engines, start)
+        monitor.print(f"miles rl: {job.name}: {job.train.steps} rollouts of {r.rollout_batch_size} prompts x "
+                      f"{r.n_samples_per_prompt} samples, {job.updates_per_rollout} optimizer step(s) each; "
+                      f"{r.placement}{', one-step-off' if r.off_policy else ''}; run directory {run_dir}")
+        first = None
+        if start == 0 and evaluates(job, data, 0):
+            monitor.record(0, first := evaluate(job, trainer, engines, data))
+        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="rollout"))
+        pending = submit(pool, job, trainer, engines, data, start + 1, version=start)
+        history: list[dict] = []
+        for step in range(start + 1, job.train.steps + 1):
+            t0 = time.perf_counter()
+            rollout = pending.result()
+            t_wait = time.perf_counter() - t0
+            sync = {}
+            if r.off_policy and step < job.train.steps:  # generate step+1 while training on this one
+                sync = update_engines(job, trainer, engines, step - 1)
+                pending = submit(pool, job, trainer, engines, data, step + 1, version=step - 1)
+            samples = to_samples(job, rollout.groups)
+            metrics = rollout.metrics | train(job, trainer, samples, step)
+            if not r.off_policy and step < job.train.steps:
+                sync = update_engines(job, trainer, engines, step)
+                pending = submit(pool, job, trainer, engines, data, step + 1, version=step)
+            metrics.update({"rollout/staleness": float(step - 1 - rollout.version),
+                            "perf/rollout_wait_time": t_wait, "perf/update_weights_time": sync.get("seconds", 0.0)})
+            if evaluates(job, data, step):
+                if step == job.train.steps:
+                    update_engines(job, trainer, engines, step)
+                metrics.update(evaluate(job, trainer, engines, data))
+            metrics["perf/step_time"] = time.perf_counter() - t0
+            write_rollout(run_dir, rollout)
+            monitor.log(step, metrics)
+            history.append(metrics)
+            ckpt.maybe_save(step, trainer, Position(rollout.data_state))
+        ckpt.close(trainer)
+        summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "rollout/"))}
+        key = f"eval/{job.data.eval_name}/accuracy"
+        if first is not None and key in summary:
+            summary[f"{key}_start"] = first[key]
+            monitor.print(f"held-out accuracy ({job.data.eval_name}, avg@{r.eval_samples}): {first[key]:.1%} before "
+                          f"RL, {summary[key]:.1%} after {job.train.steps} rollouts")
+        monitor.summary(summary)
+    return RunResult(run_dir, history, summary)
+
+
+# --------------------------------------------------------------------------- engines
+def start_engines(job: JobConfig, run_dir: Path, device: str):
+    """The rollout manager: rollout.num_engines engines behind SGLang's router, weights to
+    come from the trainer (update_engines)."""
+    from miles.rollout.manager import RolloutManager
+
+    spec = {"config": job.model.arch.to_dict(), "seed": job.train.seed, "dtype": job.model.dtype,
+            "device": "cuda" if device == "gpu" else "cpu"}
+    return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
+
+
+def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
+    """The trainer's weights into every engine (unless they already serve `version`)."""
+    from miles.rollout.sync import sync_broadcast, sync_object_store
+
+    if engines.version == version:
+        return {}
+    colocated = job.rollout.placement == "colocated"
+    if colocated:
+        ray_get_all([e.resume_memory.remote() for e in engines.engine_actors()])
+    bucket = job.rollout.bucket_mb << 20
+    if job.rollout.sync == "broadcast":
+        res = sync_broadcast(trainer, engines.engine_actors(), bucket, version,
+                             "nccl" if job.cluster.device == "gpu" else "gloo")
+    else:
+        res = sync_object_store(trainer, engines, bucket, version)
+    if colocated:
+        ray_get_all([e.release_memory.remote() for e in engines.engine_actors()])
+    engines.version = version
+    return res
+
+
+def ray_get_all(refs: list) -> list:
+    import ray
+
+    return ray.get(refs)
+
+
+@contextlib.contextmanager
+def generation_phase(job: JobConfig, trainer, engines):
+    """Colocated: the trainer's memory out and the engines' in for generation, then back."""
+    if job.rollout.placement != "colocated":
+        yield
+        return
+    trainer.call("sleep")
+    ray_get_all([e.resume_memory.remote() for e in engines.engine_actors()])
+    try:
+        yield
+    finally:
+        ray_get_all([e.release_memory.remote() for e in engines.engine_actors()])
+        trainer.call("wake_up")
+
+
+# --------------------------------------------------------------------------- generate -> reward -> filter
+def submit(pool: ThreadPoolExecutor, job, trainer, engines, data, step: int, version: int) -> Future:
+    """Rollout `step` (on the engines' weights of `version`), in the background: the data
+    position advances now, in step order."""
+    if step > job.train.steps:
+        return pool.submit(lambda: None)
+    return pool.submit(generate_rollout, job, trainer, engines, data, step, version)
+
+
+def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step: int, version: int) -> Rollout:
+    r = job.rollout
+    t0 = time.perf_counter()
+    drawn: list[str] = []
+    position: dict = {}
+    stats = {"tokens": 0, "responses": 0, "reward_time": 0.0, "correct": 0, "truncated": 0, "raw": 0.0}
+
+    def round_(rnd: int) -> list[tuple[list[Response], torch.Tensor]]:
+        prompts = data.batch(step, math.ceil(r.rollout_batch_size * r.over_sampling))
+        drawn.extend(p.id for p in prompts)
+        position.update(data.state())
+        groups = sample_groups(job, engines, prompts, r.n_samples_per_prompt, r.temperature, r.top_p,
+                               seed=(job.train.seed, step, rnd))
+        t1 = time.perf_counter()
+        reward_groups(job, groups)
+        stats["reward_time"] += time.perf_counter() - t1
+        for g in groups:
+            for x in g:
+                stats["tokens"] += len(x.ids)
+                stats["responses"] += 1
+                stats["correct"] += x.correct
+                stats["truncated"] += x.truncated
+                stats["raw"] += 1.0 if x.correct else -1.0
+        return [(g, torch.tensor([x.reward for x in g])) for g in groups]
+
+    with generation_phase(job, trainer, engines):
+        if r.dynamic_sampling:
+            kept, drops = dynamic_filter(round_, r.rollout_batch_size, r.max_rounds)
+        else:
+            kept, drops = [g for g, _ in round_(0)[: r.rollout_batch_size]], {}
+    seconds = time.perf_counter() - t0
+    responses = [x for g in kept for x in g]
+    n = max(stats["responses"], 1)
+    metrics = {"rollout/raw_reward": stats["raw"] / n, "rollout/accuracy": stats["correct"] / n,
+               "rollout/response_len/mean": stats["tokens"] / n, "rollout/truncated_ratio": stats["truncated"] / n,
+               "rollout/reward": sum(x.reward for x in responses) / len(responses),
+               "rollout/log_probs": sum(sum(x.logprobs) for x in responses) / max(1, sum(len(x.ids)
+                                                                                       for x in responses)),
+               "rollout/prompts_drawn": float(len(drawn)),
+               "perf/rollout_time": seconds, "perf/reward_time": stats["reward_time"],
+               "perf/rollout_tok_per_s": stats["tokens"] / seconds}
+    metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in drops.items()})
+    return Rollout(step, kept, version, metrics, drawn, position)
+
+
+def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temperature: float, top_p: float,
+                  seed: tuple) -> list[list[Response]]:
+    """n responses per prompt through the router; each request seeded by (seed, prompt, i), so
+    a resumed run draws the same samples."""
+    r = job.rollout
+    params = {"temperature": temperature, "top_p": top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+    reqs = [{"id": f"{'/'.join(map(str, seed))}/{p.id}/{i}", "input_ids": p.input_ids, "return_logprob": True,
+             "sampling_params": params | {"seed": _seed(seed, p.id, i)}}
+            for p in prompts for i in range(n)]
+    results = engines.generate(reqs)
+    tok = _tokenizer(job.data.tokenizer)
+    out = []
+    for k, p in enumerate(prompts):
+        group = []
+        for res in results[k * n:(k + 1) * n]:
+            ids = res["output_ids"]
+            lps = [x[0] for x in res["meta_info"]["output_token_logprobs"]]
+            group.append(Response(p, ids, lps, tok.decode(ids, skip_special_tokens=True),
+                                  res["meta_info"]["finish_reason"]["type"] == "length"))
+        out.append(group)
+    return out
+
+
+def _seed(seed: tuple, prompt_id: str, i: int) -> int:
+    import zlib
+
+    return zlib.crc32(f"{seed}/{prompt_id}/{i}".encode()) & 0x7FFFFFFF
+
+
+def _tokenizer(name: str | None):
+    from tokenizers import Tokenizer
+
+    from miles.data.chat import v4_tokenizer_file
+    from miles.data.sft import tokenizer_path
+
+    return Tokenizer.from_file(str(tokenizer_path(name) or v4_tokenizer_file()))
+
+
+def reward_groups(job: JobConfig, groups: list[list[Response]]) -> None:
+    """Raw rewards (algo.reward or algo.reward_url), then DAPO's overlong shaping."""
+    a = job.algo
+    flat = [x for g in groups for x in g]
+    raw = score([{"response": x.text, "label": x.prompt.label, "prompt": x.prompt.messages} for x in flat],
+                a.reward, a.reward_url, a.reward_timeout)
+    for x, v in zip(flat, raw, strict=True):
+        x.correct, x.reward = v > 0, v
+        if a.overlong_max_len is not None:
+            x.reward += float(overlong_penalty(len(x.ids), a.overlong_max_len, a.overlong_cache))
+
+
+# --------------------------------------------------------------------------- samples -> train
+def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample]]:
+    """Training samples (prompt + response, trained on the response), grouped into the
+    optimizer steps' batches; each token carries its advantage, the engine's log-prob and
+    the aggregation weight of its batch (miles.algo.losses.sequence_weight)."""
+    n = job.rollout.n_samples_per_prompt
+    rewards = torch.tensor([x.reward for g in groups for x in g], dtype=torch.float64)
+    adv = group_advantages(rewards, n, job.algo.advantage).tolist()
+    flat = [x for g in groups for x in g]
+    size, norm_len = job.train.global_batch_size, job.algo.norm_len or job.rollout.max_new_tokens
+    batches = []
+    for b in range(0, len(flat), size):
+        part = list(zip(flat[b:b + size], adv[b:b + size], strict=True))
+        total = sum(len(x.ids) for x, _ in part)
+        batch = []
+        for x, a in part:
+            w = sequence_weight(len(x.ids), total, len(part), job.algo.agg, norm_len)
+            p, k = len(x.prompt.input_ids), len(x.ids)
+            batch.append(Sample(x.prompt.input_ids + x.ids, [0] * p + [1] * k, origin=x.prompt.id, values={
+                "advantages": [0.0] * p + [a] * k, "rollout_logprobs": [0.0] * p + x.logprobs,
+                "token_weights": [0.0] * p + [w] * k}))
+        batches.append(batch)
+    return batches
+
+
+def layout(job: JobConfig, samples: list[Sample]) -> list[list[MicroBatch]]:
+    p = job.train.parallel
+    return packed_replica_micro_batches(samples, p.dp, job.train.micro_batch_size, job.data.seq_len,
+                                        pad_to_multiple=p.cp, same_count=p.ep > 1)
+
+
+def with_logprobs(replicas: list[list[MicroBatch]], logprobs: list[list[torch.Tensor]], field: str):
+    return [[replace(mb, **{field: lp}) for mb, lp in zip(mbs, lps, strict=True)]
+            for mbs, lps in zip(replicas, logprobs, strict=True)]
+
+
+def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> dict[str, float]:
+    """The old log-probs (before any update; with one update per rollout the policy's own,
+    detached, in the loss) and reference log-probs, then one optimizer step per batch.
+    Metrics: the batches' mean."""
+    t0 = time.perf_counter()
+    steps = [layout(job, b) for b in batches]
+    if len(steps) > 1:
+        steps = [with_logprobs(s, trainer.forward_logprobs(s), "old_logprobs") for s in steps]
+    if job.algo.kl_coef > 0:
+        steps = [with_logprobs(s, trainer.forward_logprobs(s, reference=True), "ref_logprobs") for s in steps]
+    t1 = time.perf_counter()
+    logs = [trainer.train_step(s)[0] for s in steps]
+    t2 = time.perf_counter()
+    keys = [k for k in logs[0] if k not in ("grad_md5", "step_time")]
+    out = {f"train/{k}": sum(float(x[k]) for x in logs) / len(logs) for k in keys}
+    # The first update runs on the policy that generated (on-policy modes): its ratio to the
+    # old log-probs is 1 and its log-probs are the engine's, up to numerics.
+    out.update({f"train/first_update/{k}": float(logs[0][k]) for k in ("ppo_kl", "train_rollout_logprob_abs_diff")})
+    tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
+    out.update({"perf/logprob_time": t1 - t0, "perf/train_time": t2 - t1, "perf/train_tok_per_s": tokens / (t2 - t1),
+                "train/updates": float(len(logs))})
+    return out
+
+
+# --------------------------------------------------------------------------- evaluation, records
+def evaluates(job: JobConfig, data: PromptSource, step: int) -> bool:
+    if not data.eval_samples():
+        return False
+    every = job.rollout.eval_interval
+    return step in (0, job.train.steps) or (every > 0 and step % every == 0)
+
+
+def evaluate(job: JobConfig, trainer, engines, data: PromptSource) -> dict[str, float]:
+    """avg@k on the held-out prompts: k = rollout.eval_samples responses each at
+    rollout.eval_temperature / eval_top_p; accuracy = the share whose reward is positive."""
+    r = job.rollout
+    with generation_phase(job, trainer, engines):
+        groups = sample_groups(job, engines, data.eval_samples(), r.eval_samples, r.eval_temperature,
+                               r.eval_top_p, seed=(job.train.seed, "eval"))
+    reward_groups(job, groups)
+    flat = [x for g in groups for x in g]
+    name = job.data.eval_name
+    return {f"eval/{name}/accuracy": sum(x.correct for x in flat) / len(flat),
+            f"eval/{name}/response_len": sum(len(x.ids) for x in flat) / len(flat)}
+
+
+def write_rollout(run_dir: Path, rollout: Rollout) -> None:
+    """rollouts.jsonl: per step the prompt ids drawn and kept, and each sample's reward and text."""
+    rec = {"step": rollout.step, "version": rollout.version, "drawn": rollout.drawn,
+           "kept": [g[0].prompt.id for g in rollout.groups],
+           "samples": [{"prompt": x.prompt.id, "reward": x.reward, "text": x.text} for g in rollout.groups for x in g]}
+    with open(run_dir / records.ROLLOUTS, "a") as f:
+        f.write(json.dumps(rec) + "\n")
