@@ -16,13 +16,12 @@ through the real V4 tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import deepseek_recipe as dr
+from bundled_files import write_or_check
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 OUT = Path(__file__).resolve().parent.parent / "miles" / "data" / "bundled"
@@ -125,22 +124,7 @@ def files() -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the committed files differ from a rerun")
-    args = ap.parse_args()
-    stale = []
-    for name, text in files().items():
-        path = OUT / name
-        if args.check:
-            if not path.is_file() or path.read_text() != text:
-                stale.append(str(path))
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path} ({len(text):,} bytes)")
-    if stale:
-        print("out of date (rerun scripts/make_tiny_chat.py): " + ", ".join(stale), file=sys.stderr)
-        raise SystemExit(1)
+    write_or_check(__doc__, OUT, files, "scripts/make_tiny_chat.py")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,21 @@ def test_dapo_answer_verifier():
     assert extract_answer("Answer: 5" + "x" * 1000) is None  # only the end is read
 
 
+@pytest.mark.parametrize("spec,expect", [
+    ("miles.algo.rewards", "expected 'package.module:function'"),
+    ("no_such_module_x:f", "cannot load it: No module named 'no_such_module_x'"),
+    ("miles.algo.rewards:no_such_fn", "cannot load it: module 'miles.algo.rewards' has no attribute"),
+    ("miles.algo.rewards:BUILTIN", "is not a function"),
+])
+def test_a_bad_reward_function_is_refused_naming_the_field_and_path(spec, expect):
+    from miles.algo.rewards import load_reward
+
+    with pytest.raises(ValueError, match=f"algo.reward '{spec}'") as e:
+        load_reward(spec)
+    assert expect in str(e.value)
+    assert load_reward("miles.algo.rewards:dapo_reward") is dapo_reward and load_reward("dapo") is dapo_reward
+
+
 def test_dynamic_filter_keeps_informative_groups_and_gives_up_clearly():
     rounds = [[("a", torch.tensor([1.0, 1.0])), ("b", torch.tensor([-1.0, 1.0])), ("c", torch.tensor([-1.0, -1.0]))],
               [("d", torch.tensor([1.0, -1.0])), ("e", torch.tensor([1.0, -1.0]))]]

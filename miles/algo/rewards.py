@@ -54,16 +54,9 @@ def load_reward(spec: str):
     float, plain or async."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    import importlib
+    from miles.user_code import load_function
 
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"algo.reward: cannot load {spec!r}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"algo.reward: {spec!r} is not a function")
-    return fn
+    return load_function(spec, "algo.reward")
 
 
 async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 3) -> float:

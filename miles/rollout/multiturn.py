@@ -10,9 +10,10 @@ Environment and tool turns are appended as ids with loss mask 0. A generate func
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+from miles.user_code import load_function
 
 
 @dataclass
@@ -74,13 +75,4 @@ async def single_turn(client: Client, sample: dict) -> Transcript:
 
 def load_generate_fn(path: str) -> GenerateFn:
     """'package.module:function' -> the function (errors name the path)."""
-    mod, _, name = path.partition(":")
-    if not mod or not name:
-        raise ValueError(f"generate function {path!r}: expected 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"generate function {path!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"generate function {path!r} is not callable")
-    return fn
+    return load_function(path, "generate function")
