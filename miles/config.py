@@ -211,7 +211,7 @@ class OptimConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: PosInt = 100  # optimizer steps
+    steps: PosInt = 100  # optimizer steps; in RL jobs rollouts (each updates_per_rollout optimizer steps)
     global_batch_size: PosInt = 8  # sequences per optimizer step, all data-parallel ranks together
     micro_batch_size: PosInt = 1  # sequences per forward/backward
     seed: Int = 0  # weights (seeded per tensor name) and data
@@ -221,9 +221,6 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _batches(self) -> TrainConfig:
-        if self.optim.warmup_steps >= self.steps:
-            raise ValueError(f"train.optim.warmup_steps={self.optim.warmup_steps} must be below "
-                             f"train.steps={self.steps}")
         per = self.parallel.dp * self.micro_batch_size
         if self.global_batch_size % per:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a multiple of "
@@ -406,6 +403,11 @@ class JobConfig(Section):
                 raise ValueError(f"train.parallel.tp={tp} must divide the model's {field} ({getattr(arch, field)})")
         if self.data.source == "prompts" or self.algo.loss == "policy":
             self._check_rl()
+        if self.train.optim.warmup_steps >= self.optimizer_steps:
+            of = f"train.steps={self.train.steps}" + (
+                f" rollouts x {self.updates_per_rollout} updates" if self.algo.loss == "policy" else "")
+            raise ValueError(f"train.optim.warmup_steps={self.train.optim.warmup_steps} must be below the run's "
+                             f"{self.optimizer_steps} optimizer steps ({of})")
         if self.data.source in ("chat", "prompts"):
             from miles.data.sft import tokenizer_path, vocab_size
 
@@ -450,6 +452,12 @@ class JobConfig(Section):
         """Optimizer steps per rollout (RL): its responses over train.global_batch_size."""
         r = self.rollout
         return max(1, r.rollout_batch_size * r.n_samples_per_prompt // self.train.global_batch_size)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps, which the LR schedule spans: train.steps, times
+        updates_per_rollout in RL jobs."""
+        return self.train.steps * (self.updates_per_rollout if self.algo.loss == "policy" else 1)
 
     def resolved(self) -> dict:
         """Plain data (paths as strings), as written to <run_dir>/config.yaml; loads back to this job."""

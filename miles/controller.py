@@ -1,5 +1,6 @@
-"""The driver: one controller runs every job (`miles run`, `miles sft`, `make demo`, the tests,
-a submitted Ray job); only the job file differs.
+"""The driver of SFT and plain jobs (`miles run`, `miles sft`, the first stage of `make demo`, the
+tests, a submitted Ray job); only the job file differs. RL jobs have their own loop, miles/rl.py,
+built from the same pieces (run directory, Ray session, trainer, checkpoints, monitor).
 
     run(job):
         run directory <- the resolved job; Ray <- job.cluster
@@ -165,8 +166,7 @@ def start_trainer(job: JobConfig, device: str):
         rl = algo.loss == "policy"  # RL: train.steps counts rollouts, each several optimizer steps
         group.call("set_loss", algo.loss, algo.policy_options(job.rollout.off_policy) if rl else None,
                    mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef, balance=algo.balance_loss_coef)
-        group.call("setup_training", **job.train.optim.model_dump(),
-                   total_steps=job.train.steps * (job.updates_per_rollout if rl else 1))
+        group.call("setup_training", **job.train.optim.model_dump(), total_steps=job.optimizer_steps)
     except BaseException:
         group.shutdown()
         raise

@@ -144,7 +144,7 @@ BAD_JOBS = [
     ("override syntax", "name: x\n", ["train.steps"], "expected KEY=VALUE"),
     ("not a mapping", "- 1\n- 2\n", [], "a job file is a mapping of groups"),
     ("warm-up too long", "train: {steps: 5, optim: {warmup_steps: 5}}\n", [],
-     "train.optim.warmup_steps=5 must be below train.steps=5"),
+     "train.optim.warmup_steps=5 must be below the run's 5 optimizer steps (train.steps=5)"),
     ("tp split", "train: {parallel: {tp: 3}}\n", [], "train.parallel.tp=3 must divide the model's"),
     ("profile rank", "log: {profile: {enabled: true, ranks: [4]}}\n", [], "log.profile.ranks [4] are not ranks"),
     ("bad yaml override", "name: x\n", ["train.steps=[1"], "is not valid YAML"),
@@ -233,3 +233,14 @@ def test_sft_refuses_a_job_that_is_not_sft(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["sft", str(DEMO)])
     assert e.value.code == 2 and "data.source is synthetic" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["demo_tiny", "sft_tiny", "dapo_tiny_sft", "dapo_tiny"])
+def test_bundled_tiny_jobs_validate_and_their_data_exists(name):
+    """Every bundled CPU job loads as written (the end-to-end tests run them shortened) and
+    names data files that ship with the repository."""
+    job = load_job(ROOT / "jobs" / f"{name}.yaml")
+    assert job.cluster.device == "cpu"
+    for path in (job.data.path, job.data.eval_path):
+        if path is not None and job.data.source != "synthetic":
+            assert (ROOT / str(path)).is_file(), path
