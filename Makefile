@@ -16,10 +16,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
-# SFT of the tiny DeepSeek-V4 on the bundled chat data, submitted with `ray job submit` to a
-# local Ray cluster (127.0.0.1, token auth) started for it and stopped after it.
+# The RL demo on the tiny DeepSeek-V4: a short SFT warm start, then DAPO from its weights, each
+# submitted with `ray job submit` to a local Ray cluster (127.0.0.1, token auth) started for it
+# and stopped after it. Prints held-out accuracy before and after RL and where the plots are.
+DEMO := runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: venv
-	$(BIN)/miles submit jobs/sft_tiny.yaml --report
+	$(BIN)/miles submit jobs/dapo_tiny_sft.yaml log.run_dir=$(DEMO)/sft
+	$(BIN)/miles submit jobs/dapo_tiny.yaml ckpt.hf=$(DEMO)/sft/hf log.run_dir=$(DEMO)/dapo --report
 
 test: venv
 	$(BIN)/ruff check .

@@ -9,16 +9,17 @@ format). The answer is copied from the question, so a short SFT gets the format 
 comparison; RL has room to improve it.
 - sft.jsonl: conversations for the short SFT warm start (jobs/dapo_tiny_sft.yaml);
 - train.jsonl: RL prompts with their labels (`prompt`, `label`);
-- eval.jsonl: held-out prompts, none of which appears in the other two files.
+- eval.jsonl: held-out prompts, none of which appears in the other two files;
+- sft_eval.jsonl: the same held-out prompts as conversations (the SFT stage's held-out loss).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from pathlib import Path
+
+from bundled_files import write_or_check
 
 OUT = Path(__file__).resolve().parent.parent / "miles" / "data" / "bundled" / "arith"
 WORDS = {"larger": max, "smaller": min}
@@ -36,37 +37,24 @@ def files() -> dict[str, str]:
     while len(held) < 64:
         q, v = question(r)
         held[q] = v
+    chat = lambda q, v: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"Answer: {v}"}]}
     sft, rl = [], []
     while len(sft) < 3000 or len(rl) < 3000:
         q, v = question(r)
         if q in held:
             continue
         if len(sft) < 3000:
-            sft.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"Answer: {v}"}]})
+            sft.append(chat(q, v))
         else:
             rl.append({"prompt": q, "label": str(v)})
     ev = [{"prompt": q, "label": str(v)} for q, v in held.items()]
     jsonl = lambda rows: "".join(json.dumps(x) + "\n" for x in rows)
-    return {"sft.jsonl": jsonl(sft), "train.jsonl": jsonl(rl), "eval.jsonl": jsonl(ev)}
+    return {"sft.jsonl": jsonl(sft), "train.jsonl": jsonl(rl), "eval.jsonl": jsonl(ev),
+            "sft_eval.jsonl": jsonl(chat(q, v) for q, v in held.items())}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the committed files differ from a rerun")
-    args = ap.parse_args()
-    stale = []
-    for name, text in files().items():
-        path = OUT / name
-        if args.check:
-            if not path.is_file() or path.read_text() != text:
-                stale.append(str(path))
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path} ({len(text):,} bytes)")
-    if stale:
-        print("stale (rerun scripts/make_arith.py): " + ", ".join(stale), file=sys.stderr)
-        raise SystemExit(1)
+    write_or_check(__doc__, OUT, files, "scripts/make_arith.py")
 
 
 if __name__ == "__main__":

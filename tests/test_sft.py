@@ -1,12 +1,12 @@
 """SFT data end to end: datasets on disk (JSONL, Parquet, shards, globs), bad rows, the
 held-out split, shuffling and epochs, the data-parallel partition, packing invariance of
-conversations, and `jobs/sft_tiny.yaml` submitted with `ray job submit` to a local cluster.
+conversations. (The SFT job submitted with `ray job submit`, as `make demo` runs it, is in
+test_rl.py: the demo's first stage.)
 """
 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -249,49 +249,6 @@ def test_packed_conversations_have_the_per_token_losses_and_gradients_of_each_al
     assert alone_grads.keys() == packed_grads.keys()
     for k in packed_grads:
         assert_close(packed_grads[k], alone_grads[k], atol=1e-5, rtol=1e-4, what=k)
-
-
-# --------------------------------------------------------------------------- the SFT job, submitted
-SHORT = ["train.steps=30", "train.optim.warmup_steps=3", "data.eval_interval=15", "ckpt.save_hf=false"]
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    run_dir = tmp_path_factory.mktemp("sft") / "run"
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "submit", str(ROOT / "jobs" / "sft_tiny.yaml"),
-                           *SHORT, f"log.run_dir={run_dir}", "--report"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    return run_dir, proc
-
-
-def test_sft_tiny_through_ray_job_submit_learns(sft_run):
-    """`miles submit jobs/sft_tiny.yaml` (what `make demo` runs, shortened to 30 steps) goes
-    through `ray job submit` to a local token-auth cluster: the held-out loss is measured
-    before step 1, at 15 and 30, and falls by more than 1.5 nats (from ln(512) = 6.2; measured
-    6.25 -> 3.14); the training LM loss falls below 75% of its first value (measured 51%);
-    nothing is skipped or
-    non-finite; the curves are in metrics.jsonl, the wandb run and PNGs."""
-    from test_jobs import wandb_history
-
-    run_dir, proc = sft_run
-    assert "submitted successfully" in proc.stdout and "succeeded" in proc.stdout
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(0, 31))
-    for r in records:
-        assert all(v is not None and math.isfinite(v) for v in r.values()), r
-    evals = {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r}
-    assert list(evals) == [0, 15, 30]
-    assert evals[0] > evals[15] > evals[30] and evals[0] - evals[30] > 1.5, evals
-    first, last = records[1]["train/lm_loss"], records[-1]["train/lm_loss"]
-    assert last < 0.75 * first, (first, last)
-    assert records[-1]["data/skipped_rows"] == 0
-    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 1
-    logged = {r["_step"]: r["eval/loss"] for r in wandb_history(files[0]) if "eval/loss" in r}
-    assert logged == pytest.approx(evals, rel=1e-12)
-    assert (run_dir / "report" / "eval_loss.png").is_file() and (run_dir / "report" / "train_lm_loss.png").is_file()
-    assert f"run directory: {run_dir}" in proc.stdout
 
 
 def test_the_v4_flash_sft_job_validates_against_v4_flash(tmp_path):
