@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from miles.ckpt.manager import Checkpoints
 from miles.config import JobConfig, save_resolved
@@ -36,6 +37,9 @@ from miles.observe import alignment, records
 from miles.observe.metrics import FILE as METRICS_FILE
 from miles.observe.metrics import Monitor
 from miles.train.batching import MicroBatch, packed_replica_micro_batches, replica_micro_batches
+
+if TYPE_CHECKING:
+    from miles.cluster.train_group import TrainGroup
 
 
 class JobError(RuntimeError):
@@ -65,7 +69,7 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         trainer = start_trainer(job, device)
         stack.callback(trainer.shutdown)
         monitor.print(f"miles: {job.name}: {job.train.steps} steps of {job.train.global_batch_size} sequences, "
-                      f"{describe_layout(job)} on {device.upper()}; run directory {run_dir}")
+                      f"{describe_layout(job, trainer)} on {device.upper()}; run directory {run_dir}")
         start = ckpt.restore(trainer, data)
         if start == 0 and evaluates(job, data, 0):
             monitor.record(0, first := evaluate(job, trainer, data.eval_samples()))
@@ -132,10 +136,29 @@ def ray_session(job: JobConfig):
     else:
         ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False)
+    previous = unwind_on_sigterm()  # after ray.init, which installs its own SIGTERM handler
     try:
         yield
     finally:
         ray.shutdown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def unwind_on_sigterm():
+    """`ray job stop` and `kill` send SIGTERM, which would end the driver without unwinding:
+    raise KeyboardInterrupt instead, so the run closes like Ctrl-C (actors killed, engines and
+    router stopped, metrics, summary and wandb closed) within the cluster's stop window.
+    Returns the handler it replaced (None off the main thread, where none is installed)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame) -> None:
+        raise KeyboardInterrupt("stopped by SIGTERM")
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def resolve_device(job: JobConfig) -> str:
@@ -268,6 +291,9 @@ def finish(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> di
     return data.evaluate(model, job.data.eval_size) if generate else {}
 
 
-def describe_layout(job: JobConfig) -> str:
+def describe_layout(job: JobConfig, trainer: TrainGroup) -> str:
+    """"2 workers (tp=1 ... dp=2)", and the nodes they run on when there are several."""
     p = job.train.parallel
-    return f"{p.world} worker{'s' if p.world > 1 else ''} (tp={p.tp} pp={p.pp} ep={p.ep} cp={p.cp} dp={p.dp})"
+    text = f"{p.world} worker{'s' if p.world > 1 else ''} (tp={p.tp} pp={p.pp} ep={p.ep} cp={p.cp} dp={p.dp})"
+    nodes = sorted({x["node"] for x in trainer.layout})
+    return text + (f" on {len(nodes)} nodes ({', '.join(nodes)})" if len(nodes) > 1 else "")

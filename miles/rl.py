@@ -106,7 +106,8 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         first = None
         if start == 0 and evaluates(job, data, 0):
             monitor.record(0, first := evaluate(job, trainer, engines, data))
-        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="rollout"))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        stack.callback(pool.shutdown, wait=False, cancel_futures=True)  # a stopped job does not wait for it
         pending = submit(pool, job, trainer, engines, data, start + 1, version=start)
         history: list[dict] = []
         for step in range(start + 1, job.train.steps + 1):

@@ -35,7 +35,7 @@ def test_miles_serve_answers_curl(tmp_path):
 
     import httpx
 
-    from miles.rollout.router import free_port
+    from miles.cluster.node import free_port
     from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 
     DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(), seed=2).save_pretrained(tmp_path / "hf")

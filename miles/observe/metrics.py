@@ -8,6 +8,7 @@ train/mtp_loss, train/indexer_loss, perf/step_time, perf/train_tok_per_s, eval/<
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -104,4 +105,12 @@ class Monitor:
             self.bar.close()
         self.file.close()
         if self.wandb is not None:
-            self.wandb.finish(exit_code=1 if failed else 0)
+            try:
+                self.wandb.finish(exit_code=1 if failed else 0)
+            except Exception as e:  # a stopped job's wandb service may be gone (Ray signals every child)
+                self.print(f"wandb: the run could not be closed ({type(e).__name__}: {e}); what it logged is in "
+                           f"{self.run_dir / 'wandb'} and metrics.jsonl")
+                import wandb
+
+                with contextlib.suppress(Exception):  # or wandb's exit hook tries the dead service again
+                    wandb.teardown()

@@ -13,8 +13,11 @@ from miles.rollout.service import EngineService, EngineSpec
 
 class EmbeddedEngine:
     def __init__(self, spec: dict):
+        from miles.cluster.node import node_address
+
         torch.set_grad_enabled(False)
-        self.svc = EngineService(EngineSpec(**spec))
+        # The router may run on another node: serve on this node's address unless told.
+        self.svc = EngineService(EngineSpec(**{"host": node_address(), **spec}))
         self.http = HttpServer(build_app(self.svc), self.svc.spec.host, self.svc.spec.port)
 
     def url(self) -> str:

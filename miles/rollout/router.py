@@ -3,13 +3,15 @@ watched and stopped here; workers added and removed through its HTTP API."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from miles.cluster.node import free_port
+from miles.subprocs import popen_tied
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log_file=None,
@@ -30,12 +32,6 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, lo
         time.sleep(poll)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Router:
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", host: str = "127.0.0.1",
                  port: int = 0, request_timeout: float = 600, health_interval: float = 5,
@@ -49,7 +45,7 @@ class Router:
         if worker_urls:
             self.cmd += ["--worker-urls", *worker_urls]
         self._log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = popen_tied(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)  # dies with this process
         self.client = httpx.Client(base_url=self.url, timeout=10)
         try:
             wait_healthy(self.proc, f"{self.url}/health", 60, "sglang-router", log_file, poll=0.2)

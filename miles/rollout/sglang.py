@@ -11,7 +11,9 @@ import sys
 
 import httpx
 
-from miles.rollout.router import free_port, wait_healthy
+from miles.cluster.node import free_port
+from miles.rollout.router import wait_healthy
+from miles.subprocs import popen_tied
 
 OWN_FLAGS = ("model_path", "host", "port")  # set by the launcher
 
@@ -40,12 +42,15 @@ def launch_command(model_path: str, host: str, port: int, options: dict) -> list
 class SGLangEngine:
     """One SGLang server process (a Ray actor on a GPU node, or in the driver)."""
 
-    def __init__(self, model_path: str, options: dict, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, model_path: str, options: dict, host: str | None = None, port: int = 0,
                  startup_timeout: float = 1800, log_file: str | None = None):
-        self.host, self.port = host, port or free_port(host)
+        from miles.cluster.node import node_address
+
+        self.host = host or node_address()  # the router may run on another node
+        self.port = port or free_port(self.host)
         self.cmd = launch_command(model_path, self.host, self.port, options)
         self._log = open(log_file, "ab") if log_file else None  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = popen_tied(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)  # dies with this process
         try:
             wait_healthy(self.proc, f"{self.url()}/health_generate", startup_timeout, "sglang.launch_server",
                          log_file, poll=2)

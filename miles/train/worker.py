@@ -69,10 +69,14 @@ class TrainWorker:
         self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 publishes where the others connect: this node's address and a free port."""
+        """Rank 0 publishes where the others connect: its Ray node's address (other nodes reach
+        it there) and a free port."""
+        from miles.cluster.node import node_address
+
+        host = node_address()
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "127.0.0.1", s.getsockname()[1]
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
 
     # ------------------------------------------------------------------ set-up
     def init_distributed(self, host: str, port: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> dict:
@@ -94,7 +98,9 @@ class TrainWorker:
     def layout(self) -> dict:
         from megatron.core import parallel_state as ps
 
-        return {"rank": self.rank, "tp": ps.get_tensor_model_parallel_world_size(),
+        from miles.cluster.node import node_address
+
+        return {"rank": self.rank, "node": node_address(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
                 "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),

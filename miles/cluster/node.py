@@ -1,0 +1,26 @@
+"""The address servers that other nodes must reach listen on (the workers' rendezvous, the
+engines' HTTP servers): 127.0.0.1 on a one-node cluster, so nothing listens beyond loopback
+there, and this node's cluster address (`ray start --node-ip-address`) when there are several.
+(Ray itself registers a `ray start` node given 127.0.0.1 under the machine's outside address,
+so the node's address alone would not keep a local cluster on loopback.)"""
+
+from __future__ import annotations
+
+import socket
+
+
+def node_address() -> str:
+    """Inside a Ray worker or driver: loopback when the cluster has one node, else this node's
+    IP. Outside Ray: 127.0.0.1."""
+    import ray
+
+    if not ray.is_initialized() or sum(n["Alive"] for n in ray.nodes()) < 2:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at `host` now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
