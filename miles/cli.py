@@ -3,8 +3,9 @@
     miles run JOB.yaml [KEY=VALUE ...]     run a job (the controller, in this process)
     miles sft JOB.yaml [KEY=VALUE ...]     the same, for SFT jobs (data.source: chat)
     miles rl JOB.yaml [KEY=VALUE ...]      an RL job (DAPO / GRPO: data.source: prompts, algo.loss: policy)
-    miles submit JOB.yaml [KEY=VALUE ...]  submit a job with `ray job submit` (to --address, or
-                                           to a local cluster started and stopped for it)
+    miles submit JOB.yaml [KEY=VALUE ...]  submit a job with `ray job submit` (to --address or
+                                           $RAY_ADDRESS, or to a local cluster started for it)
+    miles jobs | stop ID | logs ID         the cluster's jobs; stop one; its output
     miles report RUN_DIR                   PNG plots of a run's logged curves
     miles check-alignment RUN_A RUN_B      compare two runs' loss and gradient checksums
 """
@@ -75,6 +76,11 @@ def _run(argv: list[str], command: str = "run") -> None:
     except (JobError, DataError, CheckpointError, DynamicSamplingError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt as e:
+        why = str(e) or "interrupted"
+        print(f"{prog}: {why}; the workers, engines and router are stopped. Continue from the last checkpoint with "
+              f"ckpt.load=auto log.run_dir={job.log.run_dir}", file=sys.stderr)
+        raise SystemExit(130) from None
     print(f"run directory: {result.run_dir}")
     if job.log.wandb.mode != "disabled":
         print(f"wandb run: {result.run_dir / 'wandb'} (view offline: wandb leet {result.run_dir / 'wandb'})")
@@ -87,52 +93,138 @@ def _run(argv: list[str], command: str = "run") -> None:
 
 
 SUBMIT_EPILOG = """\
-The job file is validated here first; then `ray job submit` runs `miles sft` (SFT jobs),
-`miles rl` (RL jobs) or `miles run` on the cluster, in this directory, with this Python, and streams its output.
-Without --address a local cluster (127.0.0.1, token auth, cluster.num_cpus CPUs) is started
-for the job and stopped after it. The run directory is fixed here (log.run_dir) and printed.
-exit status: 0 done, 1 the job failed, 2 the job file or an override is invalid."""
+The job file is validated here first (a bad one fails with exit 2, nothing uploaded). Then
+`ray job submit` runs `miles sft` (SFT jobs), `miles rl` (RL jobs) or `miles run` on the
+cluster, with this directory uploaded as the job's working directory (no .git, environments,
+runs, checkpoints or data). The cluster: --address, else $RAY_ADDRESS (what `source
+~/.miles/cluster/cluster.env` sets after cluster/up.sh), else a local one (127.0.0.1, token
+auth) started for this job and stopped after it. The run directory is fixed here
+(log.run_dir) and printed. Without --no-wait the job's output streams here; Ctrl-C stops
+following and leaves a cluster's job running (a local cluster stops, and its job with it).
+exit status: 0 succeeded (or submitted, --no-wait), 1 failed or stopped, 2 invalid job file,
+130 Ctrl-C."""
+
+
+def _address(given: str | None) -> str | None:
+    """The job server to use: --address, else $RAY_ADDRESS when it is one (http://...)."""
+    import os
+
+    env = os.environ.get("RAY_ADDRESS", "")
+    return given or (env if env.startswith(("http://", "https://")) else None)
 
 
 def _submit(argv: list[str]) -> None:
     import os
     import shlex
-    import subprocess
+    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="miles submit", description="Submit a job with `ray job submit`.",
                                  epilog=SUBMIT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("job", help="a job file (YAML), e.g. jobs/sft_tiny.yaml")
+    ap.add_argument("job", help="a job file (YAML) under this directory, e.g. jobs/sft_tiny.yaml")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=20")
-    ap.add_argument("--address", help="the cluster's job server, e.g. http://127.0.0.1:8265 (default: a local "
-                                      "cluster started for this job)")
+    ap.add_argument("--address", help="the cluster's job server, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS, "
+                                      "else a local cluster started for this job)")
+    ap.add_argument("--no-wait", action="store_true", help="submit, print the job id and how to follow it, return")
     ap.add_argument("--report", action="store_true", help="render the PNG plots when the run has finished")
     args = ap.parse_args(argv)
     job = _load("miles submit", args.job, args.overrides)
+    from miles.cluster import jobs
+    from miles.cluster.local import local_cluster
+
     run_dir = os.path.abspath(job.log.run_dir)
     command = {"chat": "sft", "prompts": "rl"}.get(job.data.source, "run")
-    entry = [sys.executable, "-m", "miles.cli", command, os.path.abspath(args.job), *args.overrides,
-             f"log.run_dir={run_dir}"] + (["--report"] if args.report else [])
-    entrypoint = f"cd {shlex.quote(os.getcwd())} && {shlex.join(entry)}"
+    workdir = Path.cwd()
+    try:
+        entry = jobs.entrypoint(command, Path(args.job), args.overrides, run_dir, args.report, workdir)
+    except jobs.SubmitError as e:
+        print(f"miles submit: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    jid = jobs.job_id(job.name)
+    kept = [o for o in args.overrides if not o.startswith(("log.run_dir=", "ckpt.load="))]
+    meta = {"miles_job": job.name, "run_dir": run_dir}
 
-    from miles.cluster.local import local_cluster, ray_bin
+    def go(address: str, env: dict[str, str], detach: bool) -> str:
+        jobs.submit(address, env, jid, entry, workdir, meta)
+        print(f"miles submit: {job.name} submitted to {address} as {jid}; run directory {run_dir}", flush=True)
+        if args.no_wait:
+            a = f" --address {address}" if address != _address(None) else ""
+            print(f"  follow:   ray job logs --follow {jid}{a}   (or miles logs {jid}{a})\n"
+                  f"  status:   miles jobs{a}\n  stop:     miles stop {jid}{a}\n"
+                  f"  continue: miles submit {shlex.join([args.job, *kept])} log.run_dir={run_dir} "
+                  f"ckpt.load=auto{a}")
+            return "SUBMITTED"
+        try:
+            jobs.follow(address, env, jid)
+        except KeyboardInterrupt:
+            if detach:
+                print(f"\nmiles submit: stopped following; {jid} keeps running on {address}. Follow it with `ray "
+                      f"job logs --follow {jid}`, stop it with `miles stop {jid}`.", file=sys.stderr)
+            raise
+        return jobs.status(address, env, jid)
 
-    def submit(address: str, env: dict[str, str]) -> int:
-        print(f"miles submit: {job.name} -> {address}; run directory {run_dir}", flush=True)
-        cmd = [ray_bin(), "job", "submit", "--address", address, "--", "sh", "-c", entrypoint]
-        return subprocess.run(cmd, env=env).returncode
-
-    if args.address:
-        rc = submit(args.address, dict(os.environ))
-    else:
-        with local_cluster(job.cluster.num_cpus) as cluster:
-            rc = submit(cluster.address, cluster.env)
-    if rc != 0:
-        print(f"miles submit: the job failed; what it wrote is in {run_dir}", file=sys.stderr)
+    try:
+        address = _address(args.address)
+        if address:
+            final = go(address, dict(os.environ), detach=True)
+        else:
+            with local_cluster(job.cluster.num_cpus) as cluster:
+                try:
+                    final = go(cluster.address, cluster.env, detach=False)
+                except KeyboardInterrupt:
+                    print("\nmiles submit: stopping the local cluster started for this job (and the job)",
+                          file=sys.stderr)
+                    raise
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except jobs.SubmitError as e:
+        print(f"miles submit: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if final == "SUBMITTED":
+        return
+    if final != "SUCCEEDED":
+        print(f"miles submit: job {jid} {final}; what it wrote is in {run_dir}", file=sys.stderr)
         raise SystemExit(1)
-    print(f"\nrun directory: {run_dir} (metrics.jsonl, config.yaml, summary.json)")
+    print(f"\nmiles submit: job {jid} SUCCEEDED\nrun directory: {run_dir} (metrics.jsonl, config.yaml, summary.json)")
     if job.log.wandb.mode != "disabled":
         print(f"wandb run:     {run_dir}/wandb")
     print(f"plots:         {run_dir}/report" if args.report else f"plots:         miles report {run_dir}")
+
+
+def _job_command(argv: list[str], name: str) -> None:
+    """miles jobs | stop JOB_ID | logs JOB_ID [--follow]: the cluster at --address or $RAY_ADDRESS."""
+    import os
+
+    helps = {"jobs": "List the cluster's jobs (id, status, start, miles job name, run directory).",
+             "stop": "Stop a job: SIGTERM to its processes, which shut down its workers, engines and router; it "
+                     "ends STOPPED and can continue with ckpt.load=auto.",
+             "logs": "Print a job's output (--follow: until it ends)."}
+    ap = argparse.ArgumentParser(prog=f"miles {name}", description=helps[name])
+    if name != "jobs":
+        ap.add_argument("job_id", help="the id `miles submit` printed (miles jobs lists them)")
+    if name == "logs":
+        ap.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
+    ap.add_argument("--address", help="the cluster's job server (default $RAY_ADDRESS)")
+    args = ap.parse_args(argv)
+    from miles.cluster import jobs
+
+    address = _address(args.address)
+    if address is None:
+        print(f"miles {name}: no cluster: give --address http://HOST:8265, or `source ~/.miles/cluster/cluster.env` "
+              "after cluster/up.sh", file=sys.stderr)
+        raise SystemExit(2)
+    env = dict(os.environ)
+    try:
+        if name == "jobs":
+            jobs.print_jobs(address, env)
+        elif name == "stop":
+            print(f"miles stop: {args.job_id} {jobs.stop(address, env, args.job_id)}")
+        elif args.follow:
+            jobs.follow(address, env, args.job_id)
+        else:
+            print(jobs.logs(address, env, args.job_id), end="")
+    except jobs.SubmitError as e:
+        print(f"miles {name}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _report(argv: list[str]) -> None:
@@ -161,7 +253,10 @@ def _serve(argv: list[str]) -> None:
 
 COMMANDS = {"run": (_run, "run a job file"), "sft": (lambda a: _run(a, "sft"), "run an SFT job file"),
             "rl": (lambda a: _run(a, "rl"), "run an RL job file (DAPO / GRPO)"),
-            "submit": (_submit, "submit a job file with `ray job submit` (local cluster by default)"),
+            "submit": (_submit, "submit a job file with `ray job submit` ($RAY_ADDRESS, or a local cluster)"),
+            "jobs": (lambda a: _job_command(a, "jobs"), "list the cluster's jobs"),
+            "stop": (lambda a: _job_command(a, "stop"), "stop a submitted job (it can continue: ckpt.load=auto)"),
+            "logs": (lambda a: _job_command(a, "logs"), "a submitted job's output"),
             "report": (_report, "plot a run's logged curves as PNG files"),
             "check-alignment": (_check_alignment, "compare two runs' loss and gradient checksums"),
             "convert": (_convert, "HF checkpoint <-> sharded checkpoint (hf-to-dist, dist-to-hf)"),

@@ -112,19 +112,21 @@ DEMO_ROLLOUTS, DEMO_MARGIN = 25, 0.04
 
 def test_make_demo_shortened_sft_then_dapo_improves_held_out_accuracy(cluster, tmp_path):
     """Stage 1, as `make demo` runs it: `miles submit jobs/dapo_tiny_sft.yaml --report` through
-    `ray job submit` (token auth): the held-out loss (the RL stage's 64 held-out questions) is measured
-    before step 1, at 50 and 100 and falls by more than 3 nats; nothing skipped or non-finite;
-    the curves are in metrics.jsonl, the wandb run and PNGs. Stage 2: `miles rl
+    `ray job submit` to a local cluster started for it (token auth): the held-out loss (the RL
+    stage's 64 held-out questions) is measured before step 1, at 50 and 100 and falls by more
+    than 3 nats; nothing skipped or non-finite; the curves are in metrics.jsonl, the wandb run
+    and PNGs. Stage 2: `miles rl
     jobs/dapo_tiny.yaml` from its weights: held-out accuracy rises by DEMO_MARGIN or more over
     the SFT start, and rollout accuracy of the last five rollouts beats the first five."""
     from test_jobs import wandb_history
 
     sft = tmp_path / "sft"
+    env = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_")}  # as `make demo`: a local cluster
     p = subprocess.run([sys.executable, "-m", "miles.cli", "submit", "jobs/dapo_tiny_sft.yaml", f"log.run_dir={sft}",
-                        "--address", cluster.address, "--report"],
-                       cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=900)
+                        "--report"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "submitted successfully" in p.stdout and "succeeded" in p.stdout
+    assert "miles: started a local Ray cluster (token auth)" in p.stdout, p.stdout[:2000]
+    assert "dapo_tiny_sft submitted to http://127.0.0.1:" in p.stdout and "SUCCEEDED" in p.stdout
     recs = _metrics(sft)
     assert [r["step"] for r in recs] == list(range(101))
     for r in recs:

@@ -3,25 +3,24 @@ a head node on 127.0.0.1 with token authentication, its dashboard (the job serve
 free local port, stopped with everything it started when the context ends.
 
 The token is a fresh random one in a private file of a temporary directory
-(RAY_AUTH_TOKEN_PATH), never in the repository; `env` carries it to `ray job submit`. The
+(RAY_AUTH_TOKEN_PATH), never in the repository; `env` carries it to `ray job submit`, with
+the same settings as cluster/up.sh's clusters (miles.cluster.bringup.ray_env). The
 cluster's files (session logs, its address file) live in that directory too and go with it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from miles.cluster.bringup import State, ray_bin, ray_env, stop_cluster, stop_pids
+from miles.cluster.node import free_port
 
 START_TIMEOUT = 120.0
 
@@ -33,27 +32,14 @@ class LocalCluster:
     env: dict[str, str]  # this process's environment plus the cluster's auth settings
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ray_bin() -> str:
-    """The `ray` command of this Python environment."""
-    return str(Path(sys.executable).with_name("ray"))
-
-
 @contextlib.contextmanager
 def local_cluster(num_cpus: int | None = None, log=print):
     # A private temp dir: Ray writes the cluster's address file (ray_current_cluster) and
     # session there, so a later plain ray.init() on this machine never finds this cluster.
     with tempfile.TemporaryDirectory(prefix="miles-ray-", ignore_cleanup_errors=True) as tmp:
-        token = Path(tmp) / "auth_token"
-        token.touch(mode=0o600)
-        token.write_text(secrets.token_hex(32))
-        env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-        env.pop("RAY_ADDRESS", None)
+        state = State(Path(tmp))
+        state.ensure_token()
+        env = ray_env(state, None)  # token auth; jobs' `python` is this one
         gcs_port, dash_port = free_port(), free_port()
         cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
@@ -63,15 +49,15 @@ def local_cluster(num_cpus: int | None = None, log=print):
         head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         cluster = LocalCluster(f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}", env)
         try:
-            _wait_ready(cluster, head, Path(tmp) / "head.log")
+            _wait_ready(cluster, head, Path(tmp) / "head.log", lambda: _stop(head, tmp, gcs_port))
             log(f"miles: started a local Ray cluster (token auth) at {cluster.gcs}, job server {cluster.address}")
             yield cluster
         finally:
-            _stop(head)
+            _stop(head, tmp, gcs_port)
             out.close()
 
 
-def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path) -> None:
+def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path, stop) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if head.poll() is not None:
@@ -83,19 +69,14 @@ def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path) -> Non
             return  # the server answers (e.g. 401 without the token): it is up
         except (urllib.error.URLError, OSError):
             time.sleep(0.5)
-    _stop(head)
+    stop()
     raise RuntimeError(f"the local Ray cluster did not come up in {START_TIMEOUT:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def _stop(head: subprocess.Popen) -> None:
-    """SIGTERM the head (`--block` then stops the Ray processes it started), then SIGKILL
-    whatever of its process group is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(head.pid, signal.SIGKILL)
+def _stop(head: subprocess.Popen, tmp: str, gcs_port: int) -> None:
+    """Every process of the cluster (its temp dir or GCS address on the command line, and their
+    descendants, as cluster/down.sh finds them): SIGTERM, a second to exit, then SIGKILL. A
+    throwaway cluster holds nothing worth a longer wait (Ray's GCS ignores SIGTERM for seconds)."""
+    stop_pids({head.pid}, grace=1.0)
+    stop_cluster(tmp, gcs_port, grace=1.0)
     head.wait()

@@ -1,0 +1,121 @@
+"""Jobs on a Ray cluster, through Ray's job server: `miles submit`, `miles jobs`, `miles stop`,
+`miles logs`.
+
+A submission is `ray job submit` of `python -m miles.cli sft|rl|run JOB.yaml ...` with this
+directory as the job's working_dir: uploaded to the cluster without .git, environments, runs,
+checkpoints and data (EXCLUDES; Ray also leaves out what .gitignore names), so the job runs
+this checkout's code against the cluster's Python. Runs and checkpoints go to log.run_dir and
+ckpt.save_dir, which on a multi-node cluster belong on a filesystem every node shares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from miles.cluster.bringup import ray_bin
+
+# gitignore patterns, relative to the working directory (a leading / anchors at its top).
+EXCLUDES = ["/.git", "/.venv", "/venv", "/runs", "/checkpoints", "/data", "/wandb", "/.whl", "/.device",
+            "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache", ".ruff_cache"]
+
+
+class SubmitError(RuntimeError):
+    """The job cannot be submitted as asked; the message says why."""
+
+
+def job_id(name: str) -> str:
+    return f"miles-{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def entrypoint(command: str, job_file: Path, overrides: list[str], run_dir: str, report: bool,
+               working_dir: Path) -> list[str]:
+    """The job's command on the cluster, run in the uploaded working directory."""
+    try:
+        rel = job_file.resolve().relative_to(working_dir.resolve())
+    except ValueError:
+        raise SubmitError(f"{job_file} is outside {working_dir}, the directory uploaded to the cluster: put the "
+                          "job file under it (or submit from a directory that holds it)") from None
+    kept = [o for o in overrides if not o.startswith("log.run_dir=")]  # replaced by the resolved one
+    return ["python", "-m", "miles.cli", command, str(rel), *kept, f"log.run_dir={run_dir}",
+            *(["--report"] if report else [])]
+
+
+def submit(address: str, env: dict[str, str], jid: str, command: list[str], working_dir: Path,
+           metadata: dict[str, str], excludes: list[str] = EXCLUDES) -> None:
+    runtime_env = {"working_dir": str(working_dir), "excludes": excludes}
+    cmd = [ray_bin(), "job", "submit", "--address", address, "--submission-id", jid, "--no-wait",
+           "--runtime-env-json", json.dumps(runtime_env), "--metadata-json", json.dumps(metadata), "--", *command]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SubmitError(f"`ray job submit` to {address} failed (exit {p.returncode}):\n"
+                          + explain((p.stdout + p.stderr)[-3000:]))
+
+
+def explain(output: str) -> str:
+    """Ray's output, with the fix for the failures users meet most."""
+    hints = [("Authentication required", "the cluster wants its token: source <state dir>/cluster.env (or set "
+                                         "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<token file>)"),
+             ("Connection refused", "no job server at that address: cluster/status.sh, or --address"),
+             ("exceeds the maximum size", "the upload is too big: move large files out of the working directory "
+                                          "or list them in .rayignore")]
+    return output + "".join(f"\nhint: {fix}" for needle, fix in hints if needle in output)
+
+
+def follow(address: str, env: dict[str, str], jid: str) -> None:
+    """Stream the job's output until it ends (Ctrl-C stops following, not the job)."""
+    subprocess.run([ray_bin(), "job", "logs", "--address", address, "--follow", jid], env=env)
+
+
+def client(address: str, env: dict[str, str]):
+    """Ray's job SDK for the cluster at `address`, authenticated as `env` says (its RAY_AUTH_*
+    settings, which the SDK reads from this process's environment)."""
+    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as e:  # connection refused, 401, ...: Ray raises plain exceptions
+        raise SubmitError(explain(f"cannot reach the job server at {address}: {e}")) from None
+
+
+def status(address: str, env: dict[str, str], jid: str) -> str:
+    """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED."""
+    return client(address, env).get_job_status(jid).value
+
+
+def stop(address: str, env: dict[str, str], jid: str, timeout: float = 120.0) -> str:
+    """Ray's stop: SIGTERM to the job's processes (the driver unwinds: actors, engines and
+    router stopped), SIGKILL after the cluster's stop window. Waits until the job has ended;
+    returns its final status."""
+    c = client(address, env)
+    c.stop_job(jid)
+    deadline = time.monotonic() + timeout
+    while (st := c.get_job_status(jid).value) in ("PENDING", "RUNNING"):
+        if time.monotonic() > deadline:
+            raise SubmitError(f"job {jid} still {st} {timeout:.0f} s after it was asked to stop")
+        time.sleep(0.5)
+    return st
+
+
+def logs(address: str, env: dict[str, str], jid: str) -> str:
+    return client(address, env).get_job_logs(jid)
+
+
+def print_jobs(address: str, env: dict[str, str], out=sys.stdout) -> None:
+    """The cluster's jobs, newest last: id, status, the miles job's name and run directory."""
+    jobs = sorted(client(address, env).list_jobs(), key=lambda j: j.start_time or 0)
+    if not jobs:
+        print("no jobs", file=out)
+        return
+    print(f"{'job id':<44} {'status':<10} {'started':<19} {'name':<20} run directory", file=out)
+    for j in jobs:
+        meta = j.metadata or {}
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.start_time / 1000)) if j.start_time else ""
+        print(f"{j.submission_id or j.job_id:<44} {j.status.value:<10} {started:<19} {meta.get('miles_job', ''):<20} "
+              f"{meta.get('run_dir', '')}", file=out)

@@ -1,0 +1,240 @@
+"""cluster/up.sh, status.sh, down.sh and `miles submit | jobs | logs | stop` against a real Ray
+cluster the scripts start: a head (`up.sh --local`) plus a second node on this machine
+(`up.sh --join`, loopback address 127.0.0.2, its own CPUs), token auth on. A DP=2 SFT job spans
+both nodes; it is followed, detached with Ctrl-C, stopped, and continued with ckpt.load=auto.
+At the end down.sh must leave no process of the cluster (PIDs compared)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from miles.cluster import bringup  # noqa: E402
+from miles.cluster.node import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# sft_tiny shortened: 8 steps of DP=2 (2 CPUs per worker: one rank per 2-CPU node), a checkpoint
+# every 4 steps, no evaluation.
+FLOW = ["train.steps=8", "train.optim.warmup_steps=1", "data.eval_interval=0", "ckpt.save_interval=4",
+        "ckpt.save_hf=false", "train.parallel.dp=2", "cluster.cpus_per_worker=2", "log.interval=1",
+        "log.wandb.mode=offline"]
+
+
+def sh(*cmd: str, env=None, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def ray_processes() -> set[int]:
+    """Every live process of any Ray cluster on this machine (and routers), by PID."""
+    out = set()
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and re.search(r"ray::|raylet|gcs_server|/ray/|miles-ray|sglang::", cmd):
+            out.add(int(p))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("cluster")
+    port, dash = free_port(), free_port()
+    before = ray_processes()
+    common = ["--state-dir", str(state)]
+    up = sh("cluster/up.sh", "--local", "--port", str(port), "--dashboard-port", str(dash), "--num-cpus", "2",
+            *common)
+    join = sh("cluster/up.sh", "--join", f"127.0.0.1:{port}", "--node-ip", "127.0.0.2", "--num-cpus", "2", *common)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    for line in (state / "cluster.env").read_text().splitlines():
+        if line.startswith("export "):
+            k, v = line[len("export "):].split("=", 1)
+            env[k] = v
+    info = {"state": state, "port": port, "dash": dash, "env": env, "before": before, "up": up.stdout + join.stdout,
+            "common": common}
+    try:
+        yield info
+    finally:
+        sh("cluster/down.sh", *common, check=False)  # the last test checks it; this only cleans up
+
+
+def miles(*args: str, env, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    return sh(sys.executable, "-m", "miles.cli", *args, env=env, check=check, timeout=timeout)
+
+
+def test_up_starts_a_token_auth_head_idempotently_and_a_second_node(cluster):
+    """up.sh --local: a head whose job server answers only on 127.0.0.1 and only with the token
+    (a token file 0600, clients configured by cluster.env); up.sh and --join run again change
+    nothing; status.sh lists both nodes with their CPUs."""
+    state, dash = cluster["state"], cluster["dash"]
+    token = state / "token"
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    env_file = (state / "cluster.env").read_text()
+    assert f"RAY_ADDRESS=http://127.0.0.1:{dash}" in env_file and "RAY_AUTH_MODE=token" in env_file
+    assert f"RAY_AUTH_TOKEN_PATH={token}" in env_file and token.read_text() not in env_file
+    url = f"http://127.0.0.1:{dash}"
+    assert bringup.dashboard_status(url, token.read_text()) == 200
+    assert bringup.dashboard_status(url, None) == 401  # no token
+    assert bringup.dashboard_status(url, "0" * 64) == 403  # a wrong one
+    with socket.socket() as s:  # not on the outside address
+        s.settimeout(2)
+        assert s.connect_ex((bringup.outside_address(), dash)) != 0
+    again = sh("cluster/up.sh", "--local", "--port", str(cluster["port"]), "--dashboard-port", str(dash),
+               *cluster["common"]).stdout
+    assert "is up" in again and "nothing to start" in again
+    join = sh("cluster/up.sh", "--join", f"127.0.0.1:{cluster['port']}", "--node-ip", "127.0.0.2",
+              *cluster["common"]).stdout
+    assert "already in the cluster" in join
+    status = sh("cluster/status.sh", *cluster["common"]).stdout
+    nodes = re.findall(r"^(\S+)\s+ALIVE\s+(\S+)\s+(\S+)$", status, re.M)
+    assert len(nodes) == 2 and "127.0.0.2" in {n[0] for n in nodes} and {n[1] for n in nodes} == {"2"}, status
+    assert "token auth, 127.0.0.1 only" in status
+
+
+def test_a_submission_without_the_token_is_refused(cluster):
+    env = {k: v for k, v in cluster["env"].items() if not k.startswith("RAY_AUTH")}
+    p = miles("submit", "jobs/sft_tiny.yaml", *FLOW, "--address", f"http://127.0.0.1:{cluster['dash']}", env=env,
+              check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "hint: the cluster wants its token" in p.stderr
+    assert "no jobs" in miles("jobs", env=cluster["env"]).stdout
+
+
+BAD = [("unknown key", "train:\n  stepz: 3\n", "train.stepz: unknown key"),
+       ("wrong type", "train:\n  steps: three\n", "train.steps: Input should be a valid integer"),
+       ("missing dataset", "data:\n  source: chat\n  path: nowhere/x.jsonl\n",
+        "data.path: nowhere/x.jsonl: no such file or directory")]
+
+
+@pytest.mark.parametrize("what,text,expect", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_job_file_fails_at_submit_naming_the_field_before_any_upload(cluster, tmp_path, what, text, expect):
+    job = ROOT / "jobs" / f".test_bad_{os.getpid()}.yaml"  # under the working directory, as a real one is
+    job.write_text(text)
+    try:
+        p = miles("submit", str(job.relative_to(ROOT)), env=cluster["env"], check=False)
+    finally:
+        job.unlink()
+    assert p.returncode == 2 and expect in p.stderr, p.stderr
+    assert "submitted" not in p.stdout
+    assert "no jobs" in miles("jobs", env=cluster["env"]).stdout  # nothing reached the cluster
+
+
+def job_pids(cluster) -> set[int]:
+    """The job's driver and its workers, among the cluster's processes."""
+    procs = bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"])
+    return {p for p, cmd in procs.items() if "miles.cli sft" in cmd or cmd.startswith("ray::TrainWorker")}
+
+
+def test_a_dp2_job_spans_both_nodes_detaches_stops_cleanly_and_continues(cluster, tmp_path):
+    """`miles submit` (from $RAY_ADDRESS) of a DP=2 job: one rank on each node; its output
+    streams until Ctrl-C, which leaves it RUNNING; `miles logs` reads it; the upload holds the
+    code and not .git, .venv or runs (and stays small); `miles stop` ends it STOPPED with its
+    driver and workers gone, the driver having unwound; resubmitted with ckpt.load=auto it
+    continues from the last checkpoint and its first step repeats the stopped run's bit for bit."""
+    env, run = cluster["env"], tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "miles.cli", "submit", "jobs/sft_tiny.yaml", *FLOW,
+                          f"log.run_dir={run}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step     5/8"):
+            break
+    p.send_signal(signal.SIGINT)
+    rest = p.communicate(timeout=60)[0]
+    first = "".join(seen)
+    assert p.returncode == 130 and "keeps running" in rest, first[-2000:] + rest
+    jid = re.search(r"submitted to \S+ as (\S+);", first)[1]
+    assert re.search(r"on 2 nodes \((127\.0\.0\.2, \S+|\S+, 127\.0\.0\.2)\)", first), first[-3000:]
+    listed = miles("jobs", env=env).stdout
+    assert re.search(rf"^{re.escape(jid)}\s+RUNNING\s+.*sft_tiny\s+{re.escape(str(run))}$", listed, re.M), listed
+    assert "step     1/8" in miles("logs", jid, env=env).stdout
+
+    pkgs = [d for d in (Path(bringup.temp_dir(cluster["port"])) / "session_latest" / "runtime_resources" /
+                        "working_dir_files").glob("_ray_pkg_*") if d.is_dir()]
+    assert len(pkgs) == 1
+    files = [f for f in pkgs[0].rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    tops = {f.relative_to(pkgs[0]).parts[0] for f in files}
+    assert {"miles", "plugins", "jobs", "cluster"} <= tops and not tops & {".git", ".venv", "runs"}, tops
+    assert size < 8 << 20, f"uploaded {size / 2**20:.1f} MiB"  # about 3 MiB: code, docs and bundled data
+
+    running = job_pids(cluster)
+    assert len(running) >= 3, running  # the driver and two workers
+    assert miles("stop", jid, env=env).stdout.strip().endswith("STOPPED")
+    assert not bringup.alive(running), f"left behind: {bringup.alive(running)}"
+    out = miles("logs", jid, env=env).stdout
+    assert "the workers, engines and router are stopped" in out, out[-2000:]
+
+    steps = {int(m[1]): m[2] for m in re.finditer(r"^step +(\d+)/8  loss (\S+)", out, re.M)}
+    p = miles("submit", "jobs/sft_tiny.yaml", *FLOW, f"log.run_dir={run}", "ckpt.load=auto", env=env)
+    assert "SUCCEEDED" in p.stdout
+    # Saved after steps 1 (warm-up save) and 4; stopped after step 5 was printed, before 8.
+    assert "checkpoint: resumed from" in p.stdout and "iter_0000004" in p.stdout and "next step 5" in p.stdout
+    again = {int(m[1]): m[2] for m in re.finditer(r"^step +(\d+)/8  loss (\S+)", p.stdout, re.M)}
+    assert sorted(again) == [5, 6, 7, 8] and again[5] == steps[5], (steps, again)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(9))
+    assert all(math.isfinite(v) for r in recs for v in r.values())
+
+
+ON_SECOND_NODE = """
+import json, sys, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from miles.rollout.embedded import EmbeddedEngine
+from miles.train.worker import TrainWorker
+from plugins.deepseek_v4.config import DeepSeekV4Config
+ray.init(address=sys.argv[1], log_to_driver=False)
+(second,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == "127.0.0.2"]
+there = NodeAffinitySchedulingStrategy(second, soft=False)
+worker = ray.remote(TrainWorker).options(num_cpus=1, scheduling_strategy=there).remote(0, 1)
+spec = {"config": DeepSeekV4Config.tiny().to_dict(), "seed": 0, "max_running": 2, "max_len": 32}
+engine = ray.remote(EmbeddedEngine).options(num_cpus=1, scheduling_strategy=there).remote(spec)
+print(json.dumps({"rendezvous": ray.get(worker.rendezvous_address.remote()), "engine": ray.get(engine.url.remote())}))
+ray.get(engine.shutdown.remote())
+"""
+
+
+def test_servers_listen_on_their_nodes_address_when_there_are_several(cluster):
+    """With two nodes, rank 0's rendezvous and an engine's HTTP server on the second node use
+    that node's address (127.0.0.2), where the other node reaches them; 127.0.0.1 there (the
+    old rendezvous) would be another machine's loopback on a real cluster. (A process of its
+    own: Ray reads the token settings when it is imported.)"""
+    out = sh(sys.executable, "-c", ON_SECOND_NODE, f"127.0.0.1:{cluster['port']}", env=cluster["env"]).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    host, port = got["rendezvous"]
+    assert host == "127.0.0.2" and port > 0, got
+    assert got["engine"].startswith("http://127.0.0.2:"), got
+
+
+def test_down_leaves_no_process_of_the_cluster(cluster):
+    """down.sh stops the head, the second node and everything under them (their processes found
+    by the cluster's temp dir and GCS address, and their descendants); no Ray process is left
+    that was not there before up.sh; a second down.sh has nothing to stop."""
+    ours = set(bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"]))
+    assert len(ours) > 10  # two raylets, the GCS, the dashboard, agents, workers
+    out = sh("cluster/down.sh", *cluster["common"]).stdout
+    assert out.startswith("cluster/down.sh: stopped ")
+    assert not bringup.alive(ours)
+    assert not ray_processes() - cluster["before"], {p: Path(f"/proc/{p}/cmdline").read_bytes()[:100]
+                                                       for p in ray_processes() - cluster["before"]}
+    assert "nothing to stop" in sh("cluster/down.sh", *cluster["common"]).stdout
+    assert not (cluster["state"] / "cluster.env").exists() and (cluster["state"] / "token").exists()
