@@ -55,7 +55,7 @@ class ClusterConfig(Section):
     address: Str | None = None  # a Ray cluster ("auto", "ray://host:10001", ...); None: $RAY_ADDRESS or a local one
     num_cpus: PosInt | None = None  # CPUs of the local cluster started for the job (default: the machine's)
     device: Literal["auto", "cpu", "gpu"] = "auto"  # auto: GPU workers when the cluster has a GPU per rank
-    cpus_per_worker: PosFloat = 1.0
+    cpus_per_worker: PosFloat = 1.0  # Ray CPUs each training rank asks for (GPU jobs: one GPU each too)
 
 
 ReasoningEffort = Literal["low", "high", "xhigh", "max"]  # deepseek-recipe's reasoning efforts
@@ -67,7 +67,7 @@ class ModelConfig(Section):
     preset: Literal["tiny", "small_50m"] | None = None  # the tiny preset when neither this nor config is given
     config: Path | None = None  # a directory holding DeepSeek's config.json (or the file itself)
     overrides: dict[str, Any] = {}  # DeepSeekV4Config fields, e.g. {num_hidden_layers: 4}
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations (bf16: mixed precision)
     kernels: Literal["auto", "torch", "triton"] = "auto"  # GPU kernels; auto: on CUDA when triton is there
     sm90_kernels: Bool = True  # H100: the Gluon attention forward and dq pass (off: portable Triton)
     sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agrees; 4-14% faster alone, fast mode)
@@ -113,11 +113,11 @@ class DataConfig(Section):
     prompts: RL prompts with the label their reward is checked against (miles.data.prompts;
     `miles rl`), rendered with the same template and tokenizer keys as chat."""
 
-    source: Literal["synthetic", "chat", "prompts"] = "synthetic"
+    source: Literal["synthetic", "chat", "prompts"] = "synthetic"  # see above; chat: SFT, prompts: RL
     seq_len: Annotated[int, Strict(), Field(ge=3)] = 64  # positions per row (chat: the longest conversation;
     # prompts: the packed training rows, at least rollout.max_len)
     eval_size: NonNegInt = 0  # held-out sequences (synthetic) or conversations (chat; 0 with eval_path: all)
-    # chat only
+    # -- chat and prompts only
     path: Str | None = None  # a .jsonl/.parquet file, a directory of shards or a glob (relative: to the cwd)
     eval_path: Str | None = None  # the held-out split; default: the first eval_size rows of path
     eval_interval: NonNegInt = 0  # evaluate every N steps (and before the first, after the last); 0: ends only
@@ -170,11 +170,11 @@ class DataConfig(Section):
 
 
 class ParallelConfig(Section):
-    tp: PosInt = 1
-    pp: PosInt = 1
-    ep: PosInt = 1
-    cp: PosInt = 1
-    dp: PosInt = 1
+    tp: PosInt = 1  # tensor parallel: attention heads, expert FFNs and the vocabulary split
+    pp: PosInt = 1  # pipeline stages (layers split, 1F1B schedule)
+    ep: PosInt = 1  # expert parallel: routed experts split (carved from dp x cp x tp)
+    cp: PosInt = 1  # context parallel: each sequence split along positions
+    dp: PosInt = 1  # data parallel replicas (world = tp x pp x cp x dp)
 
     @property
     def world(self) -> int:
@@ -191,14 +191,14 @@ class ParallelConfig(Section):
 class OptimConfig(Section):
     """AdamW (Megatron's DistributedOptimizer) with linear warm-up and a decay to min_lr."""
 
-    lr: PosFloat = 1e-5
+    lr: PosFloat = 1e-5  # peak learning rate, reached after warmup_steps
     min_lr: NonNegFloat | None = None  # the last step's lr; default lr / 10 (0 would make the last step a no-op)
-    warmup_steps: NonNegInt = 0
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: NonNegFloat = 0.0
-    beta1: Unit = 0.9
-    beta2: Unit = 0.999
-    eps: PosFloat = 1e-8
+    warmup_steps: NonNegInt = 0  # optimizer steps of linear warm-up from 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # lr -> min_lr over the run's optimizer steps
+    weight_decay: NonNegFloat = 0.0  # AdamW's decoupled decay
+    beta1: Unit = 0.9  # Adam's first-moment decay
+    beta2: Unit = 0.999  # Adam's second-moment decay
+    eps: PosFloat = 1e-8  # Adam's denominator term
     clip_grad: NonNegFloat = 1.0  # max global grad norm; 0 = no clipping
 
     @model_validator(mode="after")
@@ -232,13 +232,13 @@ class RolloutConfig(Section):
     """Generation: engines (ours or SGLang's) behind SGLang's router, and weight sync."""
 
     engine: Literal["embedded", "sglang"] = "embedded"  # sglang: GPU clusters with SGLang installed
-    num_engines: PosInt = 1
-    cpus_per_engine: PosFloat = 1.0
+    num_engines: PosInt = 1  # rollout engines behind the router
+    cpus_per_engine: PosFloat = 1.0  # Ray CPUs each engine asks for
     gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; fractions when colocated with the trainer
     max_running: PosInt = 64  # sequences one engine decodes together
     max_len: PosInt = 4096  # prompt + generated tokens per sequence
     prefill_tokens: PosInt = 8192  # prompt tokens per prefill forward
-    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"  # sglang-router
     router_args: list[Str] = []  # more sglang-router flags, passed through unchanged
     concurrency: PosInt = 256  # requests in flight through the router
     request_timeout: PosFloat = 600.0  # seconds per /generate request; a timed-out sample is re-queued
@@ -251,42 +251,41 @@ class RolloutConfig(Section):
     bucket_mb: PosInt = 256  # weight-sync bucket size
     tokenizer: Str | None = None  # text in and out of the engines (default: data.tokenizer)
     sglang: dict[str, Any] = {}  # engine: sglang: every key becomes --key value of sglang.launch_server
-    # RL (`miles rl`): one rollout = rollout_batch_size prompts x n_samples_per_prompt responses,
-    # trained in optimizer steps of train.global_batch_size responses.
+    # -- RL (`miles rl`): a rollout is rollout_batch_size prompts x n_samples_per_prompt responses
     rollout_batch_size: PosInt = 32  # prompts (groups) per rollout, after dynamic sampling
     n_samples_per_prompt: PosInt = 8  # responses per prompt (the group of GRPO's advantages)
     over_sampling: Annotated[float, Strict(), Field(ge=1)] = 1.0  # prompts generated per round / needed
     dynamic_sampling: Bool = True  # DAPO: drop groups whose rewards are all equal, generate more
     max_rounds: PosInt = 4  # generation rounds to fill one rollout before the job fails
     max_new_tokens: PosInt = 512  # tokens generated per response (longer: truncated)
-    temperature: NonNegFloat = 1.0
-    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+    temperature: NonNegFloat = 1.0  # sampling temperature of rollouts (0: greedy)
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Int = -1  # -1: off
     placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: the trainer sleeps while
     # engines generate, engines release memory while it trains
     off_policy: Bool = False  # one-step-off: generate rollout k+1 while training on k (staleness 1)
     eval_interval: NonNegInt = 0  # evaluate on data's held-out prompts every N rollouts (and first, last)
     eval_samples: PosInt = 4  # responses per held-out prompt (avg@k)
-    eval_temperature: NonNegFloat = 1.0
-    eval_top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+    eval_temperature: NonNegFloat = 1.0  # of held-out evaluation
+    eval_top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # DAPO evaluates AIME at 0.7
 
 
 class AlgoConfig(Section):
     loss: Literal["lm", "policy"] = "lm"  # miles.train.losses: "lm" = cross-entropy of the labels (pre-training,
     # SFT); "policy" = the clipped policy-gradient loss of RL (`miles rl`)
-    mtp_loss_coef: NonNegFloat = LossCoefs.mtp
+    mtp_loss_coef: NonNegFloat = LossCoefs.mtp  # the multi-token-prediction heads' loss weight
     indexer_loss_coef: NonNegFloat = LossCoefs.indexer  # the lightning indexer's KL to the attention (0: untrained)
     balance_loss_coef: NonNegFloat = LossCoefs.balance  # sequence-level expert balance (V4 balances by router bias)
-    # RL (ALGORITHMS.md)
-    advantage: Literal["grpo", "dr_grpo"] = "grpo"
-    eps_low: NonNegFloat = 0.2
+    # -- RL (ALGORITHMS.md)
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"  # group-normalised (grpo) or mean-centred only (dr_grpo)
+    eps_low: NonNegFloat = 0.2  # ratio clipped below at 1 - eps_low
     eps_high: NonNegFloat = 0.28  # clip-higher
     dual_clip: Annotated[float, Strict(), Field(gt=1)] | None = None  # e.g. 3: caps -A * ratio for A < 0
     agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"  # DAPO's
     norm_len: PosInt | None = None  # Dr. GRPO's constant length (default rollout.max_new_tokens)
     tis_cap: PosFloat | None = None  # truncated importance sampling cap (default 2.0 with rollout.off_policy)
     kl_coef: NonNegFloat = 0.0  # KL to the reference (the starting weights, kept on the host); DAPO: 0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: the low-variance estimator
     reward: Str = "dapo"  # dapo (the `Answer:` verifier, +1/-1), math (math-verify), or "module:function"
     reward_url: Str | None = None  # instead: POST {"response", "label", "prompt"} -> {"reward": r}
     reward_timeout: PosFloat = 30.0  # seconds per remote reward request (retried 3 times)
@@ -342,7 +341,7 @@ class CkptConfig(Section):
 
 class WandbConfig(Section):
     mode: Literal["offline", "online", "disabled"] = "offline"  # online needs WANDB_API_KEY in the environment
-    project: Str = "miles"
+    project: Str = "miles"  # wandb project, entity, group, name and tags of the run
     entity: Str | None = None
     group: Str | None = None
     name: Str | None = None  # default: the run directory's name
@@ -372,8 +371,11 @@ class LogConfig(Section):
     profile: ProfileConfig = ProfileConfig()
 
 
+JobName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)]
+
+
 class JobConfig(Section):
-    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)] = "job"
+    name: JobName = "job"  # names the run directory and the wandb run
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -503,7 +505,11 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
     loc = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, err["loc"][:-1])
-        return f"{loc}: unknown key" + (f" (allowed here: {', '.join(allowed)})" if allowed else "")
+        text = f"{loc}: unknown key" + (f" (allowed here: {', '.join(allowed)})" if allowed else "")
+        if re.search(r"key|token|secret|password|credential", str(err["loc"][-1]), re.I):
+            text += ("; secrets never go in a job file: wandb reads WANDB_API_KEY and Ray its token "
+                     "(RAY_AUTH_TOKEN_PATH) from the environment")
+        return text
     if err["type"] == "value_error":  # our own checks: the message names its fields
         return err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":

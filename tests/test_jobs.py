@@ -133,6 +133,7 @@ def test_profile_window_writes_a_trace(demo_run):
 BAD_JOBS = [
     # (what, job file text, overrides, text the error must contain)
     ("unknown key", "train: {steps: 3, stepz: 4}\n", [], "train.stepz: unknown key"),
+    ("a secret", "log: {wandb: {api_key: abc}}\n", [], "secrets never go in a job file: wandb reads WANDB_API_KEY"),
     ("wrong type", "train: {steps: ten}\n", [], "train.steps: Input should be a valid integer (got 'ten')"),
     ("out of range", "train: {optim: {lr: -0.1}}\n", [], "train.optim.lr: Input should be greater than 0 (got -0.1)"),
     ("missing path", "model: {config: /nonexistent/dsv4}\n", [], "model.config: no config.json at /nonexistent/dsv4"),
@@ -244,3 +245,14 @@ def test_bundled_tiny_jobs_validate_and_their_data_exists(name):
     for path in (job.data.path, job.data.eval_path):
         if path is not None and job.data.source != "synthetic":
             assert (ROOT / str(path)).is_file(), path
+
+
+def test_the_job_file_reference_is_what_the_schema_makes():
+    """docs/jobs.md is generated from miles/config.py (types, constraints, defaults, the fields'
+    comments): a field added or changed without rerunning scripts/make_job_reference.py fails."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_job_reference.py"), "--check"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    text = (ROOT / "docs" / "jobs.md").read_text()
+    for key in ("`train.optim`", "`rollout`", "`algo`", "`ckpt`", "`log.wandb`", "`eps_high`", "`save_interval`"):
+        assert key in text, key
