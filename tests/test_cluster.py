@@ -225,6 +225,24 @@ def test_servers_listen_on_their_nodes_address_when_there_are_several(cluster):
     assert got["engine"].startswith("http://127.0.0.2:"), got
 
 
+def test_a_second_cluster_on_the_machine_accepts_jobs(cluster):
+    """`make demo` (a local cluster per job) beside this one: Ray's fixed default ports (the
+    dashboard agent's 52365) would leave the second job server with no agent to run jobs."""
+    import time
+
+    from miles.cluster import jobs
+    from miles.cluster.local import local_cluster
+
+    with local_cluster(2, log=lambda _: None) as other:
+        jid = jobs.job_id("probe")
+        jobs.submit(other.address, other.env, jid, ["python", "-c", "print('probe ran')"], ROOT, {})
+        deadline = time.monotonic() + 60
+        while (st := jobs.status(other.address, other.env, jid)) in ("PENDING", "RUNNING"):
+            assert time.monotonic() < deadline, st
+            time.sleep(0.5)
+        assert st == "SUCCEEDED" and "probe ran" in jobs.logs(other.address, other.env, jid)
+
+
 def test_down_leaves_no_process_of_the_cluster(cluster):
     """down.sh stops the head, the second node and everything under them (their processes found
     by the cluster's temp dir and GCS address, and their descendants); no Ray process is left
@@ -238,3 +256,46 @@ def test_down_leaves_no_process_of_the_cluster(cluster):
                                                        for p in ray_processes() - cluster["before"]}
     assert "nothing to stop" in sh("cluster/down.sh", *cluster["common"]).stdout
     assert not (cluster["state"] / "cluster.env").exists() and (cluster["state"] / "token").exists()
+
+
+# --------------------------------------------------------------------------- preflight, without a cluster
+def test_preflight_names_what_is_wrong(tmp_path):
+    """Each check up.sh makes before starting anything fails with the flag or host and the fix."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        with pytest.raises(bringup.ClusterError, match=rf"--port {taken}: in use on 127.0.0.1 .*--port N"):
+            bringup.check_port_free("127.0.0.1", taken, "--port")
+    here = bringup.fingerprint()
+    assert set(here) == {"python", *bringup.PACKAGES} and here["miles"] != "not installed"
+    with pytest.raises(bringup.ClusterError, match=r"gpu-2 differs .*\n  torch: 2.0.0 on gpu-2, .* here"):
+        bringup.compare_versions(here, {**here, "torch": "2.0.0"}, "gpu-2")
+    bringup.compare_versions(here, dict(here), "gpu-3")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# workers\ngpu-2\ngpu-3 10.0.0.3  # by address\n")
+    assert bringup.read_hostfile(hosts) == [("gpu-2", "gpu-2"), ("gpu-3", "10.0.0.3")]
+    hosts.write_text("gpu-2 10.0.0.2 extra\n")
+    with pytest.raises(bringup.ClusterError, match=r"hosts:1: expected `host \[ip\]`"):
+        bringup.read_hostfile(hosts)
+    assert bringup.read_preset("h100")["NCCL_NVLS_ENABLE"] == "0"
+    with pytest.raises(bringup.ClusterError, match=r"--env a100: no preset .* \(presets: cpu, h100, h200\)"):
+        bringup.read_preset("a100")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(bringup.ClusterError, match=r"--shared .*a_file/runs: not writable"):
+        bringup.check_shared(tmp_path / "a_file" / "runs")
+    assert bringup.check_shared(tmp_path / "runs").startswith(".miles-shared-check-")
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        p = sh("cluster/up.sh", "--local", "--port", str(s.getsockname()[1]), "--state-dir", str(tmp_path), check=False)
+    assert p.returncode == 1 and "in use on 127.0.0.1" in p.stderr
+    assert not (tmp_path / "head.json").exists() and not (tmp_path / "token").exists()
+
+
+def test_jobs_submit_sh_is_miles_submit(tmp_path):
+    p = sh("jobs/submit.sh", "--help")
+    assert "usage: miles submit" in p.stdout and "--no-wait" in p.stdout

@@ -108,6 +108,13 @@ def ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+def own_ports(host: str) -> list[str]:
+    """`ray start` flags for the ports Ray would otherwise take at fixed defaults (the dashboard
+    agent's 52365, the client server's 10001), where a second cluster on the same machine (a
+    test's, `make demo` beside cluster/up.sh's) would collide and never accept a job."""
+    return [f"--dashboard-agent-listen-port={free_port(host)}", f"--ray-client-server-port={free_port(host)}"]
+
+
 def temp_dir(gcs_port: int) -> str:
     """Ray's files (sessions, sockets, logs) of the cluster on this machine: short (socket paths
     are limited to 107 bytes) and unique per cluster, so its processes can be found by it."""
@@ -149,9 +156,9 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 def check_shared(path: Path) -> str:
     """Write a marker file under `path` (the run and checkpoint directories' filesystem); its
     name is returned so that other nodes can be asked to read it."""
-    path.mkdir(parents=True, exist_ok=True)
     marker = path / f".miles-shared-check-{secrets.token_hex(4)}"
     try:
+        path.mkdir(parents=True, exist_ok=True)
         marker.write_text(marker.name)
     except OSError as e:
         raise ClusterError(f"--shared {path}: not writable ({e.strerror})") from None
@@ -327,7 +334,7 @@ def up(args) -> None:
     tmp = temp_dir(args.port)
     cmd = [ray_bin(), "start", "--head", f"--node-ip-address={node_ip}", f"--port={args.port}",
            "--include-dashboard=true", f"--dashboard-host={dash_host}", f"--dashboard-port={args.dashboard_port}",
-           f"--ray-client-server-port={free_port(node_ip)}", f"--temp-dir={tmp}", "--disable-usage-stats"]
+           *own_ports(node_ip), f"--temp-dir={tmp}", "--disable-usage-stats"]
     cmd += [f"--num-cpus={args.num_cpus}"] if args.num_cpus is not None else []
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
     print(f"cluster/up.sh: starting the head on {node_ip}:{args.port} (token auth; job server on "
@@ -373,7 +380,7 @@ def join(args, state: State) -> None:
         print(f"cluster/up.sh: a node on {ip} is already in the cluster at {args.join}; nothing to start")
         return
     cmd = [ray_bin(), "start", f"--address={args.join}", f"--node-ip-address={ip}", f"--temp-dir={tmp}",
-           "--disable-usage-stats"]
+           *own_ports(ip), "--disable-usage-stats"]
     cmd += [f"--num-cpus={args.num_cpus}"] if args.num_cpus is not None else []
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
     run_logged(cmd, ray_env(state, args.env), state.dir / "logs" / f"node-{ip}.log", f"`ray start` on {ip}")

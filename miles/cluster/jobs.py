@@ -25,6 +25,9 @@ EXCLUDES = ["/.git", "/.venv", "/venv", "/runs", "/checkpoints", "/data", "/wand
             "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache", ".ruff_cache"]
 
 
+AGENT_WAIT_S = 60.0  # how long a fresh cluster may take to accept jobs
+
+
 class SubmitError(RuntimeError):
     """The job cannot be submitted as asked; the message says why."""
 
@@ -51,7 +54,14 @@ def submit(address: str, env: dict[str, str], jid: str, command: list[str], work
     runtime_env = {"working_dir": str(working_dir), "excludes": excludes}
     cmd = [ray_bin(), "job", "submit", "--address", address, "--submission-id", jid, "--no-wait",
            "--runtime-env-json", json.dumps(runtime_env), "--metadata-json", json.dumps(metadata), "--", *command]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # A cluster that has just started may answer before its job agent has registered; Ray
+        # says "try again later", and the same submission id cannot start the job twice.
+        if p.returncode == 0 or "No available agent" not in p.stdout + p.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     if p.returncode != 0:
         raise SubmitError(f"`ray job submit` to {address} failed (exit {p.returncode}):\n"
                           + explain((p.stdout + p.stderr)[-3000:]))

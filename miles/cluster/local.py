@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.cluster.bringup import State, ray_bin, ray_env, stop_cluster, stop_pids
+from miles.cluster.bringup import State, own_ports, ray_bin, ray_env, stop_cluster, stop_pids
 from miles.cluster.node import free_port
 
 START_TIMEOUT = 120.0
@@ -43,7 +43,8 @@ def local_cluster(num_cpus: int | None = None, log=print):
         gcs_port, dash_port = free_port(), free_port()
         cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-               f"--temp-dir={tmp}", "--disable-usage-stats"] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
+               *own_ports("127.0.0.1"), f"--temp-dir={tmp}", "--disable-usage-stats"]
+        cmd += [f"--num-cpus={num_cpus}"] if num_cpus else []
         out = open(Path(tmp) / "head.log", "w")
         # Its own process group: stopping the head signals every process it started.
         head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
