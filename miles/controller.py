@@ -84,7 +84,7 @@ def run(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                 ranks = trainer.train_step(replicas, checksums=job.log.alignment)
             t2 = time.perf_counter()
             if job.log.alignment:
-                alignment.append(run_dir, alignment.ranks_record(step, ranks[0]["loss"], ranks[0]["grad_norm"],
+                alignment.append(run_dir, alignment.ranks_record(step, ranks[0], ranks[0]["grad_norm"],
                                                                  [r["grad_md5"] for r in ranks]))
             tokens = sum(len(s.tokens) - 1 for s in samples)
             metrics = step_metrics(ranks[0], data_time=t1 - t0, train_time=t2 - t1, tokens=tokens) | data.metrics()

@@ -17,7 +17,8 @@ from miles.ckpt import store  # noqa: E402
 from miles.data.synthetic import SyntheticSource  # noqa: E402
 from miles.train.batching import replica_micro_batches  # noqa: E402
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM  # noqa: E402
-from plugins.deepseek_v4.hf_io import load_safetensors_dir, tensor_md5  # noqa: E402
+from plugins.deepseek_v4.checksum import tensor_md5  # noqa: E402
+from plugins.deepseek_v4.hf_io import load_safetensors_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = DeepSeekV4Config.tiny()

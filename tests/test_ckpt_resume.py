@@ -43,6 +43,10 @@ def _miles(cluster, args: list[str], prefix: list[str] = (), check: bool = True)
     return p
 
 
+ALIGNED = (f"main_matches={STEPS}/{STEPS} lm_matches={STEPS}/{STEPS} mtp_matches={STEPS}/{STEPS} "
+           f"indexer_matches={STEPS}/{STEPS} first_diff=none")
+
+
 def _aligned(a: Path, b: Path) -> str:
     p = subprocess.run([sys.executable, "-m", "miles.cli", "check-alignment", str(a), str(b)], cwd=ROOT,
                        capture_output=True, text=True)
@@ -74,7 +78,7 @@ def test_kill_9_after_step_5_and_auto_resume_is_bitwise(cluster, straight, tmp_p
     assert steps_before[:5] == [1, 2, 3, 4, 5] and max(steps_before) < STEPS
     out = _miles(cluster, _args(cluster, run, "ckpt.save_interval=5", "ckpt.load=auto")).stdout
     assert "resumed from" in out and "iter_0000005" in out and "next step 6" in out, out[-2000:]
-    assert _aligned(straight, run) == f"main_matches={STEPS}/{STEPS} first_diff=none"
+    assert _aligned(straight, run) == ALIGNED
     assert store.iterations(run / "checkpoints") == [5, 10, 12]  # the warm-up save reaped
 
 
@@ -101,4 +105,4 @@ def test_a_crash_at_any_instant_of_a_save_loses_nothing(cluster, straight, tmp_p
     out = _miles(cluster, _args(cluster, run, "ckpt.save_interval=2", "ckpt.load=auto")).stdout
     assert f"resumed from {ckpts / 'iter_0000008'}" in out and "tracker updated" in out, out[-2000:]
     assert not list(ckpts.glob(".tmp-*"))
-    assert _aligned(straight, run) == f"main_matches={STEPS}/{STEPS} first_diff=none"
+    assert _aligned(straight, run) == ALIGNED

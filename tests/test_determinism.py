@@ -2,35 +2,33 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from miles.data.synthetic import progressions
 from miles.train import losses
 from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+from plugins.deepseek_v4.checksum import named_md5, tensor_md5
 from plugins.deepseek_v4.determinism import disable_deterministic, enable_deterministic
 
+CUDA = torch.cuda.is_available()
 
-def _run(seed: int, steps: int = 2) -> list[tuple[str, str]]:
-    """Loss bits and a checksum of every gradient, per step."""
+
+def _run(seed: int, kernels: str = "torch", rows: int = 2, steps: int = 2) -> list[tuple[str, str]]:
+    """Loss bits and a checksum of every gradient, per step (bf16 on a GPU)."""
     enable_deterministic(seed)
     try:
-        cfg = DeepSeekV4Config.tiny()
-        model = DeepSeekV4ForCausalLM(cfg, seed=seed).train()
+        cfg = DeepSeekV4Config.tiny(kernels=kernels)
+        dev, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+        model = DeepSeekV4ForCausalLM(cfg, seed=seed, dtype=dtype).to(dev).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out = []
         for step in range(steps):
-            ids = progressions(2, 37, cfg.vocab_size, seed=seed + step)
+            ids = progressions(rows, 37, cfg.vocab_size, seed=seed + step).to(dev)
             loss = losses.compute(model, MicroBatch.lm(ids[:, :-1], ids[:, 1:].contiguous()))[1].loss
             opt.zero_grad()
             loss.backward()
-            h = hashlib.md5()
-            for _, p in sorted(model.named_parameters()):
-                if p.grad is not None:
-                    h.update(p.grad.numpy().tobytes())
-            out.append((loss.detach().numpy().tobytes().hex(), h.hexdigest()))
+            out.append((tensor_md5(loss.detach()), named_md5(sorted((k, p.grad) for k, p in model.named_parameters()))))
             opt.step()
             model.update_router_bias()
         return out
@@ -44,6 +42,18 @@ def test_identical_runs_are_bitwise_equal_and_seed_changes_them():
     a, b, c = _run(11), _run(11), _run(12)
     assert a == b
     assert a[0] != c[0]
+
+
+def test_deterministic_mode_on_the_kernel_path():
+    """The same on the Triton kernels (the attention backward's per-split kv gradient summed in
+    order instead of atomics; Sinkhorn; grouped expert GEMMs): Triton's interpreter on CPU
+    (one row, one step: the interpreter is slow), bf16 on a GPU. Two runs are bit-identical,
+    and the kernels really ran (their gradient bits differ from the torch path's: other
+    summation orders)."""
+    rows, steps = (2, 2) if CUDA else (1, 1)
+    a, b = _run(21, "triton", rows, steps), _run(21, "triton", rows, steps)
+    assert a == b
+    assert a[0][1] != _run(21, "torch", rows, steps)[0][1], "the kernel path did not run"
 
 
 def test_init_is_independent_of_dtype_and_construction():

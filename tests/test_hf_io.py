@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from plugins.deepseek_v4 import hf_io
+from plugins.deepseek_v4.checksum import tensor_md5
 from plugins.deepseek_v4.hf_io import (
     FP32_NAMES_SUFFIXES,
     dequantize_fp4,
@@ -22,7 +23,6 @@ from plugins.deepseek_v4.hf_io import (
     quantize_fp4_experts,
     quantize_fp8_block,
     save_safetensors_shards,
-    tensor_md5,
 )
 
 

@@ -10,13 +10,13 @@ from conftest import assert_close, random_ids, tiny_model
 from safetensors.torch import load_file, save_file
 
 from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
+from plugins.deepseek_v4.checksum import tensor_md5
 from plugins.deepseek_v4.hf_io import (
     INDEX_FILE,
     dequantize_fp4,
     dequantize_fp8_block,
     quantize_fp4_experts,
     quantize_fp8_block,
-    tensor_md5,
 )
 
 

@@ -11,7 +11,6 @@ ckpt.save_dir, which on a multi-node cluster belong on a filesystem every node s
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -83,13 +82,21 @@ def follow(address: str, env: dict[str, str], jid: str) -> None:
 
 
 def client(address: str, env: dict[str, str]):
-    """Ray's job SDK for the cluster at `address`, authenticated as `env` says (its RAY_AUTH_*
-    settings, which the SDK reads from this process's environment)."""
-    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
+    """Ray's job SDK for the cluster at `address`, authenticated with the token `env` names
+    (RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH). The token goes in the request header:
+    Ray's own loader reads it once per process, so a process that talks to two clusters (or
+    outlives one) would send a stale token, and this process's environment stays untouched."""
     from ray.job_submission import JobSubmissionClient
 
+    token = env.get("RAY_AUTH_TOKEN")
+    if token is None and env.get("RAY_AUTH_TOKEN_PATH"):
+        try:
+            token = Path(env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        except OSError as e:
+            raise SubmitError(f"cannot read the cluster's token {env['RAY_AUTH_TOKEN_PATH']}: {e.strerror}") from None
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
-        return JobSubmissionClient(address)
+        return JobSubmissionClient(address, headers=headers)
     except Exception as e:  # connection refused, 401, ...: Ray raises plain exceptions
         raise SubmitError(explain(f"cannot reach the job server at {address}: {e}")) from None
 

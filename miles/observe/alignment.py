@@ -1,6 +1,7 @@
-"""Alignment records: per step, the loss and grad-norm bits and an MD5 of every parameter
-group's gradients, appended to `<run_dir>/alignment.jsonl`. Two runs that should compute the
-same thing are compared with `miles check-alignment RUN_A RUN_B`.
+"""Alignment records: per step, the bits of the loss and of each loss term (lm, mtp,
+indexer), of the grad norm, and an MD5 of every parameter group's gradients, appended to
+`<run_dir>/alignment.jsonl`. Two runs that should compute the same thing are compared with
+`miles check-alignment RUN_A RUN_B`, which counts matching steps per loss term as well.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from pathlib import Path
 import torch
 
 from miles.observe import records
+from plugins.deepseek_v4.checksum import named_md5, tensor_md5
 
 FILE = "alignment.jsonl"
-
-
-def _md5(t: torch.Tensor) -> str:
-    return hashlib.md5(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+# The loss terms counted apart, as DeepSeek-V4 alignment reports count them.
+LOSSES = {"lm_loss": "lm", "mtp_loss": "mtp", "indexer_loss": "indexer"}
 
 
 def param_group(name: str) -> str:
@@ -31,33 +31,29 @@ def param_group(name: str) -> str:
 
 def grad_checksums(named_grads: list[tuple[str, torch.Tensor | None]]) -> dict[str, str]:
     """MD5 per parameter group over (name, gradient bytes) of its parameters, by name order."""
-    groups: dict[str, hashlib._Hash] = {}
+    groups: dict[str, list] = {}
     for name, g in sorted(named_grads, key=lambda kv: kv[0]):
-        if g is not None:
-            h = groups.setdefault(param_group(name), hashlib.md5())
-            h.update(name.encode())
-            h.update(g.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return {k: h.hexdigest() for k, h in sorted(groups.items())}
+        groups.setdefault(param_group(name), []).append((name, g))
+    return {k: named_md5(v) for k, v in sorted(groups.items()) if any(g is not None for _, g in v)}
 
 
-def step_record(step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-                named_params: list[tuple[str, torch.nn.Parameter]]) -> dict:
-    loss = loss.detach()
-    return {"step": step, "loss": float(loss), "loss_md5": _md5(loss.float()), "grad_norm": float(grad_norm),
-            "grad_norm_md5": _md5(torch.as_tensor(grad_norm).float()),
-            "grads": grad_checksums([(n, p.grad) for n, p in named_params])}
+def _value_md5(x: float) -> str:
+    return tensor_md5(torch.tensor(x, dtype=torch.float64))
 
 
-def ranks_record(step: int, loss: float, grad_norm: float, rank_grad_md5s: list[dict[str, str]]) -> dict:
-    """A step record from distributed workers: each rank reports an MD5 per parameter group
-    of its (reduced) gradients; a group's checksum covers all ranks, in rank order."""
-    groups: dict[str, hashlib._Hash] = {}
+def ranks_record(step: int, losses: dict[str, float], grad_norm: float, rank_grad_md5s: list[dict[str, str]]) -> dict:
+    """A step's record: the bits of the total loss, of each loss term (LOSSES present in
+    `losses`) and of the grad norm, and a checksum per parameter group of the reduced
+    gradients; each rank reports an MD5 per group of its own, and a group's checksum covers
+    all ranks, in rank order."""
+    groups: dict[str, list] = {}
     for rank_md5s in rank_grad_md5s:
         for g, h in sorted(rank_md5s.items()):
-            groups.setdefault(g, hashlib.md5()).update(h.encode())
-    return {"step": step, "loss": loss, "loss_md5": _md5(torch.tensor(loss, dtype=torch.float64)),
-            "grad_norm": grad_norm, "grad_norm_md5": _md5(torch.tensor(grad_norm, dtype=torch.float64)),
-            "grads": {g: h.hexdigest() for g, h in sorted(groups.items())}}
+            groups.setdefault(g, []).append(h)
+    return {"step": step, "loss": losses["loss"], "loss_md5": _value_md5(losses["loss"]),
+            "losses": {k: _value_md5(losses[k]) for k in LOSSES if k in losses},
+            "grad_norm": grad_norm, "grad_norm_md5": _value_md5(grad_norm),
+            "grads": {g: hashlib.md5("".join(hs).encode()).hexdigest() for g, hs in sorted(groups.items())}}
 
 
 def append(run_dir: str | Path, record: dict) -> None:
@@ -77,25 +73,34 @@ def load(run: str | Path) -> list[dict]:
 
 @dataclass
 class Comparison:
-    matches: int
+    matches: int  # steps whose whole record agrees (every loss, grad norm, every gradient group)
     total: int
     first_diff: tuple[int, str] | None  # (step, what differs)
+    loss_matches: dict[str, int]  # per loss term (lm, mtp, indexer): steps whose bits agree
 
     def line(self) -> str:
         diff = "none" if self.first_diff is None else f"step={self.first_diff[0]}:{self.first_diff[1]}"
-        return f"main_matches={self.matches}/{self.total} first_diff={diff}"
+        per = "".join(f" {k}_matches={n}/{self.total}" for k, n in self.loss_matches.items())
+        return f"main_matches={self.matches}/{self.total}{per} first_diff={diff}"
 
 
 def compare(a: list[dict], b: list[dict]) -> Comparison:
-    """Step by step: loss bits, grad-norm bits and every group's gradient checksum."""
+    """Step by step: loss bits (total and per term), grad-norm bits and every group's gradient
+    checksum. A loss term is counted where both runs record it."""
     total = max(len(a), len(b))
-    matches, first = 0, None
+    terms = [k for k in LOSSES if any(k in r.get("losses", {}) for r in a + b)]
+    matches, first, per = 0, None, {LOSSES[k]: 0 for k in terms}
     for i in range(total):
         if i >= len(a) or i >= len(b):
             what = "missing step"
         else:
             ra, rb = a[i], b[i]
-            diffs = [k for k in ("step", "loss_md5", "grad_norm_md5") if ra.get(k) != rb.get(k)]
+            la, lb = ra.get("losses", {}), rb.get("losses", {})
+            for k in terms:
+                per[LOSSES[k]] += k in la and la.get(k) == lb.get(k)
+            diffs = [k for k in ("step", "loss_md5") if ra.get(k) != rb.get(k)]
+            diffs += [f"losses[{k}]" for k in terms if la.get(k) != lb.get(k)]
+            diffs += ["grad_norm_md5"] if ra.get("grad_norm_md5") != rb.get("grad_norm_md5") else []
             diffs += [f"grads[{g}]" for g in sorted(set(ra["grads"]) | set(rb["grads"]))
                       if ra["grads"].get(g) != rb["grads"].get(g)]
             what = ",".join(diffs)
@@ -103,7 +108,7 @@ def compare(a: list[dict], b: list[dict]) -> Comparison:
             first = first or (a[i]["step"] if i < len(a) else b[i]["step"], what.split(",")[0])
         else:
             matches += 1
-    return Comparison(matches, total, first)
+    return Comparison(matches, total, first, per)
 
 
 def main(argv: list[str] | None = None) -> None:

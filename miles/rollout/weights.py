@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from plugins.deepseek_v4.hf_io import tensor_md5
+from plugins.deepseek_v4.checksum import tensor_md5
 
 
 class WeightSyncError(RuntimeError):

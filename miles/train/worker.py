@@ -13,7 +13,6 @@ peers) receives the same micro-batches.
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 from datetime import timedelta
@@ -27,6 +26,7 @@ from miles.observe.alignment import grad_checksums
 from miles.train import losses, weight_export
 from miles.train.batching import MicroBatch
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+from plugins.deepseek_v4.checksum import named_md5
 from plugins.deepseek_v4.model import Gate
 
 
@@ -138,6 +138,7 @@ class TrainWorker:
         self.tcfg = TransformerConfig(
             num_layers=pp, hidden_size=cfg.hidden_size * cfg.hc_mult, num_attention_heads=cfg.num_attention_heads,
             use_cpu_initialization=True, calculate_per_token_loss=True, variable_seq_lengths=True,
+            add_bias_linear=False,  # the plugin's linears have none (Megatron rejects MoE biases under expert TP)
             moe_token_dispatcher_type="alltoall",  # unused (the plugin dispatches); the default rejects the above
             pipeline_dtype=dt, params_dtype=dt, bf16=dt == torch.bfloat16,
             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), pipeline_model_parallel_size=pp,
@@ -277,34 +278,6 @@ class TrainWorker:
             for g in grads:
                 dist.all_reduce(g, group=ps.get_embedding_group())
 
-    def loss_and_grads(self, micro_batches: list[MicroBatch]) -> dict:
-        """One forward+backward without an optimizer, for layout parity checks: losses of the
-        global batch, per-token logprobs of this rank's tokens (last stage; this CP rank's
-        chunk), and this rank's gradients reduced exactly as training reduces them (dense
-        over DP x CP, experts over expert-DP, the embedding over first/last stage), each with
-        its TP split dim."""
-        from megatron.core import parallel_state as ps
-
-        mbs = self._to_device(micro_batches)
-        self.model.zero_grad(set_to_none=True)
-        res, aux = self._schedule(self.model, mbs, self._global_counts(mbs), forward_only=False)
-        params = dict(self.model.named_parameters())
-        for p in params.values():
-            if p.grad is not None:
-                group = (ps.get_expert_data_parallel_group() if getattr(p, "allreduce", True) is False
-                         else ps.get_data_parallel_group(with_context_parallel=True))
-                dist.all_reduce(p.grad, group=group)
-        if self.model.embed is not None and self.model.embed.weight.grad is not None:
-            self._sync_embedding_grads([self.model.embed.weight.grad])
-        out = {"losses": self._reported(res, aux), "logprobs": [r["logprobs"].cpu() for r in res],
-               "grads": {k: p.grad.detach().cpu().clone() for k, p in params.items() if p.grad is not None},
-               "dims": {k: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-                        for k, p in params.items()}}
-        # Left in .grad, autograd would add them to the next backward's gradients (and DDP's
-        # hooks would copy the sum into its buffers).
-        self.model.zero_grad(set_to_none=True)
-        return out
-
     @torch.no_grad()
     def forward_logprobs(self, micro_batches: list[MicroBatch], reference: bool = False) -> list[torch.Tensor] | None:
         """Per-token log p(label) [B, S] of each micro-batch (whole sequence: CP chunks are
@@ -340,6 +313,21 @@ class TrainWorker:
             v.copy_(weights[k])
         return old
 
+    def reduced_gradients(self, micro_batches: list[MicroBatch]) -> tuple[list, dict]:
+        """The training step before its update: forward and backward over the micro-batches,
+        then Megatron DDP's reduction into its gradient buffers (each parameter's `main_grad`;
+        with the DistributedOptimizer each data-parallel rank holds the reduced values of its
+        own shard) and the embedding's sum over first and last stage. Returns what _schedule
+        returns."""
+        mbs = self._to_device(micro_batches)
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        res, aux = self._schedule(self.ddp, mbs, self._global_counts(mbs), forward_only=False)
+        self.ddp.finish_grad_sync()
+        if self.model.embed is not None:
+            self._sync_embedding_grads([self.model.embed.weight.main_grad])
+        return res, aux
+
     def train_step(self, micro_batches: list[MicroBatch], checksums: bool = False) -> dict:
         """One optimizer step over this rank's micro-batches. Each loss term is normalised by
         its global count of positions, so neither micro-batching nor the layout changes the
@@ -349,13 +337,7 @@ class TrainWorker:
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
-        mbs = self._to_device(micro_batches)
-        self.ddp.zero_grad_buffer()
-        self.opt.zero_grad()
-        res, aux = self._schedule(self.ddp, mbs, self._global_counts(mbs), forward_only=False)
-        self.ddp.finish_grad_sync()
-        if self.model.embed is not None:
-            self._sync_embedding_grads([self.model.embed.weight.main_grad])
+        res, aux = self.reduced_gradients(micro_batches)
         grad_md5 = (grad_checksums([(n, getattr(p, "main_grad", None)) for n, p in self.model.named_parameters()])
                     if checksums else None)
         self.sched.step(increment=1)  # Megatron's scheduler counts steps done: step k trains at lr(k)
@@ -509,12 +491,16 @@ class TrainWorker:
     def close_sync_group(self) -> None:
         self._sync_group = None
 
-    def state(self) -> dict:
-        """Parameters and router biases (for parity checks); Megatron's linears add `None`
-        entries for absent biases and `_extra_state`, which are not model tensors."""
-        from miles.ckpt.sharded import model_tensors
+    def inspect(self, what: str, *args):
+        """Run miles.train.inspect.<what>(this worker, *args): read-only views of the training
+        state for parity checks and debugging (reduced gradient shards, optimizer moments,
+        parameters), kept out of the training path."""
+        from miles.train import inspect
 
-        return {k: v.detach().cpu().clone() for k, v in model_tensors(self.model, keep_vars=False).items()}
+        fn = getattr(inspect, what, None)
+        if what.startswith("_") or not callable(fn):
+            raise ValueError(f"miles.train.inspect has no function {what!r}")
+        return fn(self, *args)
 
     # ------------------------------------------------------------------ colocation
     def _storages(self) -> list[torch.Tensor]:
@@ -538,12 +524,9 @@ class TrainWorker:
     def state_digest(self) -> str:
         """MD5 over the bytes of every training-state storage (weights, DDP buffers,
         optimizer parameters and moments), in a fixed order."""
-        h = hashlib.md5()
-        for t in self._storages():
-            s = t.untyped_storage()
-            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
-            h.update(view.cpu().clone().numpy().tobytes())  # a copy: numpy() pins a storage's size
-        return h.hexdigest()
+        views = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                 for t in self._storages()]
+        return named_md5((str(i), v) for i, v in enumerate(views))
 
     def sleep(self) -> int:
         """Free the device memory of all training state (weights, gradients, optimizer) for a

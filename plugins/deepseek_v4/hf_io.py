@@ -28,7 +28,6 @@ Layout on disk
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -50,7 +49,6 @@ __all__ = [
     "quantize_fp4_experts",
     "quantize_fp8_block",
     "save_safetensors_shards",
-    "tensor_md5",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -152,21 +150,6 @@ def _e8m0_from_exponent(e: torch.Tensor) -> torch.Tensor:
 def _check_finite(w: torch.Tensor, what: str) -> None:
     if not torch.isfinite(w).all():
         raise ValueError(f"{what}: input contains NaN or Inf")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# hashing
-
-
-def tensor_md5(t: torch.Tensor) -> str:
-    """md5 hex digest of the raw bytes of ``t`` (row-major, contiguous). Works for every dtype, including
-    float8, bfloat16 and bool, for 0-dim and empty tensors. Shape and dtype are not part of the hash."""
-    flat = t.detach().reshape(-1).contiguous().cpu()
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    h = hashlib.md5(usedforsecurity=False)
-    h.update(flat.numpy().tobytes())
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------

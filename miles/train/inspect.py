@@ -1,0 +1,75 @@
+"""Read-only views of a TrainWorker's training state, for parity checks and debugging.
+
+`TrainWorker.inspect(name, *args)` runs one of these functions in the worker's process. They
+read what training itself uses (Megatron DDP's reduced gradient buffers, the
+DistributedOptimizer's shards and moments), so a parity check through them checks the
+training path, not a copy of it. Each parameter part is reported as (start, end) in the
+flattened TP-local tensor: the elements this data-parallel rank's optimizer shard owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from miles.train.batching import MicroBatch
+
+
+def _owned(worker) -> Iterator[tuple[str, torch.nn.Parameter, int, int, torch.Tensor, dict]]:
+    """(name, model parameter, start, end, optimizer shard, its optimizer state) for every parameter part this
+    rank's DistributedOptimizer owns (dense and expert optimizers alike)."""
+    if worker.opt is None:
+        raise RuntimeError(f"rank {worker.rank}: setup_training() first (the optimizer owns the shards)")
+    names = {p: n for n, p in worker.model.named_parameters()}
+    for o in getattr(worker.opt, "chained_optimizers", [worker.opt]):
+        models = o.model_float16_groups + o.model_fp32_groups
+        shards = o.shard_fp32_from_float16_groups + o.shard_fp32_groups
+        for model_group, shard_group in zip(models, shards, strict=True):
+            for p, shard in zip(model_group, shard_group, strict=True):
+                r = o._get_model_param_range_map(p)["param"]
+                yield names[p], p, r.start, r.end, shard, o.optimizer.state.get(shard, {})
+
+
+def _split_dims(worker) -> dict[str, int | None]:
+    return {k: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            for k, p in worker.model.named_parameters()}
+
+
+def step_gradients(worker, micro_batches: list[MicroBatch]) -> dict:
+    """The training step without its update (TrainWorker.reduced_gradients): the global
+    batch's loss metrics, per-token log-probs of this rank's tokens (last stage: this CP
+    rank's chunk, per micro-batch), and this rank's owned part of every reduced gradient
+    {name: (start, end, values)}, with each tensor's TP split dim and TP-local size. The
+    gradient buffers are zeroed and the router's load counts restored afterwards: the next
+    training step sees none of this pass."""
+    loads = [(b, b.clone()) for n, b in worker.model.named_buffers() if n.endswith("expert_load")]
+    res, aux = worker.reduced_gradients(micro_batches)
+    for b, before in loads:  # the router's load counts are the training step's, not this look's
+        b.copy_(before)
+    grads = {name: (a, b, p.main_grad.detach().reshape(-1)[a:b].float().cpu().clone())
+             for name, p, a, b, _, _ in _owned(worker)}
+    out = {"losses": worker._reported(res, aux), "logprobs": [r["logprobs"].cpu() for r in res], "grads": grads,
+           "dims": _split_dims(worker), "numel": {k: p.numel() for k, p in worker.model.named_parameters()}}
+    worker.ddp.zero_grad_buffer()  # nothing of this pass reaches the next step
+    return out
+
+
+def optimizer_shards(worker) -> dict[str, dict]:
+    """This rank's optimizer state: per owned parameter part, its (start, end), the fp32 main
+    values and Adam's first and second moments."""
+    out = {}
+    for name, _, a, b, shard, st in _owned(worker):
+        if "exp_avg" not in st:
+            raise RuntimeError(f"rank {worker.rank}: no optimizer step yet, no moments for {name}")
+        out[name] = {"start": a, "end": b, "param": shard.detach().float().cpu().clone(),
+                     **{k: st[k].float().cpu().clone() for k in ("exp_avg", "exp_avg_sq")}}
+    return out
+
+
+def model_state(worker) -> dict[str, torch.Tensor]:
+    """Parameters and router biases (TP-local), on the host. Megatron's linears add `None`
+    entries for absent biases and `_extra_state`, which are not model tensors."""
+    from miles.ckpt.sharded import model_tensors
+
+    return {k: v.detach().cpu().clone() for k, v in model_tensors(worker.model, keep_vars=False).items()}
