@@ -105,4 +105,5 @@ def test_identical_worker_runs_align_and_a_seed_change_differs_at_step_1(tmp_pat
     assert same.returncode == 0 and same.stdout.strip() == \
         "main_matches=20/20 lm_matches=20/20 mtp_matches=20/20 indexer_matches=20/20 first_diff=none", same.stdout
     diff = check("a", "c")
-    assert diff.returncode == 1 and diff.stdout.startswith("main_matches=0/20 first_diff=step=1:"), diff.stdout
+    assert diff.returncode == 1 and diff.stdout.startswith(
+        "main_matches=0/20 lm_matches=0/20 mtp_matches=0/20 indexer_matches=0/20 first_diff=step=1:"), diff.stdout
