@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-layouts", action="store_true",
+                     help="run every combined parallel layout (make test runs a rotating subset)")
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed per test, printed so a failure can be replayed."""

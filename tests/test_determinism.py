@@ -14,7 +14,7 @@ from plugins.deepseek_v4.determinism import disable_deterministic, enable_determ
 CUDA = torch.cuda.is_available()
 
 
-def _run(seed: int, kernels: str = "torch", rows: int = 2, steps: int = 2) -> list[tuple[str, str]]:
+def _run(seed: int, kernels: str = "torch", rows: int = 2, steps: int = 2, seq: int = 36) -> list[tuple[str, str]]:
     """Loss bits and a checksum of every gradient, per step (bf16 on a GPU)."""
     enable_deterministic(seed)
     try:
@@ -24,7 +24,7 @@ def _run(seed: int, kernels: str = "torch", rows: int = 2, steps: int = 2) -> li
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out = []
         for step in range(steps):
-            ids = progressions(rows, 37, cfg.vocab_size, seed=seed + step).to(dev)
+            ids = progressions(rows, seq + 1, cfg.vocab_size, seed=seed + step).to(dev)
             loss = losses.compute(model, MicroBatch.lm(ids[:, :-1], ids[:, 1:].contiguous()))[1].loss
             opt.zero_grad()
             loss.backward()
@@ -47,13 +47,14 @@ def test_identical_runs_are_bitwise_equal_and_seed_changes_them():
 def test_deterministic_mode_on_the_kernel_path():
     """The same on the Triton kernels (the attention backward's per-split kv gradient summed in
     order instead of atomics; Sinkhorn; grouped expert GEMMs): Triton's interpreter on CPU
-    (one row, one step: the interpreter is slow), bf16 on a GPU. Two runs are bit-identical,
+    (one row of 20 tokens, one step: the interpreter is slow; 20 still crosses the sliding
+    window and an HCA block of 16), bf16 on a GPU. Two runs are bit-identical,
     and the kernels really ran (their gradient bits differ from the torch path's: other
     summation orders)."""
-    rows, steps = (2, 2) if CUDA else (1, 1)
-    a, b = _run(21, "triton", rows, steps), _run(21, "triton", rows, steps)
+    shape = (2, 2, 36) if CUDA else (1, 1, 20)  # rows, steps, tokens
+    a, b = _run(21, "triton", *shape), _run(21, "triton", *shape)
     assert a == b
-    assert a[0][1] != _run(21, "torch", rows, steps)[0][1], "the kernel path did not run"
+    assert a[0][1] != _run(21, "torch", *shape)[0][1], "the kernel path did not run"
 
 
 def test_init_is_independent_of_dtype_and_construction():

@@ -22,6 +22,7 @@ losses and grad norms of the training steps agree within 2% / 5%.
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -52,6 +53,17 @@ LAYOUTS = {"tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2}), "ep2": (2, {"ep": 2}), 
            "dp2": (2, {}),
            "tp2pp2": (4, {"tp": 2, "pp": 2}), "tp2ep2": (4, {"tp": 2, "ep": 2}), "cp2tp2": (4, {"cp": 2, "tp": 2}),
            "pp2dp2": (4, {"pp": 2}), "ep2dp2": (4, {"ep": 2})}
+
+COMBINED = [k for k, (world, _) in LAYOUTS.items() if world == 4]
+PER_RUN = 2  # combined layouts per `make test` (each ~15 s on 2 cores), a different pair each day
+
+
+def _rotation(today: int) -> set[str]:
+    """The combined layouts a plain run checks on day `today`: PER_RUN consecutive ones, so
+    every layout runs at least every few days; `make test-all` (--all-layouts) runs all."""
+    start = today * PER_RUN % len(COMBINED)
+    return {COMBINED[(start + i) % len(COMBINED)] for i in range(PER_RUN)}
+
 
 GPUS = torch.cuda.device_count()
 GPU = GPUS >= 2
@@ -353,7 +365,7 @@ PREV: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # each shard's moment
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(ray_cluster, reference, name):
+def test_layout_matches_single_process(ray_cluster, reference, name, request):
     """Guards (each mutation was run and fails this test): K = V gradient not summed over TP;
     the indexer target summed over local heads only; a pipeline stage's indexer loss not
     back-propagated; the MTP embedding gradient not summed over stages; expert outputs not
@@ -368,6 +380,9 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
     from miles.cluster.train_group import TrainGroup
 
     world, sizes = LAYOUTS[name]
+    today = datetime.date.today().toordinal()
+    if name in COMBINED and not request.config.getoption("--all-layouts") and name not in _rotation(today):
+        pytest.skip(f"today's combined layouts are {sorted(_rotation(today))} (make test-all runs every one)")
     if GPU and GPUS < world:
         pytest.skip(f"{world} ranks need {world} GPUs here ({GPUS} visible)")
     seed, cfg = reference["seed"], reference["cfg"]
@@ -441,6 +456,12 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
         group.shutdown()
     if GPU:
         print(f"{name}: worst layout/single-process bf16 error ratios {WORST}")
+
+
+def test_the_rotation_covers_every_combined_layout():
+    """A plain run skips no combined layout for more than a few days in a row."""
+    seen = set().union(*(_rotation(day) for day in range(738000, 738000 + len(COMBINED))))
+    assert seen == set(COMBINED) and all(len(_rotation(d)) == PER_RUN for d in range(738000, 738010))
 
 
 def test_one_micro_batch_of_8_equals_8_micro_batches_of_1(ray_cluster, seed):
