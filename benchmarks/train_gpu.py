@@ -5,6 +5,8 @@ against a plain dense-attention transformer of the same width, depth, vocabulary
 active MLP width (causal SDPA / flash attention, torch AdamW), all in the same process.
 
     python3 benchmarks/train_gpu.py [--config 1b|small_50m] [--seq 4096] [--steps 6] [--peak-tflops 989]
+    python3 benchmarks/train_gpu.py --ab        # each speed change undone, same process
+    python3 benchmarks/train_gpu.py --profile   # CUDA time per op, host syncs, saved activations
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
 FLOPs are not counted for either model, so the V4 figure is conservative at long context).
@@ -66,6 +68,140 @@ def timed(fn, steps: int) -> list[float]:
     return out
 
 
+# ---------------------------------------------------------------------------- A/B of the changes
+def _set_adam(w, fused: bool) -> None:
+    for o in getattr(w.opt, "chained_optimizers", [w.opt]):
+        for group in o.optimizer.param_groups:
+            group["fused"], group["foreach"] = fused, not fused
+            if fused:
+                for p in group["params"]:
+                    st = o.optimizer.state.get(p)
+                    if st and "step" in st:
+                        st["step"] = st["step"].to(p.device, torch.float32)
+
+
+def _set_norms(multi_tensor: bool) -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from miles.train import megatron_gpu
+
+    clip_grads.l2_norm_impl = megatron_gpu._l2_norm if multi_tensor else utils.local_multi_tensor_l2_norm
+    scale = megatron_gpu._scale if multi_tensor else utils.local_multi_tensor_scale
+    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = scale
+
+
+def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
+    """Median step with the changes switched on one by one (same model, same process)."""
+    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW)
+        ("kernels on, none of the changes", False, False, False),
+        ("+ multi-tensor grad norm and scale", False, True, False),
+        ("+ fused AdamW", False, True, True),
+        ("+ TF32 fp32 projections (all on)", True, True, True),
+    ]
+    rows = []
+    for name, tf32, norms, fused in variants + variants[::-1][1:]:  # there and back: drift shows
+        w.model.config.tf32_projections = tf32
+        _set_norms(norms)
+        _set_adam(w, fused)
+        torch.cuda.reset_peak_memory_stats()
+        ts = timed(lambda: w.train_step(mbs), steps)
+        rows.append((name, statistics.median(ts), min(ts), max(ts), torch.cuda.max_memory_allocated() / 2**30))
+    act = active_params(cfg, sum(p.numel() for p in w.model.parameters()))
+    print(f"\n{torch.cuda.get_device_name()}  A/B, {steps} steps each (median, min, max); forward then back")
+    print(f"{'variant':40s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s} "
+          f"{'vs first':>8s}")
+    for name, med, lo, hi, mem in rows:
+        tps = tokens / med
+        print(f"{name:40s} {med * 1e3:8.1f} {lo * 1e3:7.1f} {hi * 1e3:7.1f} {tps:8,.0f} "
+              f"{6 * act * tps / (peak_tflops * 1e12):6.1%} {mem:8.1f} {rows[0][1] / med:7.2f}x")
+
+
+def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
+    from plugins.deepseek_v4 import ops
+
+    torch._dynamo.config.cache_size_limit = 64
+    base = timed(lambda: w.train_step(mbs), steps)
+    if mode == "blocks":
+        for layer in [*w.model.layers, *w.model.mtp]:
+            layer.forward = torch.compile(layer.forward)
+    else:
+        for name in ("rms_norm", "apply_rope", "clamped_swiglu", "compress_pool", "sqrtsoftplus", "hc_mixes",
+                     "indexer_scores", "hadamard"):
+            setattr(ops, name, torch.compile(getattr(ops, name)))
+    t = time.perf_counter()
+    w.train_step(mbs)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    ts = timed(lambda: w.train_step(mbs), steps)
+    b, c = statistics.median(base), statistics.median(ts)
+    print(f"compile={mode}: eager {b * 1e3:.1f} ms ({tokens / b:,.0f} tok/s), compiled {c * 1e3:.1f} ms "
+          f"({tokens / c:,.0f} tok/s, min {min(ts) * 1e3:.1f} max {max(ts) * 1e3:.1f}), {b / c:.2f}x; "
+          f"first compiled step {first:.1f} s; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+# ---------------------------------------------------------------------------- diagnostics
+def profile_step(w, mbs) -> None:
+    """Where one step's time goes (CUDA time per op, host syncs, GPU idle) and what the
+    first micro-batch's forward keeps for the backward (saved tensors by module)."""
+    w.train_step(mbs)
+    w.train_step(mbs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        w.train_step(mbs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    ev = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA)
+    syncs = {e.key: e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                      "cudaMemcpyAsync", "cudaEventSynchronize", "aten::item",
+                                                      "aten::_local_scalar_dense", "cudaLaunchKernel")}
+    print(f"\nstep wall {wall * 1e3:.1f} ms, GPU kernels {kernel_us / 1e3:.1f} ms "
+          f"({kernel_us / 1e6 / wall:.0%}); {syncs}")
+    print(ev.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+
+    # saved tensors of one micro-batch's forward, by the innermost module that saved them
+    stack, saved = ["(top)"], {}
+    names = {m: n for n, m in w.model.named_modules()}
+
+    def pre(mod, _args):
+        stack.append(type(mod).__name__)
+
+    def post(mod, _args, _out):
+        stack.pop()
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if t.is_cuda and key not in saved:
+            saved[key] = stack[-1]
+        return t
+
+    hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
+    base = torch.cuda.memory_allocated()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = w.model(mbs[0].input_ids.cuda(), aux=("indexer", "balance"))
+            fwd_bytes = torch.cuda.memory_allocated() - base
+    finally:
+        for h in hooks:
+            h.remove()
+    by_mod: dict[str, int] = {}
+    for (_ptr, nbytes), mod in saved.items():
+        by_mod[mod] = by_mod.get(mod, 0) + nbytes
+    print(f"forward of one micro-batch keeps {fwd_bytes / 2**30:.2f} GiB (allocated after it); saved tensors "
+          f"{sum(by_mod.values()) / 2**30:.2f} GiB by module:")
+    for mod, nbytes in sorted(by_mod.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  {mod:28s} {nbytes / 2**30:7.3f} GiB")
+    del out
+    states = {"parameters": sum(p.numel() * p.element_size() for p in w.model.parameters())}
+    print(f"model parameters {states['parameters'] / 2**30:.2f} GiB; allocated outside the step "
+          f"{base / 2**30:.2f} GiB; peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1b")
@@ -73,7 +209,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (micro-batches of 1)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
-    ap.add_argument("--profile", action="store_true", help="print where one V4 step's time goes")
+    ap.add_argument("--profile", action="store_true", help="print where one V4 step's time and memory go")
+    ap.add_argument("--ab", action="store_true", help="the step with each speed change undone, in one process")
+    ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
+                    help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
@@ -101,13 +240,15 @@ def main() -> None:
 
     if a.profile:
         build("triton")
-        w.train_step(mbs)
-        w.train_step(mbs)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            w.train_step(mbs)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        profile_step(w, mbs)
+        return
+    if a.compile != "none":
+        build("triton")
+        compile_experiment(w, mbs, a.compile, a.steps, tokens)
+        return
+    if a.ab:
+        build("triton")
+        ab_table(w, mbs, a.steps, tokens, cfg, a.peak_tflops)
         return
     runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit

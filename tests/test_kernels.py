@@ -469,3 +469,72 @@ def test_model_training_step_with_kernels_matches_reference(seed, dtype):
     errs = {k: ((got[k] - ref[k]).norm() / (ref[k].norm() + floor)).item() for k in ref}
     worst = max(errs, key=errs.get)
     assert errs[worst] < 1e-4, f"worst gradient error {errs[worst]:.2e} in {worst}"
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_fp32_projection_on_tf32_tensor_cores_matches_float64(seed, w_dtype):
+    """ops.fp32_linear, the fp32 projections of a bf16 model (compressor, gate, LM/MTP heads
+    with bf16 weights; the mHC mixes with an fp32 one): on TF32 tensor cores the output and
+    both gradients stay as close to float64 as the IEEE fp32 path (bf16 products are exact
+    in TF32; only fp32 operands and the backward's fp32 gradient are rounded). On CPU the
+    flag is inert and the function equals autograd through F.linear of fp32 copies."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, m = 301, 1536, 1000 if w_dtype == torch.bfloat16 else 24  # asymmetric, K as in the ~1B config
+    x0 = torch.randn(2, n, k, generator=g).to(torch.bfloat16)
+    w0 = (torch.randn(m, k, generator=g) * 0.02).to(w_dtype)
+    gy = torch.randn(2, n, m, generator=g)
+
+    def run(tf32: bool | None):
+        x = x0.to(DEV, copy=True).requires_grad_()
+        w = w0.to(DEV, copy=True).requires_grad_()
+        y = (torch.nn.functional.linear(x.float(), w.float()) if tf32 is None
+             else ops.fp32_linear(x, w, tf32))
+        y.backward(gy.to(DEV))
+        return y.double().cpu(), x.grad.double().cpu(), w.grad.double().cpu()
+
+    x64, w64, g64 = x0.double().requires_grad_(), w0.double().requires_grad_(), gy.double()
+    y64 = x64 @ w64.t()
+    y64.backward(g64)
+    ref = (y64.detach(), x64.grad, w64.grad)
+    ieee, tf32, plain = run(False), run(True), run(None)
+    for name, a, b, c, r in zip(("y", "dx", "dw"), ieee, tf32, plain, ref, strict=True):
+        e_ieee, e_tf32, e_plain = rel(a, r), rel(b, r), rel(c, r)
+        assert e_ieee <= e_plain * 1.01 + 1e-7, (name, e_ieee, e_plain)  # the saved-input form costs nothing
+        # bf16 outputs (dx, dw of bf16 weights) carry 2^-9 roundings; y and fp32 dw stay near fp32
+        bound = 2 * e_ieee + (1e-3 if CUDA else 1e-7)
+        assert e_tf32 <= bound, f"{name}: TF32 error {e_tf32:.2e} against IEEE {e_ieee:.2e}"
+        if not CUDA:
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not CUDA, reason="TF32 exists on CUDA only")
+def test_bf16_model_with_tf32_projections_is_as_close_to_fp32_as_without(seed):
+    """The whole bf16 training step (kernels on, tiny model with every feature) with the
+    fp32 projections on TF32 tensor cores is as close to the fp32 model as with IEEE fp32
+    products: losses and the whole gradient vector, against the fp32 run of the same weights."""
+    from conftest import random_ids, tiny_model
+
+    from miles.train import losses
+    from miles.train.batching import MicroBatch
+    from plugins.deepseek_v4.model import IGNORE_INDEX
+
+    ids = random_ids(seed, 2, 40).to(DEV)
+    lab = torch.roll(ids, -1, 1)
+    lab[:, -1] = IGNORE_INDEX
+    runs = {}
+    for name, dtype, tf32 in (("fp32", torch.float32, False), ("ieee", torch.bfloat16, False),
+                              ("tf32", torch.bfloat16, True)):
+        model = tiny_model(seed, dtype=dtype, kernels="triton", tf32_projections=tf32).to(DEV).train()
+        _, res = losses.compute(model, MicroBatch.lm(ids, lab))
+        res.loss.backward()
+        names = sorted(n for n, p in model.named_parameters())
+        grads = torch.cat([p.grad.double().cpu().flatten() if p.grad is not None else
+                           torch.zeros(p.numel(), dtype=torch.float64) for n, p in sorted(model.named_parameters())])
+        runs[name] = ({k: v.float().cpu() for k, v in res.metrics.items()}, grads, names)
+    (l_ref, g_ref, _), (l_ieee, g_ieee, _), (l_tf32, g_tf32, _) = runs["fp32"], runs["ieee"], runs["tf32"]
+    for k in ("lm_loss", "mtp_loss", "loss"):
+        e_ieee, e_tf32 = rel(l_ieee[k], l_ref[k]), rel(l_tf32[k], l_ref[k])
+        assert e_tf32 <= 2 * e_ieee + 2e-3, f"{k}: TF32 {e_tf32:.2e} against IEEE {e_ieee:.2e}"
+    e_ieee, e_tf32 = rel(g_ieee, g_ref), rel(g_tf32, g_ref)
+    assert e_tf32 <= 1.5 * e_ieee + 1e-2, f"gradients: TF32 {e_tf32:.2e} against IEEE {e_ieee:.2e}"
+    print(f"bf16 vs fp32 gradient error: IEEE projections {e_ieee:.3e}, TF32 {e_tf32:.3e}")

@@ -11,9 +11,11 @@ import socket
 
 def node_address() -> str:
     """Inside a Ray worker or driver: loopback when the cluster has one node, else this node's
-    IP. Outside Ray: 127.0.0.1."""
-    import ray
-
+    IP. Outside Ray (or where Ray is not installed: a lone GPU box running a benchmark): 127.0.0.1."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
     if not ray.is_initialized() or sum(n["Alive"] for n in ray.nodes()) < 2:
         return "127.0.0.1"
     return ray.util.get_node_ip_address()

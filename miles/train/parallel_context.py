@@ -19,6 +19,7 @@ from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
+from plugins.deepseek_v4.ops import fp32_linear
 from plugins.deepseek_v4.parallel import ParallelContext
 
 
@@ -159,10 +160,11 @@ class MegatronContext(ParallelContext):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
         return t
 
-    def vocab_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def vocab_logits(self, y: torch.Tensor, weight: torch.Tensor, tf32: bool = False) -> torch.Tensor:
         # The hidden state is replicated over TP, each rank's logits a vocabulary shard: its
-        # gradient sums over the ranks.
-        return torch.nn.functional.linear(tp.copy_to_tensor_model_parallel_region(y.float()), weight.float())
+        # gradient sums over the ranks (in fp32, as one process adds its terms).
+        y = tp.copy_to_tensor_model_parallel_region(y.float()) if self.tp_size > 1 else y
+        return fp32_linear(y, weight, tf32)
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return tp.gather_from_tensor_model_parallel_region(logits) if self.tp_size > 1 else logits

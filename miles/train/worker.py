@@ -83,6 +83,9 @@ class TrainWorker:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU as device 0
+            from miles.train import megatron_gpu
+
+            megatron_gpu.apply()
         else:
             from miles.train import megatron_cpu
 
@@ -178,6 +181,7 @@ class TrainWorker:
             optimizer="adam", adam_eps=eps, adam_beta1=beta1, adam_beta2=beta2, lr=lr, min_lr=min_lr,
             weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
             use_distributed_optimizer=True), [self.ddp])
+        self._fuse_adam()
         if warmup_steps >= total_steps:  # Megatron's scheduler asserts it; say it plainly
             raise ValueError(f"warmup_steps={warmup_steps} must be below the run's {total_steps} steps")
         self.sched = OptimizerParamScheduler(
@@ -415,6 +419,13 @@ class TrainWorker:
 
         sharded.load(directory, self.model, self.opt, self.sched, self.world_size, self.rank, same_layout,
                      with_optimizer)
+        self._fuse_adam()
+
+    def _fuse_adam(self) -> None:
+        if self.opt is not None and torch.cuda.is_available():
+            from miles.train import megatron_gpu
+
+            megatron_gpu.fuse_adam(self.opt)
 
     # ------------------------------------------------------------------ profiling
     def start_profile(self, trace_dir: str, record_shapes: bool = False, with_stack: bool = False,

@@ -84,6 +84,9 @@ class DeepSeekV4Config:
     sm90_kernels: bool = True
     sm90_kv_gradient: bool = False
     overlap_chunks: bool = False
+    # The fp32 projections of a bf16 model (compressor, gate, mHC mixes, LM/MTP heads) on TF32
+    # tensor cores: exact products of bf16 operands, fp32 sums (ops.fp32_linear)
+    tf32_projections: bool = True
     # Fields of DeepSeek's file that carry no model meaning for us, kept for the round trip.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -36,6 +36,12 @@ def use_kernels(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
     return cfg.kernels == "triton"
 
 
+def use_tf32(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
+    """The fp32 projections of a bf16 model on TF32 tensor cores (ops.fp32_linear says why
+    that loses nothing on bf16 operands); an fp32 model, the reference, multiplies in IEEE fp32."""
+    return cfg.tf32_projections and t.dtype == torch.bfloat16
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -143,7 +149,7 @@ class Compressor(nn.Module):
 
     def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, dim: int, ratio: int, dtype: torch.dtype):
         super().__init__()
-        self.dim, self.ratio = dim, ratio
+        self.dim, self.ratio, self.cfg = dim, ratio, cfg
         self.overlap = cfg.is_csa(ratio)
         coff = 2 if self.overlap else 1
         self.wkv = ctx.replicated_linear(cfg.hidden_size, coff * dim, dtype)
@@ -153,8 +159,8 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, d] -> C, Z [B, S, coff*D] in fp32."""
-        xf = x.float()
-        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+        tf32 = use_tf32(self.cfg, x)
+        return ops.fp32_linear(x, self.wkv.weight, tf32), ops.fp32_linear(x, self.wgate.weight, tf32)
 
     def pool(self, cur_c: torch.Tensor, cur_z: torch.Tensor, prev_c: torch.Tensor | None,
              prev_z: torch.Tensor | None, has_prev: torch.Tensor | None) -> torch.Tensor:
@@ -461,7 +467,7 @@ def balanced_hash_table(vocab: int, n_experts: int, k: int, layer: int) -> torch
 class Gate(nn.Module):
     def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, is_hash: bool, dtype):
         super().__init__()
-        self.topk, self.is_hash = cfg.num_experts_per_tok, is_hash
+        self.topk, self.is_hash, self.cfg = cfg.num_experts_per_tok, is_hash, cfg
         self.scaling = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
         if is_hash:
@@ -474,7 +480,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d], ids [N] -> experts [N, k], weights [N, k] fp32, scores [N, E] fp32."""
-        s = ops.sqrtsoftplus(F.linear(x.float(), self.weight.float()))  # [N, E]
+        s = ops.sqrtsoftplus(ops.fp32_linear(x, self.weight, use_tf32(self.cfg, x)))  # [N, E]
         if self.is_hash:
             idx = self.tid2eid[ids]
         else:
@@ -557,7 +563,7 @@ class Block(nn.Module):
         c = self.cfg
         return ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                           getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                          fused=fused)
+                          fused=fused, tf32=use_tf32(c, x))
 
     def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, d] -> [B, S, n, d]."""
@@ -591,7 +597,7 @@ def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype)
 def head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, x: torch.Tensor) -> torch.Tensor:
     """Streams [B, S, n, d] -> normed hidden [B, S, d] for the LM head."""
     y = ops.hc_head(x, mod.hc_head_fn, mod.hc_head_base, mod.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps,
-                    fused=use_kernels(cfg, x))
+                    fused=use_kernels(cfg, x), tf32=use_tf32(cfg, x))
     return mod.norm(y)
 
 
@@ -720,7 +726,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         """fp32 logits of this TP rank's vocabulary shard."""
-        return self.ctx.vocab_logits(y, self.head.weight)
+        return self.ctx.vocab_logits(y, self.head.weight, use_tf32(self.config, y))
 
     def set_input_tensor(self, t: torch.Tensor | list | None) -> None:
         """Pipeline schedules hand a later stage its input here ([B, s, n*d] streams)."""

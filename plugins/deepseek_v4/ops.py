@@ -8,6 +8,7 @@ gradcheck. These are the CPU path and the oracle for GPU kernels.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -24,6 +25,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- fp32 products
+@contextmanager
+def _cuda_matmul_precision(tf32: bool):
+    m = torch.backends.cuda.matmul
+    old = m.fp32_precision
+    m.fp32_precision = "tf32" if tf32 else "ieee"
+    try:
+        yield
+    finally:
+        m.fp32_precision = old
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """fp32 x @ w^T from inputs of any dtype. Saves the inputs as given (a bf16 model keeps
+    its bf16 activations, not fp32 copies) and casts again in the backward. `tf32`: the
+    fp32 products on TF32 tensor cores (CUDA), forward and backward alike."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, tf32: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.tf32 = tf32
+        with _cuda_matmul_precision(tf32):
+            return F.linear(x.float(), w.float())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gx = gw = None
+        with _cuda_matmul_precision(ctx.tf32):
+            if ctx.needs_input_grad[0]:
+                gx = (g @ w.float()).to(x.dtype)  # [..., K]
+            if ctx.needs_input_grad[1]:
+                gw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(w.dtype)  # [N, K]
+        return gx, gw, None
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, tf32: bool = False) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in fp32 (the projections DSV4.md keeps in fp32:
+    compressor, gate, mHC mixes, LM/MTP heads). With bf16 x and w every product is exact
+    in TF32 (8 mantissa bits fit in TF32's 10), so `tf32` changes only the rounding of fp32
+    operands (an fp32 weight, the backward's fp32 gradient) and the summation order."""
+    if x.dtype == w.dtype == torch.float32 and not tf32:
+        return F.linear(x, w)
+    return _Fp32Linear.apply(x, w, tf32)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -98,14 +145,19 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return m
 
 
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, tf32: bool = False) -> torch.Tensor:
     """x [B, S, n, d] -> mixes [B, S, m] = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + eps), fp32."""
-    flat = x.flatten(-2).float()  # [B, S, n*d]
-    return (flat @ fn.float().t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    flat = x.flatten(-2)  # [B, S, n*d]
+    if flat.dtype in (torch.bfloat16, torch.float16):  # the squares summed in fp32, no fp32 copy of the streams
+        ms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
+    else:
+        ms = flat.float().pow(2).mean(-1, keepdim=True)
+    return fp32_linear(flat, fn, tf32) * torch.rsqrt(ms + norm_eps)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-           hc_eps: float, iters: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, iters: int, fused: bool = False, tf32: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
     Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32).
     fused: the Triton Sinkhorn and stream sum (one launch each way) instead of this file's
@@ -116,7 +168,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     else:
         sinkhorn_fn = sinkhorn
     n = x.shape[-2]
-    mix = hc_mixes(x, fn, norm_eps)
+    mix = hc_mixes(x, fn, norm_eps, tf32)
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -138,9 +190,9 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float, fused: bool = False) -> torch.Tensor:
+            hc_eps: float, fused: bool = False, tf32: bool = False) -> torch.Tensor:
     """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i."""
-    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps) * scale.float()[0] + base.float()) + hc_eps
+    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
     if fused:
         from .kernels.mhc import weighted_sum
 

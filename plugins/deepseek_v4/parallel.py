@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import fp32_linear
+
 
 @dataclass
 class ParallelContext:
@@ -83,9 +85,9 @@ class ParallelContext:
         """Element-wise maximum over TP ranks of a detached tensor."""
         return t
 
-    def vocab_logits(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def vocab_logits(self, y: torch.Tensor, weight: torch.Tensor, tf32: bool = False) -> torch.Tensor:
         """fp32 logits [..., V/tp] of this rank's vocabulary shard (the head's weight rows)."""
-        return F.linear(y.float(), weight.float())
+        return fp32_linear(y, weight, tf32)
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocabulary shards of all TP ranks -> full logits [..., V] (decoding only: training
