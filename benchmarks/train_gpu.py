@@ -93,15 +93,16 @@ def _set_norms(multi_tensor: bool) -> None:
 
 def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
     """Median step with the changes switched on one by one (same model, same process)."""
-    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW)
-        ("kernels on, none of the changes", False, False, False),
-        ("+ multi-tensor grad norm and scale", False, True, False),
-        ("+ fused AdamW", False, True, True),
-        ("+ TF32 fp32 projections (all on)", True, True, True),
+    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW, recompute)
+        ("kernels on, none of the changes", False, False, False, False),
+        ("+ multi-tensor grad norm and scale", False, True, False, False),
+        ("+ fused AdamW", False, True, True, False),
+        ("+ TF32 fp32 projections (defaults)", True, True, True, False),
+        ("+ recompute (memory)", True, True, True, True),
     ]
     rows = []
-    for name, tf32, norms, fused in variants + variants[::-1][1:]:  # there and back: drift shows
-        w.model.config.tf32_projections = tf32
+    for name, tf32, norms, fused, recompute in variants + variants[::-1][1:]:  # there and back: drift shows
+        w.model.config.tf32_projections, w.model.config.recompute = tf32, recompute
         _set_norms(norms)
         _set_adam(w, fused)
         torch.cuda.reset_peak_memory_stats()
@@ -123,6 +124,13 @@ def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
     torch._dynamo.config.cache_size_limit = 64
     base = timed(lambda: w.train_step(mbs), steps)
     if mode == "blocks":
+        from plugins.deepseek_v4.kernels import indexer, mhc, sparse_attention
+
+        # the Triton kernels stay eager: graph breaks around them, the code between compiles
+        for mod, names in ((sparse_attention, ["sparse_attention"]), (indexer, ["attention_mass"]),
+                           (mhc, ["sinkhorn", "weighted_sum", "hc_post"])):
+            for n in names:
+                setattr(mod, n, torch.compiler.disable(getattr(mod, n)))
         for layer in [*w.model.layers, *w.model.mtp]:
             layer.forward = torch.compile(layer.forward)
     else:

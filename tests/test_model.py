@@ -338,3 +338,35 @@ def test_parameter_names_and_shapes_follow_deepseek():
               "ffn.gate.bias", "attn.wkv.weight"):
         assert "mtp.0." + k in sd, k
     assert not any(k.startswith("mtp.0.ffn.gate.tid2eid") for k in sd)
+
+
+def test_recompute_gives_the_same_step_and_counts_loads_once(seed):
+    """config.recompute keeps block inputs only and runs each block (MTP's too) again in the
+    backward: losses, every gradient and the router's expert loads are those of the plain
+    step, bit for bit; the blocks really run twice (else the test proves nothing)."""
+    ids = random_ids(seed, 2, SEQ)
+    runs = {}
+    for recompute in (False, True):
+        model = tiny_model(seed, recompute=recompute).train()
+        calls = []
+        for name, mod in model.named_modules():
+            if isinstance(mod, Gate):
+                mod.register_forward_hook(lambda m, a, o, name=name: calls.append(name))
+        _, res = losses.compute(model, MicroBatch.lm(ids, labels_of(ids)))
+        res.loss.backward()
+        loads = {n: m.expert_load.clone() for n, m in model.named_modules() if isinstance(m, Gate) and not m.is_hash}
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs[recompute] = (res.metrics, grads, loads, len(calls))
+    (m0, g0, l0, c0), (m1, g1, l1, c1) = runs[False], runs[True]
+    n_gates = c0
+    assert c1 == 2 * n_gates, f"gates ran {c1} times with recompute, {n_gates} without"
+    for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss"):
+        assert_finite(m0[k], m1[k], what=k)
+        assert torch.equal(m0[k], m1[k]), k
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert_finite(g0[n], g1[n], what=n)
+        assert torch.equal(g0[n], g1[n]), f"{n}: max diff {(g0[n] - g1[n]).abs().max():.3e}"
+    for n in l0:
+        assert l0[n].sum() > 0, n
+        assert torch.equal(l0[n], l1[n]), f"{n}: loads {l0[n].tolist()} vs {l1[n].tolist()} with recompute"

@@ -55,6 +55,9 @@ LAYOUTS = {"tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2}), "ep2": (2, {"ep": 2}), 
            "pp2dp2": (4, {"pp": 2}), "ep2dp2": (4, {"ep": 2})}
 
 COMBINED = [k for k, (world, _) in LAYOUTS.items() if world == 4]
+# The combined layouts train with config.recompute: each block's forward, its collectives
+# included, runs again in the backward, and everything below must still hold.
+RECOMPUTE = set(COMBINED)
 PER_RUN = 2  # combined layouts per `make test` (each ~15 s on 2 cores), a different pair each day
 
 
@@ -391,7 +394,8 @@ def test_layout_matches_single_process(ray_cluster, reference, name, request):
         lay = group.layout
         assert [x["dp"] for x in lay] == [world // math.prod(v for k, v in sizes.items() if k != "ep")] * world, \
             "the layout silently fell back to fewer ranks"
-        group.call("build_model", cfg.to_dict(), seed, dtype=str(DTYPE).removeprefix("torch."))
+        group.call("build_model", {**cfg.to_dict(), "recompute": name in RECOMPUTE}, seed,
+                   dtype=str(DTYPE).removeprefix("torch."))
         group.call("setup_training", LR, eps=EPS, weight_decay=WD, clip_grad=CLIP, decay="constant")
         batch = _batch(seed, 0)
         ranks = group.call_each("inspect", [("step_gradients", _split(batch, x)) for x in lay])

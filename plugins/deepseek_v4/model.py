@@ -8,6 +8,7 @@ so the HF bridge needs no name table. Shapes: B batch, S tokens, H heads, D head
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
@@ -76,6 +78,7 @@ class Fwd:
     indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
     balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
     capture: PrefillCapture | None = None  # set by prefill
+    replay: bool = False  # a block's forward run again in the backward (config.recompute)
 
 
 # =========================================================================== decoding state
@@ -521,8 +524,8 @@ class MoE(nn.Module):
             out = out + self.shared_experts(xf).float()
         if not self.gate.is_hash:
             v = valid.reshape(-1)
-            if self.training and torch.is_grad_enabled():
-                with torch.no_grad():
+            if self.training and torch.is_grad_enabled() and not (fwd is not None and fwd.replay):
+                with torch.no_grad():  # counted once per token, not again when recomputed
                     self.gate.expert_load += torch.bincount(idx[v].flatten(), minlength=s.shape[-1]).float()
             if fwd is not None and "balance" in fwd.aux and torch.is_grad_enabled():
                 fwd.balance_terms.append(self._balance(idx, s, valid))
@@ -753,7 +756,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         else:
             x = self._stage_input.view(b, ids.shape[1], cfg.hc_mult, cfg.hidden_size)
         for layer in self.layers:
-            x = layer(x, fwd, ids)
+            x = self._block(layer, x, fwd, ids)
         if not ctx.last_stage:
             return CausalLMOutput(None, hidden=x.flatten(2), aux=self._aux_sums(fwd))
         if _capture is not None:
@@ -789,8 +792,25 @@ class DeepSeekV4ForCausalLM(nn.Module):
         x_prev = torch.cat((torch.zeros_like(x_all[:, :1]), x_all[:, :-1]), 1)[:, fwd.q]
         blk = self.mtp[0]
         h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, s, n, d]
-        h = blk(h, mfwd, ids)
+        h = self._block(blk, h, mfwd, ids)
         return self._logits(head_collapse(blk, self.config, h)), mfwd
+
+    def _block(self, block: Block, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
+        """One block; with config.recompute (training) only its input is kept and its forward
+        runs again in the backward, flagged `fwd.replay` so side effects happen once."""
+        if not (self.config.recompute and self.training and torch.is_grad_enabled()):
+            return block(x, fwd, ids)
+
+        @contextlib.contextmanager
+        def replaying():
+            fwd.replay = True
+            try:
+                yield
+            finally:
+                fwd.replay = False
+
+        return torch.utils.checkpoint.checkpoint(block, x, fwd, ids, use_reentrant=False,
+                                                 context_fn=lambda: (contextlib.nullcontext(), replaying()))
 
     def _aux_sums(self, fwd: Fwd) -> dict[str, torch.Tensor]:
         """This stage's share of the auxiliary sums: each layer's term divided by the model's
