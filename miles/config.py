@@ -183,6 +183,12 @@ class ParallelConfig(Section):
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
+    @property
+    def seq_multiple(self) -> int:
+        """Sequence lengths must be multiples of this: 2 x cp pieces under context parallelism
+        (each rank takes one piece from each end: equal causal work), else 1."""
+        return 2 * self.cp if self.cp > 1 else 1
+
     @model_validator(mode="after")
     def _ep_divides(self) -> ParallelConfig:
         if (self.dp * self.cp * self.tp) % self.ep:
@@ -390,9 +396,10 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _across_groups(self) -> JobConfig:
-        cp = self.train.parallel.cp
-        if self.data.seq_len % cp:
-            raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of train.parallel.cp={cp}")
+        cp, multiple = self.train.parallel.cp, self.train.parallel.seq_multiple
+        if self.data.seq_len % multiple:
+            raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of {multiple} (2 x "
+                             f"train.parallel.cp={cp}: each context-parallel rank takes two pieces)")
         if self.algo.balance_loss_coef > 0 and cp > 1:
             raise ValueError("algo.balance_loss_coef > 0 needs train.parallel.cp = 1 (the balance term is per "
                              "whole sequence)")

@@ -219,8 +219,8 @@ def layout_batch(job: JobConfig, samples: list[Sample]) -> list[list[MicroBatch]
     row; conversations packed into rows of data.seq_len positions, balanced by tokens."""
     p, mbs = job.train.parallel, job.train.micro_batch_size
     if job.data.source == "synthetic":
-        return replica_micro_batches(samples, p.dp, mbs, pad_to_multiple=p.cp)
-    return packed_replica_micro_batches(samples, p.dp, mbs, job.data.seq_len, pad_to_multiple=p.cp,
+        return replica_micro_batches(samples, p.dp, mbs, pad_to_multiple=p.seq_multiple)
+    return packed_replica_micro_batches(samples, p.dp, mbs, job.data.seq_len, pad_to_multiple=p.seq_multiple,
                                         same_count=p.ep > 1)
 
 

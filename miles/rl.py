@@ -330,7 +330,7 @@ def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample
 def layout(job: JobConfig, samples: list[Sample]) -> list[list[MicroBatch]]:
     p = job.train.parallel
     return packed_replica_micro_batches(samples, p.dp, job.train.micro_batch_size, job.data.seq_len,
-                                        pad_to_multiple=p.cp, same_count=p.ep > 1)
+                                        pad_to_multiple=p.seq_multiple, same_count=p.ep > 1)
 
 
 def with_logprobs(replicas: list[list[MicroBatch]], logprobs: list[list[torch.Tensor]], field: str):

@@ -104,3 +104,23 @@ def test_packed_rows_compute_what_the_samples_compute_alone(seed):
             alone[k] = alone[k] + out[k]
     for k in alone:
         assert_close(packed.metrics[k], torch.as_tensor(alone[k]), atol=1e-4, rtol=1e-5, what=k)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_context_parallel_pieces_cover_the_sequence_with_equal_causal_work(cp):
+    """cp_chunk: every position on exactly one rank, each rank's tokens ascending, and each
+    rank the same causal attention work (sum of query positions + 1), which contiguous
+    chunks do not give (the last rank's work is 2cp - 1 times the first's)."""
+    from plugins.deepseek_v4.parallel import cp_chunk
+
+    seq = 2 * cp * 7
+    chunks = [cp_chunk(seq, cp, r) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(chunks)).values, torch.arange(seq))
+    for c in chunks:
+        assert c.numel() == seq // cp and torch.equal(c, torch.sort(c).values)
+    work = {int((c + 1).sum()) for c in chunks}
+    assert len(work) == 1, f"unequal causal work per rank: {work}"
+    contiguous = [int((torch.arange(r * seq // cp, (r + 1) * seq // cp) + 1).sum()) for r in range(cp)]
+    assert len(set(contiguous)) == cp  # the property is not trivial
+    with pytest.raises(ValueError, match=f"multiple of {2 * cp}"):
+        cp_chunk(seq + cp, cp, 0)

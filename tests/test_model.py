@@ -351,7 +351,7 @@ def test_recompute_gives_the_same_step_and_counts_loads_once(seed):
         calls = []
         for name, mod in model.named_modules():
             if isinstance(mod, Gate):
-                mod.register_forward_hook(lambda m, a, o, name=name: calls.append(name))
+                mod.register_forward_hook(lambda m, a, o, name=name, calls=calls: calls.append(name))
         _, res = losses.compute(model, MicroBatch.lm(ids, labels_of(ids)))
         res.loss.backward()
         loads = {n: m.expert_load.clone() for n, m in model.named_modules() if isinstance(m, Gate) and not m.is_hash}

@@ -269,8 +269,7 @@ def _check_forward_backward(reference, lay: list[dict], ranks: list[dict], name:
                 assert r["losses"][k] == pytest.approx(ref["losses"][k], rel=1e-5, abs=1e-7), f"{who} {k} loss"
         last_stage = x["pp_rank"] == x["pp"] - 1
         assert bool(r["logprobs"]) == last_stage, f"{who}: logprobs belong to the last stage only"
-        chunk = SEQ // x["cp"]
-        cols = slice(x["cp_rank"] * chunk, (x["cp_rank"] + 1) * chunk)
+        cols = ParallelContext(cp_size=x["cp"], cp_rank=x["cp_rank"]).seq_chunk(SEQ)
         for (a, b), lp in zip(_cuts(x), r["logprobs"], strict=True) if last_stage else ():
             _close(lp, ref["logprobs"][a:b, cols], s16 and s16["logprobs"][a:b, cols], f"{who} logprobs")
         _check_grads(ref["grads"], s16 and s16["grads"], x, r, who)

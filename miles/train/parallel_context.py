@@ -20,7 +20,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from plugins.deepseek_v4.ops import fp32_linear
-from plugins.deepseek_v4.parallel import ParallelContext
+from plugins.deepseek_v4.parallel import ParallelContext, cp_chunk
 
 
 def _no_init(_weight: torch.Tensor) -> None:
@@ -65,17 +65,19 @@ def _own_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
 
 
 class _GatherSeq(torch.autograd.Function):
-    """[B, s, ...] chunks of the CP ranks -> [B, S, ...]; backward: sum over ranks, own chunk."""
+    """[B, s, ...] tokens of each CP rank -> [B, S, ...] in sequence order; backward: sum over
+    ranks, own tokens. order [S]: the gathered row of each sequence position; own [s]: this
+    rank's positions (cp_chunk)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), t.shape[1]
-        return torch.cat(_all_gather(t, group), 1)
+    def forward(ctx, t: torch.Tensor, group, order: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.own = group, own
+        return torch.cat(_all_gather(t, group), 1)[:, order]
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         g = _all_reduce(g.float(), ctx.group).to(g.dtype)  # partial sums added in fp32
-        return g[:, ctx.rank * ctx.n: (ctx.rank + 1) * ctx.n], None
+        return g[:, ctx.own], None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -178,7 +180,11 @@ class MegatronContext(ParallelContext):
     def gather_seq(self, t: torch.Tensor) -> torch.Tensor:
         if self.cp_size == 1:
             return t
-        return _GatherSeq.apply(t, ps.get_context_parallel_group())
+        seq = t.shape[1] * self.cp_size
+        chunks = torch.cat([cp_chunk(seq, self.cp_size, r) for r in range(self.cp_size)])  # [S] gathered order
+        order = torch.argsort(chunks).to(t.device)
+        own = cp_chunk(seq, self.cp_size, self.cp_rank).to(t.device)
+        return _GatherSeq.apply(t, ps.get_context_parallel_group(), order, own)
 
     def ep_gather(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
         if self.ep_size == 1:

@@ -73,7 +73,7 @@ class Fwd:
 
     layout: SequenceLayout
     ropes: dict[str, Rope]
-    q: slice = field(default_factory=lambda: slice(None))
+    q: slice | torch.Tensor = field(default_factory=lambda: slice(None))  # this rank's tokens [s] (CP)
     aux: frozenset[str] = frozenset()  # auxiliary losses to compute: "indexer", "balance"
     indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
     balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
@@ -179,10 +179,14 @@ class Compressor(nn.Module):
             c, z = cur_c, cur_z + ape
         return ops.rms_norm(ops.compress_pool(c, z), self.norm.weight, self.norm.eps)
 
-    def forward(self, x: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """All complete blocks of the sequence: x [B, S, d] -> entries [B, G, D] fp32, and the
-        projections (C, Z) [B, S, coff*D] that a prefill keeps as decoding state."""
+    def forward(self, x: torch.Tensor, blocks: Blocks,
+                gather=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """All complete blocks of the sequence: x [B, s, d] -> entries [B, G, D] fp32, and the
+        projections (C, Z) [B, S, coff*D] that a prefill keeps as decoding state. `gather`
+        (context parallel): this rank's projections [B, s, .] -> the whole sequence's."""
         c, z = self.project(x)
+        if gather is not None:
+            c, z = gather(c), gather(z)
         rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
         cur = blocks.token_index(0)  # [B, G, r]
         prev = blocks.token_index(-1)
@@ -293,26 +297,28 @@ class Attention(nn.Module):
         return self.wo_b(ops.grouped_out_proj(o, self.wo_a.weight, self.groups))
 
     def forward(self, x: torch.Tensor, fwd: Fwd) -> torch.Tensor:
-        """x [B, s, d] (attn_norm applied; s = this rank's query chunk of the S tokens) -> [B, s, d].
-        Keys come from all S tokens: under context parallelism x is gathered first."""
+        """x [B, s, d] (attn_norm applied; s = this rank's query tokens of the S) -> [B, s, d].
+        Keys come from all S tokens: under context parallelism each rank projects its own
+        tokens (K = V, compressor C and Z) and the results are all-gathered."""
         rope = fwd.ropes[self.rope_kind]
         q_cos, q_sin = rope.cos[:, fwd.q], rope.sin[:, fwd.q]
-        x_all = self.ctx.gather_seq(x)  # [B, S, d]
+        gather = self.ctx.gather_seq if self.ctx.cp_size > 1 else None
         c_q, q = self._q(x, q_cos, q_sin)
-        kv = self._kv(x_all, rope.cos, rope.sin)
+        kv = self._kv(x, q_cos, q_sin)  # [B, s, D]: this rank's tokens (CP), then all of them
+        kv = gather(kv) if gather else kv
         keys, chosen = kv, None
         comp = cz = ki_entries = ki_cz = blocks = None
         if self.compressor is not None:
             blocks = fwd.layout.blocks(self.ratio)
             rope_e = self._rope_entries(rope)
-            comp, cz = self.compressor(x_all, blocks)
+            comp, cz = self.compressor(x, blocks, gather)
             comp = rope_e(comp, blocks.pos).to(kv.dtype)  # [B, G, D]
             visible = fwd.layout.visible(blocks)[:, fwd.q]  # [B, s, G]
             chosen = visible
             if self.indexer is not None:
                 # The indexer sees detached inputs: only its auxiliary loss trains it.
                 qi, wi = self.indexer.queries(x.detach(), c_q.detach(), q_cos, q_sin)
-                ki_entries, ki_cz = self.indexer.compressor(x_all.detach(), blocks)
+                ki_entries, ki_cz = self.indexer.compressor(x.detach(), blocks, gather)
                 ki_entries = rope_e(ki_entries, blocks.pos)
                 scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
@@ -747,7 +753,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         unknown = set(aux) - AUX_LOSSES
         if unknown:
             raise ValueError(f"unknown auxiliary losses {sorted(unknown)}; known: {sorted(AUX_LOSSES)}")
-        q = ctx.seq_chunk(s) if ctx.cp_size > 1 else slice(None)
+        q = ctx.seq_chunk(s)
+        q = q.to(input_ids.device) if isinstance(q, torch.Tensor) else q
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
         fwd = Fwd(layout, self._ropes(layout.pos), q=q, capture=_capture, aux=frozenset(aux))
         ids = input_ids[:, q]

@@ -7,8 +7,9 @@ returns tensor-parallel layers and real collectives). The context reports:
 - tp: heads, output groups, expert widths and the vocabulary are split over TP ranks;
 - pp: this stage's contiguous range of layers (first stage embeds, last stage has the
   heads, MTP and losses);
-- cp: this rank's contiguous chunk of query tokens; K = V and compressor inputs are
-  gathered over the sequence (all-gather context parallelism);
+- cp: this rank's query tokens, two of 2 x cp equal pieces (piece r and piece 2cp-1-r:
+  every rank gets the same causal work); K = V and the compressor projections are
+  computed on the local tokens and all-gathered over the sequence;
 - ep: the routed experts this rank holds; tokens are gathered to them and the partial
   outputs summed back.
 """
@@ -22,6 +23,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import fp32_linear
+
+
+def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Token indices [S/cp] of context-parallel rank `rank`: pieces rank and 2cp-1-rank of
+    2cp equal pieces, so each rank holds as many early (cheap) as late (expensive) causal
+    queries."""
+    if seq % (2 * cp):
+        raise ValueError(f"context parallel size {cp} needs the sequence length ({seq}) to be a multiple of "
+                         f"{2 * cp} (two pieces per rank): pad the micro-batch")
+    n = seq // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return torch.cat((torch.arange(rank * n, (rank + 1) * n), torch.arange(late * n, (late + 1) * n)))
 
 
 @dataclass
@@ -139,17 +152,14 @@ class ParallelContext:
         return self.pp_rank == self.pp_size - 1
 
     # ------------------------------------------------------------------ CP
-    def seq_chunk(self, seq: int) -> slice:
-        """The query tokens this CP rank computes (contiguous equal chunks)."""
-        if seq % self.cp_size:
-            raise ValueError(f"context parallel size {self.cp_size} needs the sequence length ({seq}) "
-                             f"to be a multiple of it: pad the micro-batch")
-        n = seq // self.cp_size
-        return slice(self.cp_rank * n, (self.cp_rank + 1) * n)
+    def seq_chunk(self, seq: int) -> slice | torch.Tensor:
+        """The query tokens this CP rank computes: all (one rank), else the ascending indices
+        [S/cp] of pieces r and 2cp-1-r of 2cp equal pieces (cp_chunk)."""
+        return slice(None) if self.cp_size == 1 else cp_chunk(seq, self.cp_size, self.cp_rank)
 
     def gather_seq(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, S/cp, ...] local chunk -> [B, S, ...] all chunks in order; the backward sums
-        the gradients of all CP ranks and keeps this rank's chunk."""
+        """[B, S/cp, ...] this rank's tokens (seq_chunk) -> [B, S, ...] all tokens in order; the
+        backward sums the gradients of all CP ranks and keeps this rank's tokens."""
         return t
 
     # ------------------------------------------------------------------ EP
