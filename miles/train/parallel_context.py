@@ -2,15 +2,35 @@
 
 Layers ask it for their linears: column-parallel (output split), row-parallel (input
 split, output all-reduced), vocab-parallel embedding and head; and for the token moves
-of context parallelism (sequence all-gather) and expert parallelism (token all-gather to
-the experts, partial outputs summed back). The model code is the same as in one process;
-only where its modules come from and how tokens travel changes.
+of context parallelism (sequence all-gather) and expert parallelism (each routed
+(token, slot) pair sent to the EP rank holding its expert and its output sent back). The
+model code is the same as in one process; only where its modules come from and how tokens
+travel changes.
 
-The collectives are all-gather and all-reduce only (gloo runs them on CPU, nccl on GPU);
-a reduce-scatter is written as all-reduce + slice.
+TP and CP use all-gather and all-reduce (a reduce-scatter is written as all-reduce +
+slice). EP goes through Megatron-core's MoEAlltoAllTokenDispatcher: all-to-all of uneven
+splits, which gloo runs on CPU (the CPU bridge gives the dispatcher a host stream and its
+split sizes as numbers) and nccl on GPU. Three parts of it are ours, each for a reason:
+- routing: our gate gives expert ids and weights [N, k]; the dispatcher takes a
+  routing_map [N, E] (bool) and probs [N, E], built here by a scatter. A bool map cannot
+  hold one token routed twice to the same expert (a loaded hash table could), so that is
+  refused with a clear error instead of losing a pair.
+- tensor parallelism: Megatron's expert-TP path assumes sequence parallelism (each TP rank
+  holds other tokens): after the all-to-all it all-gathers over the expert-TP group and
+  reduce-scatters the outputs. Our TP ranks hold the same tokens, so that would run every
+  token TP times. The dispatcher gets no expert-TP group; each TP rank dispatches over its
+  EP group (ranks of its own TP rank) to its own width-slice of the experts, and the
+  model's reduce_from_tp sums the slices, as for every other TP-split layer.
+- the final sum: the dispatcher's combine_postprocess adds a token's expert outputs by
+  scatter_add in expert order and in the rows' dtype. One process sums a token's k slots
+  in slot order in fp32 (ops.routed_experts). The returned rows are put back per
+  (token, slot) and summed exactly that way; the routing weight is applied before w2 in
+  fp32 by the same routed_experts, on the rows that arrived.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,18 +72,6 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def _gather_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    """Rows of every rank, in rank order (rank r holds sizes[r] rows)."""
-    pad = t.new_zeros((max(sizes),) + tuple(t.shape[1:]))
-    pad[: t.shape[0]] = t
-    return torch.cat([part[:n] for part, n in zip(_all_gather(pad, group), sizes, strict=True)])
-
-
-def _own_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    start = sum(sizes[: dist.get_rank(group)])
-    return t[start: start + sizes[dist.get_rank(group)]]
-
-
 class _GatherSeq(torch.autograd.Function):
     """[B, s, ...] tokens of each CP rank -> [B, S, ...] in sequence order; backward: sum over
     ranks, own tokens. order [S]: the gathered row of each sequence position; own [s]: this
@@ -80,31 +88,15 @@ class _GatherSeq(torch.autograd.Function):
         return g[:, ctx.own], None, None, None
 
 
-class _GatherRows(torch.autograd.Function):
-    """[N_r, ...] rows of each EP rank -> [sum N, ...]; backward: sum over ranks, own rows."""
+class _Route(NamedTuple):
+    """What ep_combine needs of one ep_dispatch."""
 
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return _gather_rows(t, sizes, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return _own_rows(_all_reduce(g.float(), ctx.group).to(g.dtype), ctx.sizes, ctx.group), None, None
-
-
-class _SumOwnRows(torch.autograd.Function):
-    """Partial outputs for all ranks' rows [sum N, ...] -> own rows summed over ranks;
-    backward: every rank's row gradients gathered (the dual of _GatherRows)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return _own_rows(_all_reduce(t, group), sizes, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return _gather_rows(g, ctx.sizes, ctx.group), None, None
+    dispatcher: object  # the MoEAlltoAllTokenDispatcher that holds this exchange's splits
+    pairs: torch.Tensor  # [N*k] flat pair ids (token * k + slot) in the dispatcher's send order
+    tokens: int
+    k: int
+    rows: torch.Tensor  # the rows that arrived and their weights (kept in the backward graph)
+    weights: torch.Tensor
 
 
 class MegatronContext(ParallelContext):
@@ -119,6 +111,7 @@ class MegatronContext(ParallelContext):
                          cp_rank=ps.get_context_parallel_rank())
         self.mp = ModelParallelConfig(tensor_model_parallel_size=self.tp_size, use_cpu_initialization=True,
                                       perform_initialization=False, params_dtype=params_dtype)
+        self._dispatchers: dict[tuple[int, int], object] = {}
 
     @staticmethod
     def _split(module: nn.Module, dim: int) -> nn.Module:
@@ -186,20 +179,58 @@ class MegatronContext(ParallelContext):
         own = cp_chunk(seq, self.cp_size, self.cp_rank).to(t.device)
         return _GatherSeq.apply(t, ps.get_context_parallel_group(), order, own)
 
-    def ep_gather(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+    def _dispatcher(self, n_experts: int, k: int):
+        """One all-to-all dispatcher per routing shape (every MoE layer of a model shares it:
+        it holds one exchange's splits from ep_dispatch to ep_combine, and a layer's dispatch
+        and combine run back to back)."""
+        key = (n_experts, k)
+        if key not in self._dispatchers:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+            from megatron.core.transformer import TransformerConfig
+            from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+            # The dispatcher reads the routing fields only (experts, top-k, no fused permute,
+            # no capacity or padding); the sizes are placeholders TransformerConfig requires.
+            cfg = TransformerConfig(num_layers=1, hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
+                                    num_moe_experts=n_experts, moe_router_topk=k, add_bias_linear=False,
+                                    moe_token_dispatcher_type="alltoall", moe_permute_fusion=False,
+                                    expert_model_parallel_size=self.ep_size, use_cpu_initialization=True)
+            groups = ProcessGroupCollection()
+            groups.ep = groups.tp_ep = ps.get_expert_model_parallel_group()
+            groups.expt_tp = None  # TP ranks hold the same tokens: see the module docstring
+            local = self.local_experts(n_experts)
+            self._dispatchers[key] = MoEAlltoAllTokenDispatcher(len(local), list(local), cfg, groups)
+        return self._dispatchers[key]
+
+    def ep_dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int):
         if self.ep_size == 1:
             return x, idx, w, None
-        group = ps.get_expert_model_parallel_group()
-        sizes = [int(n) for n in _all_gather(torch.tensor([x.shape[0]], device=x.device), group)]
-        xs, ws = _GatherRows.apply(x, sizes, group), _GatherRows.apply(w, sizes, group)
-        return xs, _gather_rows(idx, sizes, group), ws, (sizes, xs, ws)
+        n, k = idx.shape
+        disp = self._dispatcher(n_experts, k)
+        routing_map = torch.zeros(n, n_experts, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
+        if int(routing_map.sum()) != idx.numel():
+            raise ValueError("expert parallelism needs the k experts of a token to be distinct (Megatron's "
+                             "routing map holds one pair per token and expert): check the hash table")
+        probs = w.new_zeros(n, n_experts).scatter(1, idx, w)  # differentiable in w
+        rows, p = disp.token_dispatch(*disp.dispatch_preprocess(x, routing_map, probs))
+        rows, per_expert, p = disp.dispatch_postprocess(rows, p)  # grouped by local expert
+        local = self.local_experts(n_experts)
+        experts = torch.repeat_interleave(torch.arange(local.start, local.stop), per_expert.cpu()).to(idx.device)
+        # The dispatcher sends pairs expert by expert, tokens ascending (its permute selects
+        # routing_map's columns in order): the stable sort of the flat pair ids by expert.
+        pairs = torch.sort(idx.flatten(), stable=True).indices
+        return rows, experts[:, None], p[:, None], _Route(disp, pairs, n, k, rows, p)
 
     def ep_combine(self, out: torch.Tensor, route) -> torch.Tensor:
-        if self.ep_size == 1:
+        if route is None:
             return out
-        sizes, xs, ws = route
-        # Every rank must run the same collectives in backward, also when no token reached
-        # its experts: an empty-slice term keeps both gathers (and this sum) in the graph.
+        # Every rank must run the same collectives in backward, also when no pair reached its
+        # experts: an empty-slice term keeps the dispatch's all-to-alls in the graph.
         if torch.is_grad_enabled():
-            out = out + (xs[:0].sum() + ws[:0].sum()).float()
-        return _SumOwnRows.apply(out, sizes, ps.get_expert_model_parallel_group())
+            out = out + (route.rows[:0].sum() + route.weights[:0].sum()).float()
+        # A row is one pair's output (routed_experts' fp32 sum over one slot of a value of the
+        # model's dtype): it travels in that dtype without loss.
+        disp = route.dispatcher
+        back = disp.token_combine(disp.combine_preprocess(out.to(route.rows.dtype)))  # [N*k, d]
+        per_pair = back.new_zeros(back.shape).index_copy(0, route.pairs, back)
+        return per_pair.view(route.tokens, route.k, back.shape[1]).sum(1, dtype=torch.float32)

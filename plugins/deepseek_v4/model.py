@@ -518,14 +518,14 @@ class MoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         idx, w, s = self.gate(xf, ids.reshape(-1))
         w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
-        xs, idxs, ws, route = self.ctx.ep_gather(xf, idx, w)  # tokens of all EP ranks
+        # EP: the (token, slot) pairs of every rank routed to this rank's experts, one row each
+        xs, idxs, ws, route = self.ctx.ep_dispatch(xf, idx, w, self.cfg.n_routed_experts)
         experts = [self.experts[str(e)] for e in self.local]
         w1, w3, w2 = (torch.stack([getattr(m, n).weight for m in experts]) for n in ("w1", "w3", "w2"))
         out = ops.routed_experts(self.ctx.to_tp_region(xs), idxs, ws, w1, w3, w2, self.local.start,
-                                 self.cfg.swiglu_limit, all_local=self.ctx.ep_size == 1,
-                                 fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16)
+                                 self.cfg.swiglu_limit, fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16)
+        out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, their k slots summed
         out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
-        out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, all experts
         if self.shared_experts is not None:
             out = out + self.shared_experts(xf).float()
         if not self.gate.is_hash:

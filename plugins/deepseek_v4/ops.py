@@ -321,7 +321,7 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
                        limit) * wg[:, None]  # [M, I] fp32
     y = grouped_matmul(h.to(x.dtype), w2, offs, counts, fused)  # [M, d]
     per_pair = y.new_zeros(n * k, y.shape[1]).index_copy(0, pairs, y[rows])  # [N*k, d]
-    return per_pair.view(n, k, -1).sum(1, dtype=torch.float32)
+    return per_pair.view(n, k, y.shape[1]).sum(1, dtype=torch.float32)  # n may be 0 (an EP rank)
 
 
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:

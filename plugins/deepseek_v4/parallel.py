@@ -10,8 +10,8 @@ returns tensor-parallel layers and real collectives). The context reports:
 - cp: this rank's query tokens, two of 2 x cp equal pieces (piece r and piece 2cp-1-r:
   every rank gets the same causal work); K = V and the compressor projections are
   computed on the local tokens and all-gathered over the sequence;
-- ep: the routed experts this rank holds; tokens are gathered to them and the partial
-  outputs summed back.
+- ep: the routed experts this rank holds; each (token, slot) pair travels to the rank
+  holding its expert, and the outputs travel back to be summed per token.
 """
 
 from __future__ import annotations
@@ -168,12 +168,16 @@ class ParallelContext:
         per = n_experts // self.ep_size
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
-    def ep_gather(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
-        """Tokens of all EP ranks for the local experts: x [N, d], idx/w [N, k] ->
-        (x_all, idx_all, w_all, sizes). Backward: gradients summed back to their rank."""
+    def ep_dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int):
+        """The pairs this rank's experts compute, from the tokens x [N, d] routed to experts
+        idx [N, k] (of n_experts) with weights w [N, k]: (rows [R, d], their experts [R, k'],
+        weights [R, k'], route). One process: the tokens themselves (k' = k). EP: each
+        (token, slot) pair whose expert lives here, from every EP rank, one row each (k' = 1),
+        grouped by local expert. Backward: gradients sent back to the pairs' ranks."""
         return x, idx, w, None
 
-    def ep_combine(self, out: torch.Tensor, sizes) -> torch.Tensor:
-        """Partial expert outputs for the tokens of all EP ranks [N_all, d] -> this rank's
-        tokens [N, d] summed over EP ranks."""
+    def ep_combine(self, out: torch.Tensor, route) -> torch.Tensor:
+        """Expert outputs of the dispatched rows [R, d] (summed over their k' slots) -> this
+        rank's tokens [N, d]: each token's outputs from every rank, its k slots summed in
+        slot order in fp32 (as routed_experts sums them in one process)."""
         return out
