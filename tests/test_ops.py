@@ -647,7 +647,7 @@ def test_indexer_scores_matches_oracle_and_grads(rng: Rng) -> None:
     """Guards the lightning-indexer score sum_h w_h relu(q_h . k_g) (relu per head before the
     weighted sum, not after) and its gradients. fp32-internal op: vs float64 oracle; q is redrawn
     until no dot product sits within 1e-3 of the relu kink."""
-    b, s, h, d, g = 2, 4, 3, 8, 5
+    b, s, h, d, g = 2, 7, 3, 8, 5
     k = rng.randn(b, g, d)
     for _ in range(100):
         q = rng.randn(b, s, h, d)
@@ -658,8 +658,9 @@ def test_indexer_scores_matches_oracle_and_grads(rng: Rng) -> None:
     w = rng.randn(b, s, h)
     dots = torch.einsum("bshd,bgd->bshg", q, k)
     assert (dots > 0).any() and (dots < 0).any(), rng.tag("precondition: relu must be active and inactive")
-    check_against_oracle(rng, ops.indexer_scores, ref_indexer_scores,
-                         [q.requires_grad_(), k.requires_grad_(), w.requires_grad_()], ["q", "k", "w"])
+    for chunk in (ops.INDEXER_CHUNK_ELEMENTS, b * h * g * 3, 1):  # one chunk; 3 rows (uneven); 1 row
+        check_against_oracle(rng, lambda *a, c=chunk: ops.indexer_scores(*a, chunk_elements=c), ref_indexer_scores,
+                             [q.requires_grad_(), k.requires_grad_(), w.requires_grad_()], ["q", "k", "w"])
 
 
 def test_topk_select_picks_largest_visible(rng: Rng) -> None:

@@ -228,10 +228,49 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink
     return o, (probs if return_probs else None)
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+INDEXER_CHUNK_ELEMENTS = 1 << 26  # per-head dot products [B, rows, h, G] held at once (256 MiB fp32)
+
+
+class _IndexerScores(torch.autograd.Function):
+    """sum_h w_h relu(q_h . k_g) over chunks of query rows, keeping no [B, S, h, G] tensor:
+    the forward saves q, k, w only and the backward recomputes each chunk's dot products
+    (at 64k tokens and 16 heads over G = 16k entries that tensor alone would be 64 GiB)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(q, k, w)
+        ctx.rows = rows
+        kf = k.float()
+        out = []
+        for i in range(0, q.shape[1], rows):
+            dots = torch.einsum("bshd,bgd->bshg", q[:, i:i + rows].float(), kf)  # [B, c, h, G]
+            out.append(torch.einsum("bshg,bsh->bsg", F.relu(dots), w[:, i:i + rows].float()))
+        return torch.cat(out, 1) if out else q.new_zeros(q.shape[0], 0, k.shape[1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        q, k, w = ctx.saved_tensors
+        kf = k.float()
+        dq, dk, dw = [], torch.zeros_like(kf), []
+        for i in range(0, q.shape[1], ctx.rows):
+            qc, wc, gc = q[:, i:i + ctx.rows].float(), w[:, i:i + ctx.rows].float(), g[:, i:i + ctx.rows]
+            dots = torch.einsum("bshd,bgd->bshg", qc, kf)  # [B, c, h, G]
+            dw.append(torch.einsum("bsg,bshg->bsh", gc, F.relu(dots)))
+            dd = torch.where(dots > 0, gc[:, :, None] * wc[..., None], 0.0)  # d score / d dots
+            dq.append(torch.einsum("bshg,bgd->bshd", dd, kf))
+            dk += torch.einsum("bshg,bshd->bgd", dd, qc)
+        cat = (lambda ts, like: torch.cat(ts, 1).to(like.dtype) if ts else torch.zeros_like(like))
+        return cat(dq, q), dk.to(k.dtype), cat(dw, w), None
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                   chunk_elements: int = INDEXER_CHUNK_ELEMENTS) -> torch.Tensor:
     """Lightning-indexer scores in fp32: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
-    [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g])."""
-    return torch.einsum("bshg,bsh->bsg", F.relu(torch.einsum("bshd,bgd->bshg", q.float(), k.float())), w.float())
+    [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g]), computed over chunks of query rows
+    that hold at most `chunk_elements` dot products at a time."""
+    b, s, h, _ = q.shape
+    rows = max(1, chunk_elements // max(1, b * h * k.shape[1]))
+    return _IndexerScores.apply(q, k, w, rows)
 
 
 def topk_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
