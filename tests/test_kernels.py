@@ -538,3 +538,30 @@ def test_bf16_model_with_tf32_projections_is_as_close_to_fp32_as_without(seed):
     e_ieee, e_tf32 = rel(g_ieee, g_ref), rel(g_tf32, g_ref)
     assert e_tf32 <= 1.5 * e_ieee + 1e-2, f"gradients: TF32 {e_tf32:.2e} against IEEE {e_ieee:.2e}"
     print(f"bf16 vs fp32 gradient error: IEEE projections {e_ieee:.3e}, TF32 {e_tf32:.3e}")
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_chunked_head_logprobs_match_the_full_logits(seed, tf32, monkeypatch):
+    """The trainer's LM/MTP head (ctx.head_logprobs: logits built and dropped chunk by chunk,
+    recomputed in the backward) against log-softmax of the whole fp32 logits, on the device
+    with the model dtype's operands: log-probabilities, entropy and both gradients."""
+    from plugins.deepseek_v4 import parallel
+    from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
+
+    n, d, v = 300, 256, 1000
+    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", 64 * v)  # 5 chunks, the last ragged
+    g = torch.Generator().manual_seed(seed)
+    y0 = torch.randn(n, d, generator=g).to(DTYPE)
+    w0 = (torch.randn(v, d, generator=g) * 0.05).to(DTYPE)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEV)
+    cot = torch.randn(n, generator=g).to(DEV)
+    ctx, runs = ParallelContext(), []
+    for chunked in (False, True):
+        y, w = y0.to(DEV, copy=True).requires_grad_(), w0.to(DEV, copy=True).requires_grad_()
+        head = VocabHead(y, w, ctx, tf32 and CUDA)
+        lp = ctx.head_logprobs(head, labels) if chunked else ctx.token_logprobs(head.logits(), labels)
+        ent = ctx.head_entropy(head) if chunked else ctx.token_entropy(head.logits())
+        (lp * cot).sum().backward()
+        runs.append([t.detach().double().cpu() for t in (lp, ent, y.grad, w.grad)])
+    for name, a, b in zip(("logprobs", "entropy", "d y", "d w"), runs[1], runs[0], strict=True):
+        assert rel(a, b) < (1e-2 if CUDA else 1e-5), name  # bf16 gradients: a few ulps of 2^-8

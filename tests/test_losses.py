@@ -6,6 +6,7 @@ layout parity suite (tests/test_parallel_layouts.py) runs the same functions sha
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import assert_close, random_ids, tiny_model
 
@@ -199,3 +200,35 @@ def test_policy_loss_in_the_trainer_is_the_algo_formula(seed):
     p = torch.softmax(out.logits.detach().double(), -1)
     entropy = (-(p * p.log()).sum(-1) * mask).sum() / mask.sum()
     assert abs(res.metrics["entropy"].item() - entropy.item()) <= 1e-5 * entropy.item()
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 1, 7])
+def test_chunked_head_logprobs_equal_the_full_logits(seed, chunk_rows, monkeypatch):
+    """ctx.head_logprobs / head_entropy (the trainer's path: no [N, V] logits kept) against
+    log-softmax of the whole logits: values and the gradients of the hidden state and the
+    head weight (fp32, fresh asymmetric inputs, ignored labels, one chunk, 7-row chunks
+    with a ragged last one, 1-row chunks)."""
+    from plugins.deepseek_v4 import parallel
+    from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
+
+    v = 37
+    if chunk_rows is not None:
+        monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", chunk_rows * v)
+    g = torch.Generator().manual_seed(seed)
+    y0, w0 = torch.randn(3, 10, 16, generator=g), torch.randn(v, 16, generator=g) * 0.3
+    labels = torch.randint(0, v, (3, 10), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    cot = torch.randn(3, 10, generator=g)
+    ctx = ParallelContext()
+    runs = []
+    for chunked in (False, True):
+        y, w = y0.clone().requires_grad_(), w0.clone().requires_grad_()
+        head = VocabHead(y, w, ctx)
+        lp = ctx.head_logprobs(head, labels) if chunked else ctx.token_logprobs(head.logits(), labels)
+        ent = ctx.head_entropy(head) if chunked else ctx.token_entropy(head.logits())
+        lp = torch.where(labels != IGNORE_INDEX, lp, 0.0)
+        (lp * cot).sum().backward()
+        runs.append((lp.detach(), ent, y.grad, w.grad))
+    for name, a, b in zip(("logprobs", "entropy", "d y", "d w"), runs[1], runs[0], strict=True):
+        assert_close(a, b, atol=1e-5, rtol=1e-5, what=name)
+    assert runs[0][2].abs().sum() > 0 and runs[0][3].abs().sum() > 0

@@ -24,7 +24,7 @@ from miles.algo.losses import kl_estimate, token_terms
 from miles.train.batching import MicroBatch
 from plugins.deepseek_v4.layout import SequenceLayout
 from plugins.deepseek_v4.model import IGNORE_INDEX, CausalLMOutput, DeepSeekV4ForCausalLM
-from plugins.deepseek_v4.parallel import ParallelContext
+from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,13 @@ def aux_loss(aux: dict[str, torch.Tensor], norm: dict[str, torch.Tensor], coef: 
     return total, metrics
 
 
-def label_logprobs(ctx: ParallelContext, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+def label_logprobs(ctx: ParallelContext, logits: torch.Tensor | VocabHead, mb: MicroBatch) -> torch.Tensor:
     """log p(label) [B, s] for this rank's chunk of `mb` (context parallel), 0 where there is
-    no label; differentiable."""
+    no label; differentiable. From a head (the trainer's path: chunked, no [B, s, V] logits
+    kept) or from logits."""
     labels = mb.labels[:, ctx.seq_chunk(mb.shape[1])]
-    return torch.where(labels != IGNORE_INDEX, ctx.token_logprobs(logits, labels), 0.0)
+    lp = ctx.head_logprobs(logits, labels) if isinstance(logits, VocabHead) else ctx.token_logprobs(logits, labels)
+    return torch.where(labels != IGNORE_INDEX, lp, 0.0)
 
 
 def lm_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tensor], coef: LossCoefs,
@@ -97,7 +99,7 @@ def lm_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tensor], 
     """Cross-entropy of the labels (SFT, pre-training), plus MTP's on the same labels where it
     has a prediction, plus the auxiliary terms."""
     w = mb.loss_mask[:, ctx.seq_chunk(mb.shape[1])].float()  # 0 wherever the label is IGNORE_INDEX
-    lp = label_logprobs(ctx, out.logits, mb)  # [B, s]
+    lp = label_logprobs(ctx, out.head, mb)  # [B, s]
     lm = -(lp * w).sum() / norm["lm"]
     return _with_side_terms(lm, {"lm_loss": lm.detach()}, out, mb, norm, coef, ctx, w, lp)
 
@@ -106,8 +108,8 @@ def _with_side_terms(loss: torch.Tensor, metrics: dict, out: CausalLMOutput, mb:
                      coef: LossCoefs, ctx: ParallelContext, w: torch.Tensor, lp: torch.Tensor) -> LossResult:
     """The main loss plus MTP's cross-entropy on the labels weighted `w` (where MTP has a
     prediction) and the auxiliary terms."""
-    if out.mtp_logits is not None and coef.mtp > 0:
-        mtp = -(label_logprobs(ctx, out.mtp_logits, mb) * w * out.mtp_rows).sum() / norm["mtp"]
+    if out.mtp_head is not None and coef.mtp > 0:
+        mtp = -(label_logprobs(ctx, out.mtp_head, mb) * w * out.mtp_rows).sum() / norm["mtp"]
         loss = loss + coef.mtp * mtp
         metrics["mtp_loss"] = mtp.detach()
     aux, aux_metrics = aux_loss(out.aux, norm, coef)
@@ -127,7 +129,7 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
         raise ValueError("the policy loss needs micro-batches with advantages and token_weights")
     cols = ctx.seq_chunk(mb.shape[1])
     m = mb.loss_mask[:, cols].float()
-    lp = label_logprobs(ctx, out.logits, mb)  # [B, s]
+    lp = label_logprobs(ctx, out.head, mb)  # [B, s]
     old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs[:, cols]
     roll = None if mb.rollout_logprobs is None else mb.rollout_logprobs[:, cols]
     pg, clipped = token_terms(lp, old, mb.advantages[:, cols], opts.eps_low, opts.eps_high, opts.dual_clip,
@@ -137,7 +139,7 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
     n = norm["lm"]
     metrics = {"pg_loss": loss.detach(), "pg_clipfrac": (clipped.float() * m).sum() / n,
                "ppo_kl": ((old - lp.detach()) * m).sum() / n,
-               "entropy": (ctx.token_entropy(out.logits) * m).sum() / n}
+               "entropy": (ctx.head_entropy(out.head) * m).sum() / n}
     if roll is not None:
         metrics["train_rollout_logprob_abs_diff"] = ((lp.detach() - roll).abs() * m).sum() / n
     if opts.kl_coef > 0:

@@ -161,6 +161,11 @@ class MegatronContext(ParallelContext):
         y = tp.copy_to_tensor_model_parallel_region(y.float()) if self.tp_size > 1 else y
         return fp32_linear(y, weight, tf32)
 
+    def head_input(self, y: torch.Tensor) -> torch.Tensor:
+        # As vocab_logits: every rank's shard reads the same hidden state; the backward sums
+        # the ranks' partial gradients in fp32.
+        return tp.copy_to_tensor_model_parallel_region(y.float()) if self.tp_size > 1 else y
+
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return tp.gather_from_tensor_model_parallel_region(logits) if self.tp_size > 1 else logits
 

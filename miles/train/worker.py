@@ -232,7 +232,7 @@ class TrainWorker:
         def step(data, model):
             mb = next(data)
             out = module(mb.input_ids, doc_ids=mb.doc_ids, aux=() if forward_only else self.coef.aux_terms)
-            if out.logits is None:  # an earlier stage: its output goes to the next stage
+            if out.head is None:  # an earlier stage: its output goes to the next stage
                 if forward_only:
                     return out.hidden, None
                 aux, metrics = losses.aux_loss(out.aux, norm, self.coef)
@@ -240,7 +240,7 @@ class TrainWorker:
                     stage_metrics[k] = stage_metrics.get(k, 0.0) + v
                 return (_AttachLoss.apply(out.hidden, aux) if aux.requires_grad else out.hidden), None
             if forward_only:
-                lp = losses.label_logprobs(ctx, out.logits, mb)
+                lp = losses.label_logprobs(ctx, out.head, mb)
                 return lp, lambda t: (t, torch.ones((), dtype=torch.int), {"logprobs": t})
             res = self.loss_fn(out, mb, norm, self.coef, ctx)
             return res.loss, lambda t: (t, torch.ones((), dtype=torch.int),

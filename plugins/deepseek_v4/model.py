@@ -22,7 +22,7 @@ from torch import nn
 from . import ops
 from .config import DeepSeekV4Config
 from .layout import Blocks, SequenceLayout
-from .parallel import ParallelContext
+from .parallel import ParallelContext, VocabHead
 
 IGNORE_INDEX = -100
 AUX_LOSSES = frozenset({"indexer", "balance"})
@@ -642,22 +642,38 @@ class CausalLMOutput:
     chosen by name) combines the logits with labels, and the auxiliary sums with their counts.
     Under context parallelism every [B, s, ...] tensor covers this rank's chunk of tokens."""
 
-    logits: torch.Tensor | None  # [B, s, V/tp] fp32, this TP rank's vocabulary shard (None before the last stage)
-    mtp_logits: torch.Tensor | None = None  # [B, s, V/tp] fp32; index j predicts t_{j+1} from (X_{j-1}, t_j)
+    head: VocabHead | None = None  # the LM head over this rank's vocabulary shard (None before the last stage)
+    mtp_head: VocabHead | None = None  # MTP's: index j predicts t_{j+1} from (X_{j-1}, t_j)
     mtp_rows: torch.Tensor | None = None  # [B, s] bool: positions that have an MTP prediction
     hidden: torch.Tensor | None = None  # [B, s, n*d] streams sent to the next pipeline stage
     # Auxiliary loss sums of this stage (asked for with `aux=`), each the mean over the model's
     # layers of a per-layer sum over rows: "indexer" (KL, rows of `loss_rows()["indexer"]`),
     # "balance" (sequence balance term, rows with tokens). Divide by their global counts.
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    _built: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """[B, s, V/tp] fp32, built on first use (trainers take log-probabilities from `head`)."""
+        return self._build("logits", self.head)
+
+    @property
+    def mtp_logits(self) -> torch.Tensor | None:
+        return self._build("mtp", self.mtp_head)
+
+    def _build(self, key: str, head: VocabHead | None) -> torch.Tensor | None:
+        if head is not None and key not in self._built:
+            self._built[key] = head.logits()
+        return self._built.get(key)
 
 
 class DeepSeekV4ForCausalLM(nn.Module):
     """DeepSeek-V4 causal LM.
 
-    `model(input_ids, attention_mask=None, doc_ids=None, aux=())` -> CausalLMOutput: logits
-    (logits[b, t] predicts input_ids[b, t+1]), MTP logits and the auxiliary loss sums asked
-    for. Losses are the trainer's (a loss function chosen by name): the model holds no labels.
+    `model(input_ids, attention_mask=None, doc_ids=None, aux=())` -> CausalLMOutput: the LM
+    head (its logits[b, t] predict input_ids[b, t+1]; trainers take log-probabilities from
+    the head in chunks, `.logits` builds them whole), MTP's head and the auxiliary loss sums
+    asked for. Losses are the trainer's (a loss function chosen by name): the model holds no labels.
     """
 
     def __init__(self, config: DeepSeekV4Config, dtype: torch.dtype = torch.float32,
@@ -733,9 +749,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
     def _streams(self, h: torch.Tensor) -> torch.Tensor:
         return h[:, :, None, :].expand(*h.shape[:2], self.config.hc_mult, h.shape[-1]).contiguous()
 
-    def _logits(self, y: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of this TP rank's vocabulary shard."""
-        return self.ctx.vocab_logits(y, self.head.weight, use_tf32(self.config, y))
+    def _head(self, y: torch.Tensor) -> VocabHead:
+        """The LM head (shared by MTP) over this TP rank's vocabulary shard, for hidden y [..., d]."""
+        return VocabHead(y, self.head.weight, self.ctx, use_tf32(self.config, y))
 
     def set_input_tensor(self, t: torch.Tensor | list | None) -> None:
         """Pipeline schedules hand a later stage its input here ([B, s, n*d] streams)."""
@@ -765,13 +781,12 @@ class DeepSeekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             x = self._block(layer, x, fwd, ids)
         if not ctx.last_stage:
-            return CausalLMOutput(None, hidden=x.flatten(2), aux=self._aux_sums(fwd))
+            return CausalLMOutput(hidden=x.flatten(2), aux=self._aux_sums(fwd))
         if _capture is not None:
             x = x[torch.arange(b, device=x.device), _capture.at][:, None]  # [B, 1, n, d]: each row's last token
-        logits = self._logits(head_collapse(self, cfg, x))  # [B, s, V/tp]
-        out = CausalLMOutput(logits)
+        out = CausalLMOutput(self._head(head_collapse(self, cfg, x)))  # hidden [B, s, d]
         if self.mtp and _capture is None:
-            out.mtp_logits, mfwd = self._mtp(x, ids, layout, fwd)
+            out.mtp_head, mfwd = self._mtp(x, ids, layout, fwd)
             out.mtp_rows = self.loss_rows(layout)["mtp"][:, q]
             main, mtp = self._aux_sums(fwd), self._aux_sums(mfwd)
             out.aux = {k: v + mtp[k] for k, v in main.items()}
@@ -789,7 +804,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return {"tokens": tokens, "mtp": tokens & (layout.pos >= 1),
                 "indexer": tokens & (layout.pos >= csa[0] - 1) if csa else torch.zeros_like(tokens)}
 
-    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd) -> tuple[torch.Tensor, Fwd]:
+    def _mtp(self, x: torch.Tensor, ids: torch.Tensor, layout: SequenceLayout, fwd: Fwd) -> tuple[VocabHead, Fwd]:
         # Index j combines X_{j-1} (same document) with embed(t_j): the MTP sequence of a
         # document starts at its second token, at position pos - 1; first tokens are dead.
         alive = (layout.pos >= 1) & (layout.doc >= 0)
@@ -800,7 +815,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         blk = self.mtp[0]
         h = blk.e_proj(blk.enorm(self.embed(ids)))[:, :, None] + blk.h_proj(blk.hnorm(x_prev))  # [B, s, n, d]
         h = self._block(blk, h, mfwd, ids)
-        return self._logits(head_collapse(blk, self.config, h)), mfwd
+        return self._head(head_collapse(blk, self.config, h)), mfwd
 
     def _block(self, block: Block, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """One block; with config.recompute (training) only its input is kept and its forward
@@ -891,7 +906,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         for layer, lc in zip(self.layers, cache.layers, strict=True):
             x = layer.step(x, lc, slots, pos, ropes, ids)
         cache.length[slots] += 1
-        return self.ctx.gather_vocab(self._logits(head_collapse(self, self.config, x)))[:, 0]
+        return self.ctx.gather_vocab(self._head(head_collapse(self, self.config, x)).logits())[:, 0]
 
     # ------------------------------------------------------------------ HF layout
     def save_pretrained(self, directory: str | Path, max_shard_bytes: int = 2 ** 30) -> None:

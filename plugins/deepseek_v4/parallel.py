@@ -22,7 +22,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import fp32_linear
+from .ops import _cuda_matmul_precision, fp32_linear
+
+HEAD_CHUNK_ELEMENTS = 1 << 26  # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB)
+
+
+@dataclass
+class VocabHead:
+    """An LM (or MTP) head not yet applied: hidden states y [..., d] and this TP rank's
+    vocabulary rows `weight` [V/tp, d]. Training losses take log-probabilities and entropy
+    from it over chunks of rows (ctx.head_logprobs), so no [..., V] fp32 logits are kept for
+    the backward; `logits()` builds them whole (evaluation, decoding, tests)."""
+
+    y: torch.Tensor
+    weight: torch.Tensor
+    ctx: ParallelContext
+    tf32: bool = False
+
+    def logits(self) -> torch.Tensor:
+        return self.ctx.vocab_logits(self.y, self.weight, self.tf32)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log p(label) [N] from y [N, d] and vocabulary rows w [V/tp, d], chunk by chunk: the
+    forward keeps y, w and each row's log-sum-exp; the backward recomputes a chunk's logits,
+    dz = g * (onehot(label) - softmax(z)), and returns dz @ w and dz^T @ y. The log-sum-exp
+    and the label's logit are each one reduction over TP ranks per chunk."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
+                rows: int) -> torch.Tensor:
+        v = w.shape[0]
+        ids = labels - pc.tp_rank * v
+        mine = (ids >= 0) & (ids < v)
+        ids = ids.clamp(0, v - 1)
+        out, lses = [], []
+        for i in range(0, y.shape[0], rows):
+            z = fp32_linear(y[i:i + rows], w, tf32)  # [c, V/tp]
+            m = pc.max_over_tp(z.amax(-1))  # any shift works; the max avoids overflow
+            lse = m + torch.log(pc.sum_over_tp(torch.exp(z - m[:, None]).sum(-1)))
+            picked = torch.where(mine[i:i + rows], z.gather(-1, ids[i:i + rows, None])[:, 0], 0.0)
+            out.append(pc.sum_over_tp(picked) - lse)
+            lses.append(lse)
+        lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)
+        ctx.save_for_backward(y, w, ids, mine, lse)
+        ctx.tf32, ctx.rows = tf32, rows
+        return torch.cat(out) if out else lse
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        y, w, ids, mine, lse = ctx.saved_tensors
+        dy, dw = torch.empty(y.shape, dtype=torch.float32, device=y.device), torch.zeros_like(w, dtype=torch.float32)
+        wf = w.float()
+        with _cuda_matmul_precision(ctx.tf32):
+            for i in range(0, y.shape[0], ctx.rows):
+                sl = slice(i, i + ctx.rows)
+                yc = y[sl].float()
+                z = yc @ wf.t()  # [c, V/tp], as in the forward
+                dz = torch.exp(z - lse[sl, None]) * -g[sl, None]
+                dz.scatter_add_(-1, ids[sl, None], torch.where(mine[sl], g[sl], 0.0)[:, None])
+                dy[sl] = dz @ wf
+                dw += dz.t() @ yc
+        return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None
 
 
 def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -123,6 +184,28 @@ class ParallelContext:
         mine = (ids >= 0) & (ids < v)
         picked = logits.gather(-1, ids.clamp(0, v - 1)[..., None])[..., 0]
         return self.reduce_from_tp(torch.where(mine, picked, 0.0)) - lse
+
+    def head_input(self, y: torch.Tensor) -> torch.Tensor:
+        """The hidden state as every TP rank's head shard reads it (one rank: itself)."""
+        return y
+
+    def head_logprobs(self, head: VocabHead, labels: torch.Tensor) -> torch.Tensor:
+        """token_logprobs(head.logits(), labels), computed over chunks of rows with no [..., V]
+        logits kept for the backward (_HeadLogprobs). Labels outside [0, V) give an arbitrary
+        finite value."""
+        y = self.head_input(head.y)
+        rows = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        lp = _HeadLogprobs.apply(y.reshape(-1, y.shape[-1]), head.weight, labels.reshape(-1), self, head.tf32, rows)
+        return lp.view(labels.shape)
+
+    @torch.no_grad()
+    def head_entropy(self, head: VocabHead) -> torch.Tensor:
+        """token_entropy(head.logits()) [...] over chunks of rows (a metric: detached)."""
+        y = head.y.reshape(-1, head.y.shape[-1])
+        rows = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        parts = [self.token_entropy(fp32_linear(y[i:i + rows], head.weight, head.tf32))
+                 for i in range(0, y.shape[0], rows)]
+        return (torch.cat(parts) if parts else y.new_zeros(0, dtype=torch.float32)).view(head.y.shape[:-1])
 
     @torch.no_grad()
     def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
