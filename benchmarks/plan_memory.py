@@ -596,9 +596,11 @@ def plan_stage(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> StagePlan:
     in_flight = min(lay.pp - stage, lay.n_micro)  # 1F1B: warm-up forwards + the steady state's one
     # an MTP graph outside the loss still exists until the step function returns
     act = in_flight * one + (0 if lay.mtp_loss else sl.mtp_total(lay.recompute))
-    extra = max(loss_region_bytes(cfg, lay) if stage == lay.pp - 1 else 0, moe_transient_bytes(cfg, lay))
-    if lay.recompute:  # the backward runs one block's forward again: its activations come back
-        extra += sl.largest_block()
+    # beside the kept activations at the peak, one of: the loss head (last stage), one MoE layer's
+    # temporaries, or (recompute) a block's tensors, back while the backward runs it again; the loss
+    # head is freed by the time the backward reaches the blocks
+    extra = max(loss_region_bytes(cfg, lay) if stage == lay.pp - 1 else 0, moe_transient_bytes(cfg, lay),
+                sl.largest_block() if lay.recompute else 0)
     return StagePlan(stage, p, state_bytes(p, lay), one, in_flight, act, extra, step_flops(cfg, lay, stage))
 
 
@@ -683,17 +685,30 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # Measured on one H100 (2026-11-24, this repository at 7a89e84: chunked indexer scores, CP by
 # pieces, EP by all-to-all): the ~1B config (train_gpu.config_1b) in the trainer (TrainWorker:
 # Megatron DDP + DistributedOptimizer, bf16, kernels on), 2 micro-batches of 1 per step, LM loss
-# with the indexer KL. 'states': memory allocated after three steps; 'forward': allocated by one
-# more micro-batch's forward (aux indexer + balance, as train_gpu.py --profile) while its output
-# (both heads' logits) is alive; 'peak': torch.cuda.max_memory_allocated over the third step.
-# 'modules': that forward's saved tensors still held by autograd when it returned, each storage
-# once, by the type of the innermost module that saved it first, parameters left out (the same
-# walk as tests/test_plan_memory.py). All GiB.
+# with the indexer KL, one process per row. 'states': memory allocated after three steps; 'peak':
+# torch.cuda.max_memory_allocated over the third step; 'kept': the saved tensors autograd still
+# holds when one more forward (aux indexer + balance, as train_gpu.py --profile) returns, each
+# storage once, parameters left out (the walk of tests/test_plan_memory.py; with recompute it sees
+# the blocks' inputs, which the checkpoint saves), by the type of the innermost module that saved
+# it first in 'modules'. (The allocated-memory delta of that forward is kept + its two heads'
+# logits, give or take tensors the previous step left: 14.21 GiB at seq 4096.) At seq 2048 the walk
+# found 12 MB fewer at the top level (the two LM head inputs, [t, d] bf16; not explained) and a few
+# MB shifted between modules; at 4096 and 8192 every module agrees within 0.3%. All GiB.
 MEASURED_1B = [
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.765, "forward": 14.207, "peak": 37.972,
+    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.753, "kept": 7.5455, "peak": 31.347,
+     "modules": {"MoE": 4.0032, "Attention": 1.5064, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
+                 "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
+                 "top-level": 0.0468, "_Column": 0.0261}},
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.765, "kept": 13.1849, "peak": 37.972,
      "modules": {"MoE": 6.0098, "Attention": 3.0731, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
                  "_Row": 0.334, "Compressor": 0.1796, "Linear": 0.1641, "Gate": 0.1204, "MTPBlock": 0.1202,
                  "top-level": 0.1177, "_Column": 0.0527}},
+    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.714, "kept": 24.597, "peak": 51.339,
+     "modules": {"MoE": 10.0188, "Attention": 6.3833, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
+                 "_Row": 0.6678, "Compressor": 0.3595, "Linear": 0.3278, "Gate": 0.2403, "MTPBlock": 0.2399,
+                 "top-level": 0.2351, "_Column": 0.1053}},
+    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.903, "peak": 25.649},
+    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.712, "kept": 1.806, "peak": 28.589},
 ]
 CALIBRATION = Layout(seq=4096, mbs=1, global_batch=2, loss="lm", name="train_gpu.py")
 # accepted band of estimate / measured for the calibration rows (tests/test_plan_memory.py)
@@ -702,15 +717,13 @@ BAND = (0.95, 1.05)
 
 def calibration(point: dict | None = None) -> dict:
     """The ~1B config on one GPU at a measured point: estimates and measurements (GiB)."""
-    meas = point or MEASURED_1B[0]
+    meas = point or MEASURED_1B[1]
     cfg = config_1b(meas["seq"])
     lay = replace(CALIBRATION, seq=meas["seq"], recompute=meas["recompute"])
     st = plan_stage(cfg, lay, 0)
     # the measured forward asked for both auxiliary losses (train_step, the peak: the indexer's only)
     sl = stage_ledgers(cfg, replace(lay, balance_loss=True), 0)
-    heads = 1 + cfg.num_nextn_predict_layers
-    est = {"params": st.states.params / GiB, "states": st.states.total / GiB,
-           "forward": (sl.kept(lay.recompute) + heads * logits_bytes(cfg, lay)) / GiB,  # + the returned logits
+    est = {"params": st.states.params / GiB, "states": st.states.total / GiB, "kept": sl.kept(lay.recompute) / GiB,
            "peak": st.peak / GiB}
     mods = {k: v / GiB for k, v in sl.ledger().by_module().items()} if not lay.recompute else {}
     return {"cfg": cfg, "layout": lay, "plan": st, "estimate": est, "measured": meas, "modules": mods}
@@ -768,12 +781,27 @@ def format_table(entries: list[tuple[str, DeepSeekV4Config, Layout]], all_stages
         ranks = lay.world // lay.pp
         tokens = lay.global_batch * lay.seq
         lines.append(f"{'':17s}   totals: {total_params(cfg) / 1e9:.1f}B params ({active_params(cfg) / 1e9:.1f}B "
-                     f"active), {lay.world} ranks, {tokens:,} tokens and {lay.n_micro} micro-batches per DP rank a "
-                     f"step; memory at the peaks {sum(p.peak for p in stages) * ranks / GiB:,.0f} GiB over all "
-                     f"ranks; step {sum(p.flops['total'] for p in stages) * ranks / 1e15:,.4g} PFLOP over all ranks "
-                     f"(6 x active x tokens: {6 * active_params(cfg) * tokens / 1e15:,.4g}), slowest stage "
+                     f"active); {lay.world} ranks; {tokens:,} tokens a step ({lay.n_micro} micro-batches per DP "
+                     f"rank); peaks summed {sum(p.peak for p in stages) * ranks / GiB:,.0f} GiB;")
+        lines.append(f"{'':17s}   {sum(p.flops['total'] for p in stages) * ranks / 1e15:,.4g} PFLOP a step over all "
+                     f"ranks (6 x active x tokens: {6 * active_params(cfg) * tokens / 1e15:,.4g}); slowest stage "
                      f"{max(p.flops['total'] for p in stages) / 1e12:,.0f} TFLOP")
     return "\n".join(lines + [""] + [f"! {lab} ({', '.join(who)}): {why}" for (lab, why), who in notes.items()])
+
+
+def format_markdown(entries: list[tuple[str, DeepSeekV4Config, Layout]]) -> str:
+    """The worst stage of each row as a markdown table (README)."""
+    out = ["| config | job | layout | seq | stage | params | param / grad / optim GiB | act GiB x in flight "
+           "| extra GiB | peak GiB | peak, recompute | TFLOP/step |", "|" + "---|" * 12]
+    for cname, cfg, lay in entries:
+        sp = max(plan(cfg, lay), key=lambda p: p.peak)
+        rc = max(p.peak for p in plan(cfg, replace(lay, recompute=True)))
+        st = sp.states
+        out.append(f"| {cname} | {lay.name} | {lay.label()}{' !' if lay.problems(cfg) else ''} | {lay.seq} | "
+                   f"{sp.stage} | {sp.params.count / 1e9:.2f}B | {st.params / GiB:.2f} / {st.grads / GiB:.2f} / "
+                   f"{st.optimizer / GiB:.2f} | {sp.act / GiB:.1f} x {sp.in_flight} | {sp.extra / GiB:.2f} | "
+                   f"{sp.peak / GiB:.1f} | {rc / GiB:.1f} | {sp.flops['total'] / 1e12:,.0f} |")
+    return "\n".join(out)
 
 
 def format_calibration() -> str:
@@ -784,10 +812,11 @@ def format_calibration() -> str:
         e, m = cal["estimate"], cal["measured"]
         out.append(f"  seq {m['seq']:5d}{' recompute' if m['recompute'] else '':10s} " + "  ".join(
             f"{key} {e[key]:.2f} / {m[key]:.2f} ({e[key] / m[key]:.3f})"
-            for key in ("params", "states", "forward", "peak")))
-    cal = calibration(MEASURED_1B[0])
-    out.append(f"  seq {MEASURED_1B[0]['seq']}, the forward's saved tensors by module:")
-    for mod, meas in sorted(MEASURED_1B[0]["modules"].items(), key=lambda kv: -kv[1]):
+            for key in ("params", "states", "kept", "peak")))
+    point = next(p for p in MEASURED_1B if p["seq"] == CALIBRATION.seq and not p["recompute"])
+    cal = calibration(point)
+    out.append(f"  seq {point['seq']}, the forward's saved tensors by module:")
+    for mod, meas in sorted(point["modules"].items(), key=lambda kv: -kv[1]):
         est = cal["modules"].get(mod, 0.0)
         out.append(f"    {mod:12s} {est:7.4f} / {meas:7.4f}  ({est / meas:.3f})")
     out.append("  No calibration factor is applied: every estimate is the shape ledger as is.")
@@ -798,13 +827,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", action="store_true", help="print every pipeline stage, not only the worst")
     ap.add_argument("--modules", action="store_true", help="print the worst stage's saved tensors by module")
+    ap.add_argument("--markdown", action="store_true", help="print the worst stages as a markdown table only")
     a = ap.parse_args(argv)
     entries = rows()
+    if a.markdown:
+        print(format_markdown(entries))
+        return
     print("Per rank, on the pipeline stage with the largest peak ('st'): parameters, fp32 gradients, optimizer "
-          "shard, kept activations x micro-batches in flight,\n'extra' beside them at the peak (loss head on the "
-          "last stage, else one MoE layer's temporaries), peak, the peak with model.recompute ('rc'), TFLOP per\n"
-          "optimizer step on that rank and the share of attention + indexer in it. '!': a layout the worker "
-          "cannot build (below); '*': the same ranks with EP from DP x CP only.\n")
+          "shard,\nkept activations x micro-batches in flight, 'extra' beside them at the peak (loss head on the last "
+          "stage, else one MoE\nlayer's temporaries or a recomputed block), peak, the peak with model.recompute "
+          "('rc'), TFLOP per optimizer step on that\nrank and the share of attention + indexer in it. '!': a layout "
+          "the worker cannot build (below); '*': the same ranks with EP\nfrom DP x CP only.\n")
     print(format_table(entries, a.stages))
     print()
     print(format_calibration())
