@@ -115,6 +115,7 @@ class Layout:
     global_batch: int = 2  # rows per optimizer step, all DP ranks
     loss: str = "lm"  # "lm" (SFT) or "policy" (RL)
     mtp_loss: bool = True  # MTP cross-entropy in the loss (else its graph is dropped before the backward)
+    # the keys and defaults below are a job's algo.*_loss_coef > 0 (miles.config, losses.LossCoefs)
     indexer_loss: bool = True  # the indexer's KL term (else the indexer's graph is dropped)
     balance_loss: bool = False
     recompute: bool = False  # model.recompute: each block keeps its input only, runs again in the backward
@@ -149,8 +150,8 @@ class Layout:
                        f"model splits expert widths over TP, so EP may only be carved from dp x cp here")
         if cfg.n_routed_experts % self.ep:
             out.append(f"ep={self.ep} does not divide {cfg.n_routed_experts} experts")
-        if self.seq % self.cp:
-            out.append(f"cp={self.cp} does not divide seq {self.seq}")
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            out.append(f"2 x cp = {2 * self.cp} pieces do not divide seq {self.seq} (parallel.cp_chunk)")
         return out
 
     def label(self) -> str:
