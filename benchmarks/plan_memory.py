@@ -469,14 +469,12 @@ def block_ledger(cfg: DeepSeekV4Config, lay: Layout, dm: Dims, layer: int, seen:
 
 
 def _head(L: Ledger, cfg: DeepSeekV4Config, dm: Dims) -> None:
-    """head_collapse (top level: mixes, gates, the streams) + final norm + the LM head's input."""
+    """head_collapse (top level: mixes, gates, the streams) + final norm. The head itself runs
+    in the loss (chunked), which keeps its input: loss_region_bytes counts it."""
     t, n, d = dm.t, cfg.hc_mult, cfg.hidden_size
     L.add("top-level", f"head streams [{t}, {n}, {d}] bf16", BF16 * t * n * d)
     L.add("top-level", f"head mixes, gates [{t}, {2 + 4 * n}] fp32", F32 * t * (2 + 4 * n))
     _rms(L, t, d)
-    # one TP rank: fp32_linear keeps the bf16 input; TP ranks: the fp32 copy copy_to_tp makes
-    L.add("top-level", f"LM head input [{t}, {d}] {'bf16' if dm.tp == 1 else 'fp32'}",
-          (BF16 if dm.tp == 1 else F32) * t * d)
 
 
 def _embedding(L: Ledger, dm: Dims) -> None:
@@ -554,13 +552,17 @@ def logits_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
 
 
 def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
-    """The loss head at its largest, beside the kept activations: per head its logits and the
-    [t, V/tp] fp32 the log-probability saves (log_softmax; TP ranks: exp), both alive while the
-    loss runs (the schedule holds the output until it returns); the policy loss adds the
-    entropy's two [t, V/tp] temporaries; MTP logits outside the loss still exist."""
-    mtp = cfg.num_nextn_predict_layers
-    n = 2 * (1 + (mtp if lay.mtp_loss else 0)) + (2 if lay.loss == "policy" else 0) + (0 if lay.mtp_loss else mtp)
-    return n * logits_bytes(cfg, lay)
+    """The loss head at its largest, beside the kept activations. The trainer's heads work in
+    chunks of rows (ParallelContext.head_logprobs): at most HEAD_CHUNK_ELEMENTS fp32 logits at
+    a time, with their exponentials and, in the backward, their gradient (3 such buffers); and
+    what the chunked head keeps per head: its input [t, d] (bf16; TP ranks: the fp32 copy
+    copy_to_tp makes) and the rows' log-sum-exp, label ids and shard mask."""
+    from plugins.deepseek_v4.parallel import HEAD_CHUNK_ELEMENTS
+
+    t = lay.mbs * (lay.seq // lay.cp)
+    heads = 1 + (cfg.num_nextn_predict_layers if lay.mtp_loss else 0)
+    kept = heads * t * ((BF16 if lay.tp == 1 else F32) * cfg.hidden_size + F32 + I64 + BOOL)
+    return 3 * F32 * min(logits_bytes(cfg, lay) // F32, HEAD_CHUNK_ELEMENTS) + kept
 
 
 def moe_transient_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
@@ -695,21 +697,26 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # logits, give or take tensors the previous step left: 14.21 GiB at seq 4096.) At seq 2048 the walk
 # found 12 MB fewer at the top level (the two LM head inputs, [t, d] bf16; not explained) and a few
 # MB shifted between modules; at 4096 and 8192 every module agrees within 0.3%. All GiB.
+# Peaks re-measured with the chunked LM/MTP heads (`--measure`, H100, 2026-11-24; before them:
+# 31.347, 37.972, 51.339, 25.649, 28.589 GiB). The forward no longer keeps the two LM-head inputs
+# ([t, d] bf16 each; the loss keeps them, loss_region_bytes): 'kept' and 'top-level' at 4096 and
+# 8192 are the earlier walk's less those two tensors (derived, not walked again; the 2048 walk
+# had already missed them, which was its unexplained 12 MB).
 MEASURED_1B = [
-    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.753, "kept": 7.5455, "peak": 31.347,
+    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.753, "kept": 7.5455, "peak": 31.589,
      "modules": {"MoE": 4.0032, "Attention": 1.5064, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
                  "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
                  "top-level": 0.0468, "_Column": 0.0261}},
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.765, "kept": 13.1849, "peak": 37.972,
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.765, "kept": 13.1615, "peak": 37.479,
      "modules": {"MoE": 6.0098, "Attention": 3.0731, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
                  "_Row": 0.334, "Compressor": 0.1796, "Linear": 0.1641, "Gate": 0.1204, "MTPBlock": 0.1202,
-                 "top-level": 0.1177, "_Column": 0.0527}},
-    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.714, "kept": 24.597, "peak": 51.339,
+                 "top-level": 0.0943, "_Column": 0.0527}},
+    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.714, "kept": 24.550, "peak": 48.869,
      "modules": {"MoE": 10.0188, "Attention": 6.3833, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
                  "_Row": 0.6678, "Compressor": 0.3595, "Linear": 0.3278, "Gate": 0.2403, "MTPBlock": 0.2399,
-                 "top-level": 0.2351, "_Column": 0.1053}},
-    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.903, "peak": 25.649},
-    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.712, "kept": 1.806, "peak": 28.589},
+                 "top-level": 0.1882, "_Column": 0.1053}},
+    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.156},
+    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.712, "kept": 1.759, "peak": 27.164},
 ]
 CALIBRATION = Layout(seq=4096, mbs=1, global_batch=2, loss="lm", name="train_gpu.py")
 # accepted band of estimate / measured for the calibration rows (tests/test_plan_memory.py)
@@ -824,12 +831,56 @@ def format_calibration() -> str:
     return "\n".join(out)
 
 
+def measure() -> None:
+    """GPU: the calibration points of MEASURED_1B measured again, each in a fresh process
+    (states: allocated outside the step after two steps; peak: max allocated over the third
+    step). Paste into MEASURED_1B."""
+    import subprocess
+
+    for i in range(len(MEASURED_1B)):
+        subprocess.run([sys.executable, __file__, "--measure-point", str(i)], check=True)
+
+
+def measure_point(i: int) -> None:
+    import torch
+
+    from benchmarks.train_gpu import config_1b
+    from miles.train.batching import MicroBatch
+    from miles.train.worker import TrainWorker
+
+    w = TrainWorker(0, 1)
+    w.init_distributed(*w.rendezvous_address())
+    for point in MEASURED_1B[i:i + 1]:
+        cfg = config_1b(point["seq"])
+        w.build_model({**cfg.to_dict(), "kernels": "triton", "recompute": point["recompute"]}, seed=0,
+                      dtype="bfloat16")
+        w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+        ids = torch.randint(0, cfg.vocab_size, (2, point["seq"] + 1), generator=torch.Generator().manual_seed(0))
+        mbs = [MicroBatch.lm(ids[i:i + 1, :-1], ids[i:i + 1, 1:].contiguous()) for i in range(2)]
+        w.train_step(mbs)
+        w.train_step(mbs)
+        torch.cuda.synchronize()
+        states = torch.cuda.memory_allocated() / GiB
+        torch.cuda.reset_peak_memory_stats()
+        w.train_step(mbs)
+        print(f"seq {point['seq']} recompute {point['recompute']}: states {states:.3f} GiB, "
+              f"peak {torch.cuda.max_memory_allocated() / GiB:.3f} GiB (recorded: {point['peak']:.3f})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--measure", action="store_true", help="GPU: measure the ~1B calibration points again")
+    ap.add_argument("--measure-point", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--stages", action="store_true", help="print every pipeline stage, not only the worst")
     ap.add_argument("--modules", action="store_true", help="print the worst stage's saved tensors by module")
     ap.add_argument("--markdown", action="store_true", help="print the worst stages as a markdown table only")
     a = ap.parse_args(argv)
+    if a.measure:
+        measure()
+        return
+    if a.measure_point is not None:
+        measure_point(a.measure_point)
+        return
     entries = rows()
     if a.markdown:
         print(format_markdown(entries))

@@ -175,7 +175,7 @@ class DataConfig(Section):
 class ParallelConfig(Section):
     tp: PosInt = 1  # tensor parallel: attention heads, expert FFNs and the vocabulary split
     pp: PosInt = 1  # pipeline stages (layers split, 1F1B schedule)
-    ep: PosInt = 1  # expert parallel: routed experts split (carved from dp x cp x tp)
+    ep: PosInt = 1  # expert parallel: routed experts split (carved from dp x cp)
     cp: PosInt = 1  # context parallel: each sequence split along positions
     dp: PosInt = 1  # data parallel replicas (world = tp x pp x cp x dp)
 
@@ -191,9 +191,10 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _ep_divides(self) -> ParallelConfig:
-        if (self.dp * self.cp * self.tp) % self.ep:
-            raise ValueError(f"train.parallel.ep={self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp} "
-                             f"(expert ranks are carved from the data, context and tensor ranks)")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"train.parallel.ep={self.ep} must divide dp*cp={self.dp * self.cp}: expert ranks are "
+                             f"carved from the data and context ranks (each TP rank holds a width slice of its "
+                             f"experts, so Megatron needs tp x ep x pp to divide the world)")
         return self
 
 

@@ -231,4 +231,6 @@ def test_chunked_head_logprobs_equal_the_full_logits(seed, chunk_rows, monkeypat
         runs.append((lp.detach(), ent, y.grad, w.grad))
     for name, a, b in zip(("logprobs", "entropy", "d y", "d w"), runs[1], runs[0], strict=True):
         assert_close(a, b, atol=1e-5, rtol=1e-5, what=name)
+        if chunk_rows is None and name != "entropy":  # one chunk: the very operations of the full path
+            assert torch.equal(a, b), f"{name}: one chunk is not bitwise the full logits' path"
     assert runs[0][2].abs().sum() > 0 and runs[0][3].abs().sum() > 0

@@ -46,8 +46,10 @@ class VocabHead:
 class _HeadLogprobs(torch.autograd.Function):
     """log p(label) [N] from y [N, d] and vocabulary rows w [V/tp, d], chunk by chunk: the
     forward keeps y, w and each row's log-sum-exp; the backward recomputes a chunk's logits,
-    dz = g * (onehot(label) - softmax(z)), and returns dz @ w and dz^T @ y. The log-sum-exp
-    and the label's logit are each one reduction over TP ranks per chunk."""
+    dz = g * (onehot(label) - softmax(z)), and returns dz @ w and dz^T @ y. One TP rank: the
+    same operations as autograd through F.cross_entropy of the whole logits (one chunk gives
+    the same bits). TP ranks: the log-sum-exp and the label's logit are each one reduction
+    over the ranks per chunk."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
@@ -59,15 +61,18 @@ class _HeadLogprobs(torch.autograd.Function):
         out, lses = [], []
         for i in range(0, y.shape[0], rows):
             z = fp32_linear(y[i:i + rows], w, tf32)  # [c, V/tp]
+            if pc.tp_size == 1:
+                out.append(-F.cross_entropy(z, ids[i:i + rows], reduction="none"))
+                continue
             m = pc.max_over_tp(z.amax(-1))  # any shift works; the max avoids overflow
             lse = m + torch.log(pc.sum_over_tp(torch.exp(z - m[:, None]).sum(-1)))
             picked = torch.where(mine[i:i + rows], z.gather(-1, ids[i:i + rows, None])[:, 0], 0.0)
             out.append(pc.sum_over_tp(picked) - lse)
             lses.append(lse)
-        lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)
+        lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)  # empty on one rank
         ctx.save_for_backward(y, w, ids, mine, lse)
         ctx.tf32, ctx.rows = tf32, rows
-        return torch.cat(out) if out else lse
+        return torch.cat(out) if out else y.new_zeros(0, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -79,8 +84,13 @@ class _HeadLogprobs(torch.autograd.Function):
                 sl = slice(i, i + ctx.rows)
                 yc = y[sl].float()
                 z = yc @ wf.t()  # [c, V/tp], as in the forward
-                dz = torch.exp(z - lse[sl, None]) * -g[sl, None]
-                dz.scatter_add_(-1, ids[sl, None], torch.where(mine[sl], g[sl], 0.0)[:, None])
+                if lse.numel() == 0:  # one rank: cross-entropy's own backward, as the full path runs it
+                    with torch.enable_grad():
+                        zz = z.requires_grad_()
+                        (dz,) = torch.autograd.grad(-F.cross_entropy(zz, ids[sl], reduction="none"), zz, g[sl])
+                else:
+                    dz = torch.exp(z - lse[sl, None]) * -g[sl, None]
+                    dz.scatter_add_(-1, ids[sl, None], torch.where(mine[sl], g[sl], 0.0)[:, None])
                 dy[sl] = dz @ wf
                 dw += dz.t() @ yc
         return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None
