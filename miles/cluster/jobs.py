@@ -77,8 +77,11 @@ def explain(output: str) -> str:
 
 
 def follow(address: str, env: dict[str, str], jid: str) -> None:
-    """Stream the job's output until it ends (Ctrl-C stops following, not the job)."""
-    subprocess.run([ray_bin(), "job", "logs", "--address", address, "--follow", jid], env=env)
+    """Stream the job's output until it ends (Ctrl-C stops following, not the job), line by
+    line also into a pipe (`miles submit ... | tee`): Ray's CLI buffers its output otherwise."""
+    sys.stdout.flush()
+    subprocess.run([ray_bin(), "job", "logs", "--address", address, "--follow", jid],
+                   env={**env, "PYTHONUNBUFFERED": "1"})
 
 
 def client(address: str, env: dict[str, str]):
