@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOW = ["train.steps=8", "train.optim.warmup_steps=1", "data.eval_interval=0", "ckpt.save_interval=4",
         "ckpt.save_hf=false", "train.parallel.dp=2", "cluster.cpus_per_worker=2", "log.interval=1",
         "log.wandb.mode=offline"]
+# The detach test interrupts `miles submit` after step 5 and stops the job before step 8: its
+# steps must outlast the log stream's delivery and a few CLI calls (16 conversations a step ran
+# 8 steps in ~4 s, which a loaded machine could outrun), so it trains on 64 a step.
+DETACH_FLOW = [*FLOW, "train.global_batch_size=64"]
 
 
 def sh(*cmd: str, env=None, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -150,7 +154,7 @@ def test_a_dp2_job_spans_both_nodes_detaches_stops_cleanly_and_continues(cluster
     driver and workers gone, the driver having unwound; resubmitted with ckpt.load=auto it
     continues from the last checkpoint and its first step repeats the stopped run's bit for bit."""
     env, run = cluster["env"], tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "miles.cli", "submit", "jobs/sft_tiny.yaml", *FLOW,
+    p = subprocess.Popen([sys.executable, "-m", "miles.cli", "submit", "jobs/sft_tiny.yaml", *DETACH_FLOW,
                           f"log.run_dir={run}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     seen = []
@@ -185,7 +189,7 @@ def test_a_dp2_job_spans_both_nodes_detaches_stops_cleanly_and_continues(cluster
     assert "the workers, engines and router are stopped" in out, out[-2000:]
 
     steps = {int(m[1]): m[2] for m in re.finditer(r"^step +(\d+)/8  loss (\S+)", out, re.M)}
-    p = miles("submit", "jobs/sft_tiny.yaml", *FLOW, f"log.run_dir={run}", "ckpt.load=auto", env=env)
+    p = miles("submit", "jobs/sft_tiny.yaml", *DETACH_FLOW, f"log.run_dir={run}", "ckpt.load=auto", env=env)
     assert "SUCCEEDED" in p.stdout
     # Saved after steps 1 (warm-up save) and 4; stopped after step 5 was printed, before 8.
     assert "checkpoint: resumed from" in p.stdout and "iter_0000004" in p.stdout and "next step 5" in p.stdout
