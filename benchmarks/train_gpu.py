@@ -5,7 +5,7 @@ against a plain dense-attention transformer of the same width, depth, vocabulary
 active MLP width (causal SDPA / flash attention, torch AdamW), all in the same process.
 
     python3 benchmarks/train_gpu.py [--config 1b|small_50m] [--seq 4096] [--steps 6] [--peak-tflops 989]
-    python3 benchmarks/train_gpu.py --ab        # each speed change undone, same process
+    python3 benchmarks/train_gpu.py --ab        # each speed change undone (same process), stacked experts
     python3 benchmarks/train_gpu.py --profile   # CUDA time per op, host syncs, saved activations
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
@@ -116,6 +116,50 @@ def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
         tps = tokens / med
         print(f"{name:40s} {med * 1e3:8.1f} {lo * 1e3:7.1f} {hi * 1e3:7.1f} {tps:8,.0f} "
               f"{6 * act * tps / (peak_tflops * 1e12):6.1%} {mem:8.1f} {rows[0][1] / med:7.2f}x")
+
+
+class PerExpertWeights(torch.nn.Module):
+    """The routed experts as they were before stacking (for the A/B only): one Parameter per
+    expert and weight kind, stacked on every read, so the backward splits the gradient into
+    one tensor per expert, each accumulated and reduced on its own."""
+
+    def __init__(self, stacked: torch.nn.Module):
+        super().__init__()
+        self.first = stacked.first
+        for leaf in ("w1", "w3", "w2"):
+            ps = torch.nn.ParameterList(torch.nn.Parameter(t.clone()) for t in getattr(stacked, leaf).detach())
+            for p in ps:
+                p.allreduce = False
+            self.add_module(f"{leaf}_each", ps)
+
+    w1 = property(lambda self: torch.stack(list(self.w1_each)))
+    w3 = property(lambda self: torch.stack(list(self.w3_each)))
+    w2 = property(lambda self: torch.stack(list(self.w2_each)))
+
+
+def per_expert_weights(model: torch.nn.Module) -> None:
+    from plugins.deepseek_v4.model import MoE
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.experts = PerExpertWeights(m.experts)
+
+
+def stacking_ab(w, build, release, mbs, steps: int, tokens: int) -> None:
+    """Stacked routed-expert weights against one Parameter per expert, alternating; each arm
+    a fresh model and optimizer (the parameters differ) in this process."""
+    rows = []
+    for per_expert in (True, False) * 3:
+        build("triton", per_expert_weights if per_expert else None)
+        n = sum(1 for _ in w.model.parameters())
+        ts = timed(lambda: w.train_step(mbs), steps)
+        rows.append(("one parameter per expert" if per_expert else "stacked experts (default)", n,
+                     statistics.median(ts), torch.cuda.max_memory_allocated() / 2**30))
+        release()
+    print(f"\n{torch.cuda.get_device_name()}  routed-expert weights A/B, {steps} steps each (median)")
+    print(f"{'variant':30s} {'params':>7s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s}")
+    for name, n, med, mem in rows:
+        print(f"{name:30s} {n:7d} {med * 1e3:8.1f} {tokens / med:8,.0f} {mem:8.1f}")
 
 
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
@@ -235,13 +279,17 @@ def main() -> None:
     host, port = w.rendezvous_address()
     w.init_distributed(host, port)
 
-    def build(kernels: str) -> int:
+    def build(kernels: str, edit=None) -> int:
         total = w.build_model({**cfg.to_dict(), "kernels": kernels}, seed=0, dtype="bfloat16")
+        if edit is not None:  # a variant of the model's modules, before DDP and the optimizer see them
+            edit(w.model)
         w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
         return total
 
     def release() -> None:
-        w.model = w.ddp = w.opt = None
+        if w.ddp is not None:  # its grad hooks hold it, the model and buffers in a cycle through C++
+            w.ddp.grad_accs.clear()
+        w.model = w.ddp = w.opt = w.sched = None  # the scheduler holds the optimizer
         gc.collect()  # a step that ran out of memory leaves its graph in reference cycles
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -257,6 +305,8 @@ def main() -> None:
     if a.ab:
         build("triton")
         ab_table(w, mbs, a.steps, tokens, cfg, a.peak_tflops)
+        release()
+        stacking_ab(w, build, release, mbs, a.steps, tokens)
         return
     runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit

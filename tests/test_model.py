@@ -57,19 +57,21 @@ def test_forward_backward_all_features_finite(seed):
         assert_finite(res.metrics[k], what=k)
         assert res.metrics[k] > 0, k
     res.loss.backward()
-    for name, p in model.named_parameters():
+    grads = dict(model.deepseek_named((n, p.grad) for n, p in model.named_parameters() if p.grad is not None))
+    for name, _ in model.deepseek_named(model.named_parameters()):
+        g = grads.get(name)
         if ".experts." in name:
             moe, e = name.split(".experts.")[0], int(name.split(".experts.")[1].split(".")[0])
             if e not in routed[moe]:
                 # stacked-weight experts get an exact zero (or no) gradient without tokens
-                assert p.grad is None or not p.grad.any(), f"{name} got a gradient without tokens"
+                assert g is None or not g.any(), f"{name} got a gradient without tokens"
                 continue
             if e not in reached[moe]:  # tail tokens only: no loss reaches them
-                assert p.grad is None or torch.isfinite(p.grad).all(), name
+                assert g is None or torch.isfinite(g).all(), name
                 continue
-        assert p.grad is not None, f"{name} got no gradient (seed {seed})"
-        assert_finite(p.grad, what=name)
-        assert p.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
+        assert g is not None, f"{name} got no gradient (seed {seed})"
+        assert_finite(g, what=name)
+        assert g.abs().sum() > 0, f"{name} has an all-zero gradient"
 
 
 def test_empty_index_sets_give_finite_results(seed):
@@ -338,6 +340,52 @@ def test_parameter_names_and_shapes_follow_deepseek():
               "ffn.gate.bias", "attn.wkv.weight"):
         assert "mtp.0." + k in sd, k
     assert not any(k.startswith("mtp.0.ffn.gate.tid2eid") for k in sd)
+
+
+def test_routed_experts_are_stacked_parameters_under_deepseek_per_expert_names(seed):
+    """Each MoE layer's routed experts are three stacked parameters, and everything outside the
+    module sees DeepSeek's per-expert tensors: state_dict views of the right rows, the seeded
+    init of each expert's own name (so any EP split starts from the same weights),
+    load_state_dict writing the rows, and strict loads naming missing and foreign experts."""
+    import zlib
+
+    from plugins.deepseek_v4.parallel import ParallelContext
+
+    cfg = DeepSeekV4Config.tiny()
+    e, inter, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    model = DeepSeekV4ForCausalLM(cfg, seed=seed)
+    params = dict(model.named_parameters())
+    assert params["layers.1.ffn.experts.w1"].shape == (e, inter, d)
+    assert params["layers.1.ffn.experts.w2"].shape == (e, d, inter)
+    assert not any(".experts.0." in n for n in params), "no per-expert parameter is left"
+    sd = model.state_dict()
+    assert not any(k.endswith(".experts.w1") for k in sd)
+    last = f"layers.1.ffn.experts.{e - 1}.w2.weight"
+    assert torch.equal(sd[last], params["layers.1.ffn.experts.w2"][e - 1])
+    # the init draws each expert from its own name's generator, as a per-expert tensor would
+    name = "layers.2.ffn.experts.3.w3.weight"
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    assert torch.equal(sd[name], torch.randn(inter, d, generator=g) * cfg.initializer_range)
+    # an EP rank holds the upper experts under their global names, with the same values
+    half = DeepSeekV4ForCausalLM(cfg, seed=seed, ctx=ParallelContext(ep_size=2, ep_rank=1))
+    hsd = half.state_dict()
+    assert half.get_parameter("layers.1.ffn.experts.w1").shape == (e // 2, inter, d)
+    assert f"layers.1.ffn.experts.{e // 2 - 1}.w1.weight" not in hsd
+    for k in (f"layers.1.ffn.experts.{e // 2}.w1.weight", last):
+        assert torch.equal(hsd[k], sd[k]), k
+    # load_state_dict writes the rows; strict loads name what is missing or foreign
+    other = DeepSeekV4ForCausalLM(cfg, seed=seed + 1)
+    new = {k: v.clone() for k, v in sd.items()}
+    new[last] = torch.randn(d, inter)
+    other.load_state_dict(new)
+    assert torch.equal(other.get_parameter("layers.1.ffn.experts.w2")[e - 1], new[last])
+    assert torch.equal(other.get_parameter("layers.1.ffn.experts.w2")[0], sd["layers.1.ffn.experts.0.w2.weight"])
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*layers\.1\.ffn\.experts\.0\.w1\.weight"):
+        other.load_state_dict({k: v for k, v in new.items() if k != "layers.1.ffn.experts.0.w1.weight"})
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*layers\.1\.ffn\.experts\.0\.w1\.weight"):
+        half.load_state_dict(new)
+    with pytest.raises(RuntimeError, match=r"size mismatch for layers\.1\.ffn\.experts\.2\.w1\.weight"):
+        other.load_state_dict({**new, "layers.1.ffn.experts.2.w1.weight": torch.zeros(inter + 1, d)})
 
 
 def test_recompute_gives_the_same_step_and_counts_loads_once(seed):

@@ -146,6 +146,11 @@ def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 1 or name.endswith(".bias")
 
 
+def _grads(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
+    """Every gradient under DeepSeek's names (per routed expert), as the workers report them."""
+    return dict(model.deepseek_named((k, p.grad.clone()) for k, p in model.named_parameters() if p.grad is not None))
+
+
 def _single_process(seed: int, cfg: DeepSeekV4Config, parts: list[tuple[int, int]]) -> dict:
     """One process: logprobs, losses and gradients at step 0 (LM and policy loss), then the
     gradients, parameters and Adam's moments after each of STEPS AdamW steps (the workers'
@@ -162,7 +167,7 @@ def _single_process(seed: int, cfg: DeepSeekV4Config, parts: list[tuple[int, int
     _, res = losses.compute(model, policy_batch, name="policy", options=POLICY)
     res.loss.backward()
     policy = {"batch": policy_batch, "losses": {k: v.item() for k, v in res.metrics.items()},
-              "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}}
+              "grads": _grads(model)}
     model.zero_grad(set_to_none=True)
     steps = []
     for step in range(STEPS):
@@ -176,12 +181,14 @@ def _single_process(seed: int, cfg: DeepSeekV4Config, parts: list[tuple[int, int
             metrics = {k: metrics.get(k, 0.0) + v.item() for k, v in res.metrics.items()}
             logprobs.append(res.logprobs.detach())
         rec = {"losses": metrics, "logprobs": torch.cat(logprobs),
-               "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None},
+               "grads": _grads(model),
                "grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()}
         opt.step()
         model.update_router_bias()
         rec["state"] = {k: v.clone() for k, v in model.state_dict().items()}
-        rec["moments"] = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()) for n, p in named}
+        moments = [dict(model.deepseek_named((n, opt.state[p][m].clone()) for n, p in named))
+                   for m in ("exp_avg", "exp_avg_sq")]
+        rec["moments"] = {n: (m1, moments[1][n]) for n, m1 in moments[0].items()}
         steps.append(rec)
     return {"init": init, "policy": policy, "steps": steps}
 
@@ -199,7 +206,7 @@ def reference():
         _, res = losses.compute(m16, _batch(seed, 0).to(torch.device("cuda")))
         res.loss.backward()
         single16 = {"losses": {k: v.item() for k, v in res.metrics.items()}, "logprobs": res.logprobs.cpu(),
-                    "grads": {k: p.grad.float().cpu() for k, p in m16.named_parameters() if p.grad is not None}}
+                    "grads": {k: g.float().cpu() for k, g in _grads(m16).items()}}
     return {"seed": seed, "cfg": cfg, "single16": single16, **ref}
 
 

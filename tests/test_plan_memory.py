@@ -61,8 +61,7 @@ class MegatronShapes(ParallelContext):
 
 def counts_of(model: DeepSeekV4ForCausalLM) -> pm.Params:
     """The model's parameters by Megatron DDP buffer (routed experts apart)."""
-    routed = {id(p) for mod in model.modules() if isinstance(mod, MoE)
-              for e in mod.experts.values() for p in e.parameters()}
+    routed = {id(p) for mod in model.modules() if isinstance(mod, MoE) for p in mod.experts.parameters()}
     out = pm.Params()
     for p in model.parameters():
         if id(p) in routed:
@@ -125,10 +124,11 @@ def test_param_counts_equal_the_model_per_rank(make):
                                          pp_rank=stage)
                     got = counts_of(build(cfg, ctx))
                     assert pm.param_counts(cfg, tp, ep, pp, stage) == got, (tp, ep, pp, stage, tp_rank, ep_rank)
-    # the plain single-process context splits experts (EP), layers (PP) and the sinks only
+    # the plain single-process context splits layers (PP) and its own parameters (sinks, the
+    # stacked routed experts over EP and TP) the way Megatron's ranks hold them
     ctx = ParallelContext(tp_size=2, tp_rank=0, ep_size=2, pp_size=2, pp_rank=1)
     base = counts_of(build(cfg, ctx))
-    assert pm.param_counts(cfg, 1, 2, 2, 1).expert_bf16 == base.expert_bf16
+    assert pm.param_counts(cfg, 2, 2, 2, 1).expert_bf16 == base.expert_bf16
 
 
 @pytest.mark.parametrize("name", ["flash", "pro"])
@@ -258,7 +258,7 @@ def test_matmul_flops_are_weights_times_tokens(cp):
     t = 2 * seq // cp
     model = build(cfg, ParallelContext())
     want = 0
-    for name, p in model.named_parameters():
+    for name, p in model.deepseek_named(model.named_parameters()):
         leaf = name.rsplit(".", 1)[-1]
         if p.dim() != 2 or name.startswith("embed.") or leaf in ("ape",):
             continue

@@ -1,9 +1,10 @@
 """A training rank's state as Megatron-core dist_checkpointing sharded tensors.
 
-Every tensor is saved under its global name (DeepSeek's: layers.N.*, ...experts.E.*, global
-layer and expert ids on every stage and EP rank), as the slice this rank holds of the full
-tensor: TP-split parameters carry (partition_dim, tp_rank, tp_size) offsets, everything
-else is whole. So a checkpoint saved at one TP/PP/EP/CP/DP layout loads at any other.
+Every tensor is saved under its global name (DeepSeek's: layers.N.*, global layer ids on
+every stage), as the slice this rank holds of the full tensor: TP-split parameters carry
+(partition_dim, tp_rank, tp_size) offsets, everything else is whole. Routed experts are
+saved stacked, `layers.N.ffn.experts.w1` [E, I, d], each EP rank its experts' rows. So a
+checkpoint saved at one TP/PP/EP/CP/DP layout loads at any other.
 
 replica_id is Megatron's (PP, TP, DP) triple; exactly one rank (all zeros) writes each
 slice: the first stage's embedding (the last stage's MTP copy is a replica), TP rank 0 of
@@ -35,19 +36,30 @@ def model_tensors(model, keep_vars: bool = True) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
 
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The parameters themselves (the optimizer holds them: stacked routed experts whole, not
+    the per-expert views state_dict gives) and the persistent buffers, by module path."""
+    persistent = model_tensors(model)
+    return {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in persistent}}
+
+
 def model_sharded_state_dict(model) -> dict[str, ShardedTensor]:
     """{global name: ShardedTensor over the parameter or buffer itself} (parameters by
-    identity: the optimizer's state is matched to them)."""
+    identity: the optimizer's state is matched to them). A stacked expert weight
+    (`expert_dim`) is split over EP along that dim, its global shape all experts'."""
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     dense_dp = ps.get_data_parallel_rank(with_context_parallel=True)
     expert_dp = ps.get_expert_data_parallel_rank()
     out = {}
-    for name, t in model_tensors(model).items():
+    for name, t in checkpoint_tensors(model).items():
         split = getattr(t, "tensor_model_parallel", False) and tp > 1
         pp_copy = int(name == "embed.weight" and not model.ctx.first_stage)
         dp = expert_dp if getattr(t, "allreduce", True) is False else dense_dp
         replica = (pp_copy, 0 if split else tp_rank, dp)
         offsets = [(t.partition_dim, tp_rank, tp)] if split else []
+        if hasattr(t, "expert_dim"):
+            offsets.insert(0, (t.expert_dim, ep_rank, ep))
         out[name] = ShardedTensor.from_rank_offsets(name, t, *offsets, replica_id=replica)
     return out
 
@@ -129,7 +141,7 @@ def load(directory: str, model, optimizer, scheduler, world: int, rank: int, sam
         sd.pop("rng", None)
     safe_metadata.check(directory)
     loaded = dist_checkpointing.load(sd, directory)
-    params = model.state_dict(keep_vars=True)
+    params = checkpoint_tensors(model)
     for name, t in loaded["model"].items():
         if params[name].data_ptr() != t.data_ptr():
             params[name].copy_(t)

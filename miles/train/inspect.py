@@ -16,24 +16,41 @@ import torch
 from miles.train.batching import MicroBatch
 
 
-def _owned(worker) -> Iterator[tuple[str, torch.nn.Parameter, int, int, torch.Tensor, dict]]:
-    """(name, model parameter, start, end, optimizer shard, its optimizer state) for every parameter part this
-    rank's DistributedOptimizer owns (dense and expert optimizers alike)."""
+def _parts(model, name: str, p: torch.nn.Parameter) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(DeepSeek name, view, its first element in the flattened parameter): a parameter is
+    itself, a stacked expert weight one view per expert."""
+    for n, v in model.deepseek_named([(name, p)]):
+        yield n, v, v.storage_offset() - p.storage_offset()
+
+
+def _owned(worker) -> Iterator[tuple[str, torch.Tensor, int, int, torch.Tensor, dict]]:
+    """(name, its flattened reduced gradient, start, end, optimizer shard, its optimizer
+    state) for every parameter part this rank's DistributedOptimizer owns (dense and expert
+    optimizers alike), under DeepSeek's names (per expert)."""
     if worker.opt is None:
         raise RuntimeError(f"rank {worker.rank}: setup_training() first (the optimizer owns the shards)")
-    names = {p: n for n, p in worker.model.named_parameters()}
+    model = worker.model
+    names = {p: n for n, p in model.named_parameters()}
     for o in getattr(worker.opt, "chained_optimizers", [worker.opt]):
         models = o.model_float16_groups + o.model_fp32_groups
         shards = o.shard_fp32_from_float16_groups + o.shard_fp32_groups
         for model_group, shard_group in zip(models, shards, strict=True):
             for p, shard in zip(model_group, shard_group, strict=True):
                 r = o._get_model_param_range_map(p)["param"]
-                yield names[p], p, r.start, r.end, shard, o.optimizer.state.get(shard, {})
+                state = o.optimizer.state.get(shard, {})
+                for name, v, off in _parts(model, names[p], p):
+                    lo, hi = max(r.start, off), min(r.end, off + v.numel())
+                    if lo >= hi:
+                        continue
+                    cut = slice(lo - r.start, hi - r.start)
+                    grad = p.main_grad.detach().reshape(-1)[off:off + v.numel()]
+                    yield (name, grad, lo - off, hi - off, shard[cut],
+                           {k: t[cut] if k != "step" else t for k, t in state.items()})
 
 
 def _split_dims(worker) -> dict[str, int | None]:
     return {k: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-            for k, p in worker.model.named_parameters()}
+            for k, p in worker.model.deepseek_named(worker.model.named_parameters())}
 
 
 def step_gradients(worker, micro_batches: list[MicroBatch]) -> dict:
@@ -47,10 +64,10 @@ def step_gradients(worker, micro_batches: list[MicroBatch]) -> dict:
     res, aux = worker.reduced_gradients(micro_batches)
     for b, before in loads:  # the router's load counts are the training step's, not this look's
         b.copy_(before)
-    grads = {name: (a, b, p.main_grad.detach().reshape(-1)[a:b].float().cpu().clone())
-             for name, p, a, b, _, _ in _owned(worker)}
+    grads = {name: (a, b, g[a:b].float().cpu().clone()) for name, g, a, b, _, _ in _owned(worker)}
+    numel = {k: p.numel() for k, p in worker.model.deepseek_named(worker.model.named_parameters())}
     out = {"losses": worker._reported(res, aux), "logprobs": [r["logprobs"].cpu() for r in res], "grads": grads,
-           "dims": _split_dims(worker), "numel": {k: p.numel() for k, p in worker.model.named_parameters()}}
+           "dims": _split_dims(worker), "numel": numel}
     worker.ddp.zero_grad_buffer()  # nothing of this pass reaches the next step
     return out
 

@@ -1,9 +1,11 @@
 """DeepSeek-V4 in PyTorch: one definition for training, Megatron workers and the engine.
 
-Module and parameter names equal DeepSeek's checkpoint tensor names (embed.weight,
+state_dict names equal DeepSeek's checkpoint tensor names (embed.weight,
 layers.N.attn.wq_a.weight, layers.N.ffn.experts.E.w1.weight, mtp.0.e_proj.weight, ...),
-so the HF bridge needs no name table. Shapes: B batch, S tokens, H heads, D head_dim
-(512 in V4), n mHC streams, d hidden, G compressed entries, E experts.
+so the HF bridge needs no name table; parameter names are the same except the routed
+experts, stacked per layer (RoutedExperts: layers.N.ffn.experts.w1 [E, I, d]).
+Shapes: B batch, S tokens, H heads, D head_dim (512 in V4), n mHC streams, d hidden,
+G compressed entries, E experts.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -457,6 +460,64 @@ class Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
+class RoutedExperts(nn.Module):
+    """This rank's routed experts (global ids first..first+n-1) as three stacked weights,
+    w1, w3 [n, I/tp, d] and w2 [n, d, I/tp]: the grouped GEMMs read them whole, and the
+    backward accumulates one gradient per weight kind instead of one per expert (3n autograd
+    leaves, DDP hooks and adds a layer otherwise). Outside the module they are DeepSeek's
+    per-expert tensors `E.w1.weight` (state_dict, load_state_dict, HF files, exports, seeded
+    init); sharded checkpoints keep them stacked, split over EP along dim 0."""
+
+    WEIGHTS = ("w1", "w3", "w2")
+
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, dtype: torch.dtype):
+        super().__init__()
+        local = ctx.local_experts(cfg.n_routed_experts)
+        self.first, n, d, inter = local.start, len(local), cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1 = ctx.sharded_parameter((n, inter, d), 1, dtype)
+        self.w3 = ctx.sharded_parameter((n, inter, d), 1, dtype)
+        self.w2 = ctx.sharded_parameter((n, d, inter), 2, dtype)
+        for w in (self.w1, self.w3, self.w2):
+            w.expert_dim = 0  # EP splits dim 0 (sharded checkpoints)
+        ctx.mark_expert(self)
+
+    def per_expert(self, prefix: str, leaf: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """A tensor shaped like stacked weight `leaf` (the weight, its gradient) as DeepSeek's
+        per-expert tensors: (prefix + "E.w1.weight", t[E - first]), views carrying the
+        weight's TP split (dim one lower) and expert mark."""
+        w = getattr(self, leaf)
+        for i in range(t.shape[0]):
+            v = t[i]
+            v.tensor_model_parallel, v.partition_dim = w.tensor_model_parallel, w.partition_dim - 1
+            v.partition_stride, v.allreduce = 1, False
+            yield f"{prefix}{self.first + i}.{leaf}.weight", v
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Views of the detached weights whether or not keep_vars: no per-expert Parameter exists
+        # to keep, and writes through them (loads) must not meet autograd.
+        for leaf in self.WEIGHTS:
+            destination.update(self.per_expert(prefix, leaf, getattr(self, leaf).detach()))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        mine = {}
+        for leaf in self.WEIGHTS:
+            mine.update((k, (leaf, i)) for i, (k, _) in enumerate(self.per_expert(prefix, leaf, getattr(self, leaf))))
+        with torch.no_grad():
+            for key, (leaf, i) in mine.items():
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                w, t = getattr(self, leaf), state_dict[key]
+                if tuple(t.shape) != tuple(w.shape[1:]):
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(t.shape)}, "
+                                      f"the model has {tuple(w.shape[1:])}")
+                    continue
+                w[i].copy_(t)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
+
+
 def balanced_hash_table(vocab: int, n_experts: int, k: int, layer: int) -> torch.Tensor:
     """Deterministic, balanced token -> experts table for hash layers, [vocab, k] int64.
 
@@ -503,13 +564,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.gate = Gate(ctx, cfg, layer, is_hash, dtype)
-        self.local = ctx.local_experts(cfg.n_routed_experts)
-        lim = cfg.swiglu_limit
-        self.experts = nn.ModuleDict({str(e): Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, lim, dtype)
-                                      for e in self.local})
-        for expert in self.experts.values():
-            ctx.mark_expert(expert)
-        self.shared_experts = (Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, lim, dtype)
+        self.experts = RoutedExperts(ctx, cfg, dtype)
+        self.shared_experts = (Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, fwd: Fwd | None, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -520,9 +576,8 @@ class MoE(nn.Module):
         w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
         # EP: the (token, slot) pairs of every rank routed to this rank's experts, one row each
         xs, idxs, ws, route = self.ctx.ep_dispatch(xf, idx, w, self.cfg.n_routed_experts)
-        experts = [self.experts[str(e)] for e in self.local]
-        w1, w3, w2 = (torch.stack([getattr(m, n).weight for m in experts]) for n in ("w1", "w3", "w2"))
-        out = ops.routed_experts(self.ctx.to_tp_region(xs), idxs, ws, w1, w3, w2, self.local.start,
+        e = self.experts
+        out = ops.routed_experts(self.ctx.to_tp_region(xs), idxs, ws, e.w1, e.w3, e.w2, e.first,
                                  self.cfg.swiglu_limit, fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16)
         out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, their k slots summed
         out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
@@ -714,7 +769,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         """Seeded init, one generator per tensor name: independent of construction order,
         device and sharding (a TP rank draws the full tensor and keeps its slice)."""
         c = self.config
-        for name, p in self.named_parameters():
+        for name, p in self.deepseek_named(self.named_parameters()):
             g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             leaf = name.rsplit(".", 1)[-1]
             shape = list(p.shape)
@@ -737,6 +792,17 @@ class DeepSeekV4ForCausalLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Gate) and not mod.is_hash:
                 mod.bias.zero_()
+
+    def deepseek_named(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(parameter name, tensor shaped like it) pairs (named_parameters, gradients) under
+        DeepSeek's names: the stacked routed experts as per-expert views."""
+        for name, t in tensors:
+            owner, _, leaf = name.rpartition(".")
+            mod = self.get_submodule(owner)
+            if isinstance(mod, RoutedExperts):
+                yield from mod.per_expert(owner + ".", leaf, t)
+            else:
+                yield name, t
 
     # ------------------------------------------------------------------ forward
     def _ropes(self, pos: torch.Tensor) -> dict[str, Rope]:
