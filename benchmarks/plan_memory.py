@@ -119,6 +119,7 @@ class Layout:
     indexer_loss: bool = True  # the indexer's KL term (else the indexer's graph is dropped)
     balance_loss: bool = False
     recompute: bool = False  # model.recompute: each block keeps its input only, runs again in the backward
+    fused_elementwise: bool = True  # model.fused_elementwise: RMSNorm, RoPE, SwiGLU as the fused kernels
     name: str = ""
 
     @property
@@ -332,9 +333,15 @@ class Dims:
         return self.B * self.s
 
 
-def _rms(L: Ledger, rows: int, width: int, weight: bool = True, scope: str = "RMSNorm") -> None:
-    """ops.rms_norm: x.float() (pow), rsqrt [rows, 1]; with a weight the normalised fp32 x and
-    the weight's fp32 copy (the product)."""
+def _rms(L: Ledger, lay: Layout, rows: int, width: int, weight: bool = True, scope: str = "RMSNorm",
+         in_bytes: int = 2) -> None:
+    """The fused kernel: its input (in_bytes an element) and rstd [rows] fp32. ops.rms_norm:
+    x.float() (pow), rsqrt [rows, 1]; with a weight the normalised fp32 x and the weight's fp32
+    copy (the product)."""
+    if lay.fused_elementwise:
+        L.add(scope, f"rms_norm input [{rows}, {width}]", in_bytes * rows * width)
+        L.add(scope, f"rms_norm rstd [{rows}] fp32", F32 * rows)
+        return
     L.add(scope, f"rms_norm x.float() [{rows}, {width}] fp32", F32 * rows * width)
     L.add(scope, f"rms_norm rsqrt [{rows}, 1] fp32", F32 * rows)
     if weight:
@@ -354,7 +361,8 @@ def _mhc_site(L: Ledger, scope: str, cfg: DeepSeekV4Config, t: int) -> None:
           F32 * t * (2 + 2 * m + 4 * n + 2 * n * n))
 
 
-def _compressor(L: Ledger, B: int, G: int, r: int, width: int, overlap: bool, new_has_prev: bool) -> None:
+def _compressor(L: Ledger, lay: Layout, B: int, G: int, r: int, width: int, overlap: bool,
+                new_has_prev: bool) -> None:
     """Compressor.forward over G complete blocks of r tokens (projections gathered over CP):
     the gather indices of the current (and, CSA, previous) block, the pooled window's C and
     softmax(Z) [B, G, coff r, width] fp32, and the rms_norm of the entries."""
@@ -364,7 +372,7 @@ def _compressor(L: Ledger, B: int, G: int, r: int, width: int, overlap: bool, ne
     if overlap and new_has_prev:
         L.add("Compressor", f"has_prev [{B}, {G}] bool", BOOL * B * G)
     L.add("Compressor", f"pool C and softmax(Z) [{B}, {G}, {slots}, {width}] fp32 x2", 2 * F32 * B * G * slots * width)
-    _rms(L, B * G, width, scope="Compressor")
+    _rms(L, lay, B * G, width, scope="Compressor", in_bytes=F32)
 
 
 def _rope_tables(L: Ledger, dm: Dims, rd: int, kind: str, seen: set) -> None:
@@ -386,23 +394,25 @@ def _attention(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, r: int, 
     d, D, H, rq = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads // tp, cfg.q_lora_rank
     rd, Hi, Di, W = cfg.qk_rope_head_dim, cfg.index_n_heads, cfg.index_head_dim, cfg.sliding_window
     L.add("Linear", f"wq_a input [{t}, {d}] bf16 (also wkv's, the compressors' and the indexer's)", BF16 * t * d)
-    _rms(L, t, rq)  # q_norm
+    _rms(L, lay, t, rq)  # q_norm
     L.add("_Column", f"wq_b input c_q [{t}, {rq}] bf16 (also the indexer's wq_b's)", BF16 * t * rq)
-    _rms(L, t * H, D, weight=False, scope="Attention")  # per-head weightless norm of q
+    _rms(L, lay, t * H, D, weight=False, scope="Attention")  # per-head weightless norm of q
     _rope_tables(L, dm, rd, "compressed" if r else "swa", seen)
-    _rms(L, t, D)  # kv_norm of this rank's tokens (K = V is gathered over CP afterwards)
+    _rms(L, lay, t, D)  # kv_norm of this rank's tokens (K = V is gathered over CP afterwards)
     G = S // r if r else 0
     K = 0
     if r:
         csa = cfg.is_csa(r)
-        _compressor(L, B, G, r, D, csa, new_has_prev=("has_prev", r) not in seen)
+        _compressor(L, lay, B, G, r, D, csa, new_has_prev=("has_prev", r) not in seen)
         seen.add(("has_prev", r))
         L.add("Attention", f"entry rope cos, sin [{B}, {G}, {rd // 2}] fp32", 2 * F32 * B * G * rd // 2)
         K = min(cfg.index_topk, G) if csa else G
         if csa and lay.indexer_loss:  # without its KL the indexer's graph is dropped after top-k
-            L.add("Attention", f"Hadamard [{Di}, {Di}] fp32 x2", 2 * F32 * Di * Di)
+            if ("hadamard", Di) not in seen:  # one matrix per device (ops._hadamard_matrix's cache)
+                seen.add(("hadamard", Di))
+                L.add("Attention", f"Hadamard [{Di}, {Di}] fp32", F32 * Di * Di)
             L.add("Attention", f"index entry rope cos, sin [{B}, {G}, {rd // 2}] fp32", 2 * F32 * B * G * rd // 2)
-            _compressor(L, B, G, r, Di, True, new_has_prev=False)
+            _compressor(L, lay, B, G, r, Di, True, new_has_prev=False)
             # ops.indexer_scores keeps its inputs only (the backward recomputes the dot products)
             L.add("Attention", f"indexer q [{t}, {Hi}, {Di}] bf16", BF16 * t * Hi * Di)
             L.add("Attention", f"indexer keys [{B}, {G}, {Di}] fp32", F32 * B * G * Di)
@@ -415,7 +425,8 @@ def _attention(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, r: int, 
     L.add("Attention", f"kernel index [{t}, {W + K}] int32 + count [{t}]", I32 * t * (W + K + 1))
     L.add("Attention", f"kernel o [{t}, {H}, {D}] bf16", BF16 * t * H * D)
     L.add("Attention", f"kernel lse [{t}, {H}] fp32", F32 * t * H)
-    L.add("Attention", f"inverse rope -sin [{t}, {rd // 2}] fp32", F32 * t * rd // 2)
+    if not lay.fused_elementwise:  # the kernel takes the sign as a scalar
+        L.add("Attention", f"inverse rope -sin [{t}, {rd // 2}] fp32", F32 * t * rd // 2)
     L.add("Attention", f"wo_a input o [{t}, {H}, {D}] bf16", BF16 * t * H * D)
     og = cfg.o_groups // tp
     L.add("_Row", f"wo_b input [{t}, {og * cfg.o_lora_rank}] bf16", BF16 * t * og * cfg.o_lora_rank)
@@ -447,11 +458,17 @@ def _moe(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, is_hash: bool)
           2 * BF16 * P * d + F32 * P)
     L.add("MoE", f"grouped tokens [{M}, {d}] bf16", BF16 * M * d)
     L.add("MoE", f"group offsets [{E_l}] int32", I32 * E_l)
-    L.add("MoE", f"SwiGLU g, u, clamps, silu, product [{M}, {inter}] fp32 x6, weights [{M}]",
-          6 * F32 * M * inter + F32 * M)
+    if lay.fused_elementwise:
+        L.add("MoE", f"SwiGLU g, u [{M}, {inter}] bf16 x2, weights [{M}] fp32", 2 * BF16 * M * inter + F32 * M)
+    else:
+        L.add("MoE", f"SwiGLU g, u, clamps, silu, product [{M}, {inter}] fp32 x6, weights [{M}]",
+              6 * F32 * M * inter + F32 * M)
     L.add("MoE", f"w2 input [{M}, {inter}] bf16", BF16 * M * inter)
     if cfg.n_shared_experts:
-        L.add("Expert", f"shared SwiGLU [{t}, {inter}] fp32 x5", 5 * F32 * t * inter)
+        if lay.fused_elementwise:
+            L.add("Expert", f"shared SwiGLU g, u [{t}, {inter}] bf16 x2", 2 * BF16 * t * inter)
+        else:
+            L.add("Expert", f"shared SwiGLU [{t}, {inter}] fp32 x5", 5 * F32 * t * inter)
         L.add("_Row", f"shared w2 input [{t}, {inter}] bf16", BF16 * t * inter)
 
 
@@ -461,19 +478,19 @@ def block_ledger(cfg: DeepSeekV4Config, lay: Layout, dm: Dims, layer: int, seen:
     L = Ledger()
     for _site in ("attn", "ffn"):
         _mhc_site(L, scope, cfg, dm.t)
-        _rms(L, dm.t, cfg.hidden_size)  # attn_norm / ffn_norm
+        _rms(L, lay, dm.t, cfg.hidden_size)  # attn_norm / ffn_norm
     _attention(L, cfg, lay, dm, cfg.layer_ratio(layer), seen)
     _moe(L, cfg, lay, dm, is_hash=layer < cfg.num_hash_layers)
     return L
 
 
-def _head(L: Ledger, cfg: DeepSeekV4Config, dm: Dims) -> None:
+def _head(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims) -> None:
     """head_collapse (top level: mixes, gates, the streams) + final norm. The head itself runs
     in the loss (chunked), which keeps its input: loss_region_bytes counts it."""
     t, n, d = dm.t, cfg.hc_mult, cfg.hidden_size
     L.add("top-level", f"head streams [{t}, {n}, {d}] bf16", BF16 * t * n * d)
     L.add("top-level", f"head mixes, gates [{t}, {2 + 4 * n}] fp32", F32 * t * (2 + 4 * n))
-    _rms(L, t, d)
+    _rms(L, lay, t, d)
 
 
 def _embedding(L: Ledger, dm: Dims) -> None:
@@ -526,16 +543,16 @@ def stage_ledgers(cfg: DeepSeekV4Config, lay: Layout, stage: int = 0) -> StageLe
         # the stage output the 1F1B schedule keeps until its backward (deallocate_pipeline_outputs off)
         out.add("pipeline", f"stage output [{t}, {n * d}] bf16", BF16 * t * n * d)
     else:
-        _head(out, cfg, dm)
+        _head(out, cfg, lay, dm)
         if cfg.num_nextn_predict_layers:
             if not first or dm.tp > 1:  # one TP rank: the ids the first embedding kept
                 _embedding(mtp_out, dm)
-            _rms(mtp_out, t, d)  # enorm
+            _rms(mtp_out, lay, t, d)  # enorm
             mtp_out.add("Linear", f"e_proj input [{t}, {d}] bf16", BF16 * t * d)
-            _rms(mtp_out, t * n, d)  # hnorm over the streams
+            _rms(mtp_out, lay, t * n, d)  # hnorm over the streams
             mtp_out.add("Linear", f"h_proj input [{t}, {n}, {d}] bf16", BF16 * t * n * d)
             mtp_blocks.append(block_ledger(cfg, lay, dm, cfg.num_hidden_layers, set(), scope="MTPBlock"))
-            _head(mtp_out, cfg, dm)
+            _head(mtp_out, cfg, lay, dm)
     return StageLedgers(out, blocks, mtp_out, mtp_blocks, BF16 * t * n * d)
 
 
@@ -705,7 +722,7 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # later; before: 31.589, 37.479, 48.869, 25.156, 27.164 GiB): the MoE no longer keeps a stacked
 # copy of its weights for the backward. 'kept' and the MoE entries are the walk's less those
 # copies, 3 x 2 B x E x I x d a layer = 1.8985 GiB over the model (derived, not walked again).
-MEASURED_1B = [
+_UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementwise off)
     {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.721, "kept": 5.6470, "peak": 29.904,
      "modules": {"MoE": 2.1047, "Attention": 1.5064, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
                  "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
@@ -721,6 +738,13 @@ MEASURED_1B = [
     {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.404},
     {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.948},
 ]
+MEASURED_1B = [{**p, "fused_elementwise": False} for p in _UNFUSED_1B] + [
+    # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25): train_gpu.py on an H100, that day
+    # (peak: the main table's and --ab's; states: --profile's memory outside the step); the
+    # forward's kept tensors and modules were not walked again (no GPU time left that session)
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.71, "peak": 31.4, "fused_elementwise": True},
+    {"seq": 4096, "recompute": True, "params": 2.52, "peak": 25.2, "fused_elementwise": True},
+]
 CALIBRATION = Layout(seq=4096, mbs=1, global_batch=2, loss="lm", name="train_gpu.py")
 # accepted band of estimate / measured for the calibration rows (tests/test_plan_memory.py)
 BAND = (0.95, 1.05)
@@ -730,7 +754,8 @@ def calibration(point: dict | None = None) -> dict:
     """The ~1B config on one GPU at a measured point: estimates and measurements (GiB)."""
     meas = point or MEASURED_1B[1]
     cfg = config_1b(meas["seq"])
-    lay = replace(CALIBRATION, seq=meas["seq"], recompute=meas["recompute"])
+    lay = replace(CALIBRATION, seq=meas["seq"], recompute=meas["recompute"],
+                  fused_elementwise=meas.get("fused_elementwise", True))
     st = plan_stage(cfg, lay, 0)
     # the measured forward asked for both auxiliary losses (train_step, the peak: the indexer's only)
     sl = stage_ledgers(cfg, replace(lay, balance_loss=True), 0)
@@ -821,10 +846,11 @@ def format_calibration() -> str:
     for point in MEASURED_1B:
         cal = calibration(point)
         e, m = cal["estimate"], cal["measured"]
-        out.append(f"  seq {m['seq']:5d}{' recompute' if m['recompute'] else '':10s} " + "  ".join(
-            f"{key} {e[key]:.2f} / {m[key]:.2f} ({e[key] / m[key]:.3f})"
-            for key in ("params", "states", "kept", "peak")))
-    point = next(p for p in MEASURED_1B if p["seq"] == CALIBRATION.seq and not p["recompute"])
+        out.append(f"  seq {m['seq']:5d}{' recompute' if m['recompute'] else '':10s}"
+                   f"{' fused' if m['fused_elementwise'] else ' unfused':8s} " + "  ".join(
+                       f"{key} {e[key]:.2f} / {m[key]:.2f} ({e[key] / m[key]:.3f})"
+                       for key in ("params", "states", "kept", "peak") if key in m))
+    point = next(p for p in MEASURED_1B if p["seq"] == CALIBRATION.seq and not p["recompute"] and "modules" in p)
     cal = calibration(point)
     out.append(f"  seq {point['seq']}, the forward's saved tensors by module:")
     for mod, meas in sorted(point["modules"].items(), key=lambda kv: -kv[1]):
@@ -855,8 +881,8 @@ def measure_point(i: int) -> None:
     w.init_distributed(*w.rendezvous_address())
     for point in MEASURED_1B[i:i + 1]:
         cfg = config_1b(point["seq"])
-        w.build_model({**cfg.to_dict(), "kernels": "triton", "recompute": point["recompute"]}, seed=0,
-                      dtype="bfloat16")
+        w.build_model({**cfg.to_dict(), "kernels": "triton", "recompute": point["recompute"],
+                       "fused_elementwise": point.get("fused_elementwise", True)}, seed=0, dtype="bfloat16")
         w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
         ids = torch.randint(0, cfg.vocab_size, (2, point["seq"] + 1), generator=torch.Generator().manual_seed(0))
         mbs = [MicroBatch.lm(ids[i:i + 1, :-1], ids[i:i + 1, 1:].contiguous()) for i in range(2)]

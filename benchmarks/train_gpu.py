@@ -5,8 +5,10 @@ against a plain dense-attention transformer of the same width, depth, vocabulary
 active MLP width (causal SDPA / flash attention, torch AdamW), all in the same process.
 
     python3 benchmarks/train_gpu.py [--config 1b|small_50m] [--seq 4096] [--steps 6] [--peak-tflops 989]
-    python3 benchmarks/train_gpu.py --ab        # each speed change undone (same process), stacked experts
+    python3 benchmarks/train_gpu.py --ab        # each speed change undone (same process)
+    python3 benchmarks/train_gpu.py --ab --stacking  # and stacked vs per-expert routed weights
     python3 benchmarks/train_gpu.py --profile   # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
 FLOPs are not counted for either model, so the V4 figure is conservative at long context).
@@ -93,16 +95,18 @@ def _set_norms(multi_tensor: bool) -> None:
 
 def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
     """Median step with the changes switched on one by one (same model, same process)."""
-    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW, recompute)
-        ("kernels on, none of the changes", False, False, False, False),
-        ("+ multi-tensor grad norm and scale", False, True, False, False),
-        ("+ fused AdamW", False, True, True, False),
-        ("+ TF32 fp32 projections (defaults)", True, True, True, False),
-        ("+ recompute (memory)", True, True, True, True),
+    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW, fused elementwise, recompute)
+        ("kernels on, none of the changes", False, False, False, False, False),
+        ("+ multi-tensor grad norm and scale", False, True, False, False, False),
+        ("+ fused AdamW", False, True, True, False, False),
+        ("+ TF32 fp32 projections", True, True, True, False, False),
+        ("+ fused norm/RoPE/SwiGLU (defaults)", True, True, True, True, False),
+        ("+ recompute (memory)", True, True, True, True, True),
     ]
     rows = []
-    for name, tf32, norms, fused, recompute in variants + variants[::-1][1:]:  # there and back: drift shows
-        w.model.config.tf32_projections, w.model.config.recompute = tf32, recompute
+    for name, tf32, norms, fused, elementwise, recompute in variants + variants[::-1][1:]:  # there and back
+        c = w.model.config
+        c.tf32_projections, c.fused_elementwise, c.recompute = tf32, elementwise, recompute
         _set_norms(norms)
         _set_adam(w, fused)
         torch.cuda.reset_peak_memory_stats()
@@ -209,7 +213,8 @@ def profile_step(w, mbs) -> None:
     kernel_us = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA)
     syncs = {e.key: e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                       "cudaMemcpyAsync", "cudaEventSynchronize", "aten::item",
-                                                      "aten::_local_scalar_dense", "cudaLaunchKernel")}
+                                                      "aten::_local_scalar_dense", "cudaLaunchKernel", "cuLaunchKernel",
+                                                      "cuLaunchKernelEx", "cudaLaunchKernelExC")}
     print(f"\nstep wall {wall * 1e3:.1f} ms, GPU kernels {kernel_us / 1e3:.1f} ms "
           f"({kernel_us / 1e6 / wall:.0%}); {syncs}")
     print(ev.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
@@ -254,6 +259,43 @@ def profile_step(w, mbs) -> None:
           f"{base / 2**30:.2f} GiB; peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 
 
+def sync_sites(w, mbs) -> None:
+    """Where one step makes the host wait for the GPU (torch's sync debug mode: .item(),
+    pageable host-to-device copies, nonzero, ...), counted by the innermost frame of this
+    repository. A host-bound step loses its run-ahead at each one."""
+    import traceback
+    import warnings
+
+    root = str(Path(__file__).resolve().parents[1])
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # other warnings of the step (Megatron's deprecations)
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)
+                  and "/.venv/" not in f.filename and not f.filename.endswith("train_gpu.py")]
+        inner = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")][-1]
+        where = (f"{frames[-1].filename[len(root) + 1:]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?") + \
+            f"  (in {inner.filename.rsplit('/', 2)[-1]}:{inner.lineno} {inner.name})"
+        sites[where] = sites.get(where, 0) + 1
+
+    w.train_step(mbs)
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            w.train_step(mbs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    print(f"\nsynchronizing calls in one step: {sum(sites.values())}")
+    for where, n in sorted(sites.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"  {n:5d}  {where}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1b")
@@ -262,7 +304,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--profile", action="store_true", help="print where one V4 step's time and memory go")
+    ap.add_argument("--syncs", action="store_true", help="print where one step synchronizes with the GPU")
     ap.add_argument("--ab", action="store_true", help="the step with each speed change undone, in one process")
+    ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -294,9 +338,9 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
-    if a.profile:
+    if a.profile or a.syncs:
         build("triton")
-        profile_step(w, mbs)
+        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs)
         return
     if a.compile != "none":
         build("triton")
@@ -306,7 +350,8 @@ def main() -> None:
         build("triton")
         ab_table(w, mbs, a.steps, tokens, cfg, a.peak_tflops)
         release()
-        stacking_ab(w, build, release, mbs, a.steps, tokens)
+        if a.stacking:
+            stacking_ab(w, build, release, mbs, a.steps, tokens)
         return
     runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit

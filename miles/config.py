@@ -61,7 +61,8 @@ class ClusterConfig(Section):
 ReasoningEffort = Literal["low", "high", "xhigh", "max"]  # deepseek-recipe's reasoning efforts
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
 # model.<name>, not overrides: they change how the model computes, not its weights
-KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks", "tf32_projections", "recompute")
+KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks", "tf32_projections",
+                   "fused_elementwise", "recompute")
 
 
 class ModelConfig(Section):
@@ -74,6 +75,7 @@ class ModelConfig(Section):
     sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agrees; 4-14% faster alone, fast mode)
     overlap_chunks: Bool = False  # CUDA: the attention backward's chunks on two streams
     tf32_projections: Bool = True  # bf16 on CUDA: fp32 projections on TF32 tensor cores (exact bf16 products)
+    fused_elementwise: Bool = True  # GPU kernels on: RMSNorm, RoPE, SwiGLU fused (off: PyTorch ops)
     recompute: Bool = False  # keep block inputs only, run each block again in the backward (memory for compute)
     _arch: DeepSeekV4Config = PrivateAttr()
 

@@ -408,6 +408,116 @@ def test_stream_mixing_kernels_match_float64_reference(seed, lead, n, d):
         assert rel(got.grad.float().cpu(), want.grad) < TOL, name
 
 
+# RMSNorm (leading shape, D, weight): V4's hidden and head widths; D not a power of two;
+# rows not a multiple of the tile; an fp32 input with a bf16/fp32 weight (the compressor's)
+NORM_CASES = ([((2, 300), 1536, True), ((3, 50, 16), 512, False), ((37,), 200, True), ((0, 8), 64, True)]
+              if CUDA else [((2, 9), 48, True), ((3, 5, 2), 32, False), ((7,), 20, True), ((0, 3), 16, True)])
+
+
+def _grads_vs_float64(fn_ref, fn_kernel, inputs: list[torch.Tensor], cot: torch.Tensor, dtypes: list):
+    """Forward and input gradients of fn_kernel (inputs cast to dtypes, on DEV) and float64
+    fn_ref of the same (rounded) input values: a bf16 rounding that moves an input across a
+    clamp bound must not count as a kernel error. Returns (out, ref out, [(grad, ref grad)])."""
+    ref_in = [t.detach().to(dt).double().requires_grad_() for t, dt in zip(inputs, dtypes, strict=True)]
+    ref = fn_ref(*ref_in)
+    (ref * cot.double()).sum().backward()
+    ins = [t.detach().to(DEV, dt).clone().requires_grad_() for t, dt in zip(inputs, dtypes, strict=True)]
+    out = fn_kernel(*ins)
+    (out.float() * cot.to(DEV)).sum().backward()
+    return out, ref, [(a.grad, b.grad) for a, b in zip(ins, ref_in, strict=True)]
+
+
+@pytest.mark.parametrize("lead,d,weighted", NORM_CASES)
+def test_rms_norm_kernel_matches_float64_reference(seed, lead, d, weighted):
+    """The fused RMSNorm against float64 autograd of the formula: output (NaN-poisoned first)
+    in the input's dtype, the input gradient and the weight gradient (per-program partials
+    summed); bf16 on CUDA, fp32 under the interpreter; and an fp32 input with a bf16 weight."""
+    from plugins.deepseek_v4.kernels import elementwise as ew
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, d, generator=g) * 3 + 0.5
+    w = torch.rand(d, generator=g) + 0.5
+    cot = torch.randn(*lead, d, generator=g)
+
+    def ref(a, b=None):
+        y = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y * b if b is not None else y
+
+    for x_dt, w_dt in ((DTYPE, DTYPE), (torch.float32, DTYPE)):
+        ins, dts = ([x, w], [x_dt, w_dt]) if weighted else ([x], [x_dt])
+        out, want, grads = _grads_vs_float64(ref, lambda a, b=None: ew.rms_norm(a, b, 1e-6), ins, cot, dts)
+        assert out.dtype == x_dt and out.shape == x.shape
+        if not x.numel():
+            continue
+        tol = TOL if DTYPE != torch.float32 and torch.bfloat16 in (x_dt, w_dt) else 2e-5
+        assert rel(out.float().cpu(), want) < tol
+        for (got, exp), name in zip(grads, ["x", "weight"], strict=False):
+            assert got.dtype == (x_dt if name == "x" else w_dt)
+            assert rel(got.float().cpu(), exp) < tol, name
+
+
+# RoPE (x shape, cos shape): queries [B, S, H, D] with cos [B, S, 1, rd/2]; keys [B, S, D];
+# an all-rotated row (D = rd); decoding's [B, 1, H, D] with cos [B, 1, 1, rd/2]
+ROPE_CASES = ([((2, 300, 16, 512), (2, 300, 1, 32)), ((2, 77, 512), (2, 77, 32)), ((3, 40, 64), (3, 40, 32)),
+               ((5, 1, 16, 512), (5, 1, 1, 32))]
+              if CUDA else [((2, 7, 3, 24), (2, 7, 1, 4)), ((2, 9, 16), (2, 9, 4)), ((3, 5, 8), (3, 5, 4)),
+                            ((4, 1, 2, 12), (4, 1, 1, 2))])
+
+
+@pytest.mark.parametrize("xs,cs", ROPE_CASES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
+    """The fused RoPE against float64 autograd of ops.apply_rope: output (NaN-poisoned first),
+    the unrotated columns copied bit for bit, the input gradient; cos/sin broadcast over heads."""
+    from plugins.deepseek_v4.kernels import elementwise as ew
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*xs, generator=g)
+    ang = torch.rand(*cs, generator=g) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    cot = torch.randn(*xs, generator=g)
+    out, want, [(gx, gx_ref)] = _grads_vs_float64(
+        lambda a: ops.apply_rope(a, cos.double(), sin.double(), inverse),
+        lambda a: ew.apply_rope(a, cos.to(DEV), sin.to(DEV), inverse), [x], cot, [DTYPE])
+    assert out.dtype == DTYPE
+    assert rel(out.float().cpu(), want) < TOL
+    assert rel(gx.float().cpu(), gx_ref) < TOL
+    keep = xs[-1] - 2 * cs[-1]
+    assert torch.equal(out[..., :keep].cpu(), x[..., :keep].to(DTYPE))
+
+
+SWIGLU_CASES = [(300, 768, True), (45, 200, False), (0, 64, True)] if CUDA else [(9, 40, True), (5, 13, False)]
+
+
+@pytest.mark.parametrize("m,i,weighted", SWIGLU_CASES)
+def test_swiglu_kernel_matches_float64_reference(seed, m, i, weighted):
+    """The fused clamped SwiGLU times the routing weight against float64 autograd: output
+    (NaN-poisoned first) in the asked dtype, gradients of g, u and the weight; values on both
+    sides of the clamps (limit 1.5, so many are clamped)."""
+    from plugins.deepseek_v4.kernels import elementwise as ew
+
+    limit = 1.5
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(m, i, generator=g) * 2, torch.randn(m, i, generator=g) * 2
+    w = torch.rand(m, generator=g) + 0.1
+    cot = torch.randn(m, i, generator=g)
+
+    def ref(x, y, ww=None):
+        h = torch.nn.functional.silu(x.clamp(max=limit)) * y.clamp(-limit, limit)
+        return h * ww[:, None] if ww is not None else h
+
+    ins, dts = ([a, b, w], [DTYPE, DTYPE, torch.float32]) if weighted else ([a, b], [DTYPE, DTYPE])
+    out, want, grads = _grads_vs_float64(
+        ref, lambda x, y, ww=None: ew.swiglu(x, y, limit, ww, DTYPE), ins, cot, dts)
+    assert out.dtype == DTYPE and out.shape == (m, i)
+    if not m:
+        return
+    assert rel(out.float().cpu(), want) < TOL
+    for (got, exp), name in zip(grads, ["g", "u", "weight"], strict=False):
+        assert got.dtype == (torch.float32 if name == "weight" else DTYPE)
+        assert rel(got.float().cpu(), exp) < TOL, name
+
+
 def test_non_power_of_two_head_dim_is_refused():
     """A head dim the kernel cannot tile is a clear error, not a wrong answer."""
     q, kv, idx, sink = make(0, 4, 16, 48, 5, 10)

@@ -87,6 +87,9 @@ class DeepSeekV4Config:
     # The fp32 projections of a bf16 model (compressor, gate, mHC mixes, LM/MTP heads) on TF32
     # tensor cores: exact products of bf16 operands, fp32 sums (ops.fp32_linear)
     tf32_projections: bool = True
+    # With the GPU kernels: RMSNorm, RoPE and the experts' clamped SwiGLU as fused Triton
+    # kernels, one launch each way (off: the PyTorch ops, for A/B runs)
+    fused_elementwise: bool = True
     # Training: keep each block's input only and run its forward again in the backward
     # (activation memory of one block instead of all, for about a third more compute)
     recompute: bool = False

@@ -41,6 +41,12 @@ def use_kernels(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
     return cfg.kernels == "triton"
 
 
+def use_fused(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
+    """The fused elementwise kernels (RMSNorm, RoPE, SwiGLU) for work on tensor t: with the
+    GPU kernels, unless config.fused_elementwise is off (the PyTorch ops, for A/B runs)."""
+    return cfg.fused_elementwise and use_kernels(cfg, t)
+
+
 def use_tf32(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
     """The fp32 projections of a bf16 model on TF32 tensor cores (ops.fp32_linear says why
     that loses nothing on bf16 operands); an fp32 model, the reference, multiplies in IEEE fp32."""
@@ -48,13 +54,13 @@ def use_tf32(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, dim: int, cfg: DeepSeekV4Config, dtype: torch.dtype):
         super().__init__()
-        self.eps = eps
+        self.cfg, self.eps = cfg, cfg.rms_norm_eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, fused=use_fused(self.cfg, x))
 
 
 @dataclass
@@ -161,7 +167,7 @@ class Compressor(nn.Module):
         self.wkv = ctx.replicated_linear(cfg.hidden_size, coff * dim, dtype)
         self.wgate = ctx.replicated_linear(cfg.hidden_size, coff * dim, dtype)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * dim, dtype=torch.float32))
-        self.norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(dim, cfg, dtype)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, d] -> C, Z [B, S, coff*D] in fp32."""
@@ -180,7 +186,8 @@ class Compressor(nn.Module):
                            cur_z[..., d:] + ape[:, d:]), dim=-2)
         else:
             c, z = cur_c, cur_z + ape
-        return ops.rms_norm(ops.compress_pool(c, z), self.norm.weight, self.norm.eps)
+        pooled = ops.compress_pool(c, z)
+        return ops.rms_norm(pooled, self.norm.weight, self.norm.eps, fused=use_fused(self.cfg, pooled))
 
     def forward(self, x: torch.Tensor, blocks: Blocks,
                 gather=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -241,6 +248,7 @@ class Indexer(nn.Module):
 
     def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, ratio: int, dtype: torch.dtype):
         super().__init__()
+        self.cfg = cfg
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = ctx.replicated_linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
         self.weights_proj = ctx.replicated_linear(cfg.hidden_size, self.n_heads, dtype)
@@ -249,7 +257,7 @@ class Indexer(nn.Module):
     def queries(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> q [B, S, h, dI] (RoPE then Hadamard) and head weights w [B, S, h] (fp32)."""
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.hadamard(ops.apply_rope(q, cos[:, :, None], sin[:, :, None]))
+        q = ops.hadamard(ops.apply_rope(q, cos[:, :, None], sin[:, :, None], fused=use_fused(self.cfg, q)))
         w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
@@ -269,10 +277,10 @@ class Attention(nn.Module):
         self.rope_kind = "compressed" if self.ratio else "swa"
         d, h, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.wq_a = ctx.replicated_linear(d, cfg.q_lora_rank, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg, dtype)
         self.wq_b = ctx.column_linear(cfg.q_lora_rank, h * D, dtype)
         self.wkv = ctx.replicated_linear(d, D, dtype)
-        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.kv_norm = RMSNorm(D, cfg, dtype)
         self.wo_a = ctx.column_linear(h * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
         self.wo_b = ctx.row_linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
         self.ctx = ctx
@@ -282,21 +290,23 @@ class Attention(nn.Module):
 
     # ---- shared pieces of the full and the incremental path
     def _q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        fused = use_fused(self.cfg, x)
         c_q = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, D]
-        return c_q, ops.apply_rope(ops.rms_norm(q, None, self.cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
+        q = ops.rms_norm(q, None, self.cfg.rms_norm_eps, fused=fused)
+        return c_q, ops.apply_rope(q, cos[:, :, None], sin[:, :, None], fused=fused)
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, T, D]
+        return ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin, fused=use_fused(self.cfg, x))  # [B, T, D]
 
     def _rope_entries(self, rope: Rope):
         def fn(entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             cos, sin = rope.at(positions)
-            return ops.apply_rope(entries, cos, sin)
+            return ops.apply_rope(entries, cos, sin, fused=use_fused(self.cfg, entries))
         return fn
 
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        o = ops.apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+        o = ops.apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True, fused=use_fused(self.cfg, o))
         return self.wo_b(ops.grouped_out_proj(o, self.wo_a.weight, self.groups))
 
     def forward(self, x: torch.Tensor, fwd: Fwd) -> torch.Tensor:
@@ -357,7 +367,9 @@ class Attention(nn.Module):
         win = layout.window_index(self.window)[:, q_rows]  # [B, s, W]
         parts = [torch.where(win >= 0, win + row, -1)]
         if chosen is not None:
-            picks = ops.mask_to_index(chosen)  # [B, s, K]
+            # K bound: the indexer's top-k, or all G entries (HCA): no wait for the GPU
+            bound = min(self.indexer.topk, chosen.shape[-1]) if self.indexer is not None else chosen.shape[-1]
+            picks = ops.mask_to_index(chosen, bound)  # [B, s, K]
             parts.append(torch.where(picks >= 0, picks + n_raw + row, -1))
         idx = torch.cat(parts, -1).reshape(b * s, -1).to(torch.int32)  # [B*s, W + K] into [B*(S+G)] keys
         c = self.cfg
@@ -445,19 +457,17 @@ class Attention(nn.Module):
 
 # =========================================================================== MoE
 class Expert(nn.Module):
-    def __init__(self, ctx: ParallelContext, d: int, inter: int, limit: float, dtype: torch.dtype):
+    def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, dtype: torch.dtype):
         super().__init__()
-        self.limit = limit
+        self.cfg, self.limit = cfg, cfg.swiglu_limit
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.w1 = ctx.column_linear(d, inter, dtype)
         self.w2 = ctx.row_linear(inter, d, dtype)
         self.w3 = ctx.column_linear(d, inter, dtype)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, d]; weight [N] (routing weight, applied before w2) -> [N, d]."""
-        h = ops.clamped_swiglu(self.w1(x), self.w3(x), self.limit)  # fp32 [N, inter]
-        if weight is not None:
-            h = h * weight[:, None].float()
-        return self.w2(h.to(x.dtype))
+        return self.w2(ops.swiglu(self.w1(x), self.w3(x), self.limit, weight, x.dtype, fused=use_fused(self.cfg, x)))
 
 
 class RoutedExperts(nn.Module):
@@ -565,7 +575,7 @@ class MoE(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.gate = Gate(ctx, cfg, layer, is_hash, dtype)
         self.experts = RoutedExperts(ctx, cfg, dtype)
-        self.shared_experts = (Expert(ctx, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
+        self.shared_experts = (Expert(ctx, cfg, dtype)
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, fwd: Fwd | None, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -578,7 +588,8 @@ class MoE(nn.Module):
         xs, idxs, ws, route = self.ctx.ep_dispatch(xf, idx, w, self.cfg.n_routed_experts)
         e = self.experts
         out = ops.routed_experts(self.ctx.to_tp_region(xs), idxs, ws, e.w1, e.w3, e.w2, e.first,
-                                 self.cfg.swiglu_limit, fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16)
+                                 self.cfg.swiglu_limit, fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16,
+                                 fused_swiglu=use_fused(self.cfg, xs))
         out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, their k slots summed
         out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
         if self.shared_experts is not None:
@@ -586,8 +597,9 @@ class MoE(nn.Module):
         if not self.gate.is_hash:
             v = valid.reshape(-1)
             if self.training and torch.is_grad_enabled() and not (fwd is not None and fwd.replay):
-                with torch.no_grad():  # counted once per token, not again when recomputed
-                    self.gate.expert_load += torch.bincount(idx[v].flatten(), minlength=s.shape[-1]).float()
+                with torch.no_grad():  # counted once per token, not again when recomputed; no
+                    # bincount of idx[v]: its output size would make the host wait for the GPU
+                    self.gate.expert_load += (F.one_hot(idx, s.shape[-1]).sum(1) * v[:, None]).sum(0).float()
             if fwd is not None and "balance" in fwd.aux and torch.is_grad_enabled():
                 fwd.balance_terms.append(self._balance(idx, s, valid))
         return out.to(x.dtype).reshape(shape)
@@ -614,9 +626,9 @@ class Block(nn.Module):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.hidden_size
         m = n * (n + 2)
-        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.attn_norm = RMSNorm(d, cfg, dtype)
         self.attn = Attention(ctx, cfg, layer, dtype)
-        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(d, cfg, dtype)
         self.ffn = MoE(ctx, cfg, layer, is_hash, dtype)
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(m, n * d, dtype=torch.float32)))
@@ -655,7 +667,7 @@ def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype)
     mod.hc_head_fn = nn.Parameter(torch.empty(n, n * d, dtype=torch.float32))
     mod.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
     mod.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-    mod.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    mod.norm = RMSNorm(d, cfg, dtype)
 
 
 def head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, x: torch.Tensor) -> torch.Tensor:
@@ -672,8 +684,8 @@ class MTPBlock(Block):
     def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, dtype: torch.dtype):
         super().__init__(ctx, cfg, layer, dtype, is_hash=False)
         d = cfg.hidden_size
-        self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.enorm = RMSNorm(d, cfg, dtype)
+        self.hnorm = RMSNorm(d, cfg, dtype)
         self.e_proj = ctx.replicated_linear(d, d, dtype)
         self.h_proj = ctx.replicated_linear(d, d, dtype)
         add_head_collapse(self, cfg, dtype)
@@ -922,9 +934,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         rate = self.config.router_bias_update_rate if rate is None else rate
         for mod in self.modules():
             if isinstance(mod, Gate) and not mod.is_hash:
-                load = mod.expert_load
-                if load.sum() > 0:
-                    mod.bias += rate * torch.sign(load.mean() - load)
+                load = mod.expert_load  # no update before any token was counted (no host wait)
+                mod.bias += rate * torch.sign(load.mean() - load) * (load.sum() > 0)
                 load.zero_()
 
     # ------------------------------------------------------------------ decoding

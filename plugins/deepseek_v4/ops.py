@@ -18,8 +18,13 @@ from .config import YarnScaling
 
 
 # --------------------------------------------------------------------------- norms
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32; `weight=None` is the weightless variant."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32; `weight=None` is the weightless variant. fused:
+    the Triton kernel (one launch each way)."""
+    if fused:
+        from .kernels.elementwise import rms_norm as kernel
+
+        return kernel(x, weight, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -99,13 +104,19 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return ang.cos().float(), ang.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+               fused: bool = False) -> torch.Tensor:
     """Rotate the LAST 2*cos.shape[-1] dims of x in interleaved pairs (x[2i], x[2i+1]).
 
     x [..., D]; cos/sin broadcast against x[..., :rd/2] with the head dims inserted by the
     caller. `inverse` rotates by the negative angle (the conjugate), used on attention
     outputs because V carries rotated dims. Builds a new tensor (no in-place on views).
+    fused: the Triton kernel (one launch each way).
     """
+    if fused:
+        from .kernels.elementwise import apply_rope as kernel
+
+        return kernel(x, cos, sin, inverse)
     rd = 2 * cos.shape[-1]
     nope, rot = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd:]
     pairs = rot.float().unflatten(-1, (rd // 2, 2))  # [..., rd/2, 2]
@@ -117,11 +128,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 # --------------------------------------------------------------------------- Hadamard
 @lru_cache(maxsize=16)
-def _hadamard_matrix(n: int) -> torch.Tensor:
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] fp32 on `device`, built once per device (a copy per call would make the host
+    wait for the GPU: pageable host-to-device copies synchronise)."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / math.sqrt(n)
+    return (h / math.sqrt(n)).to(device=device, dtype=torch.float32)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +142,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"hadamard: last dim {n} is not a power of two")
-    h = _hadamard_matrix(n).to(device=x.device, dtype=torch.float32)
+    h = _hadamard_matrix(n, x.device)
     return (x.float() @ h).to(x.dtype)
 
 
@@ -297,6 +310,19 @@ def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tens
     return F.silu(g.float().clamp(max=limit)) * u.float().clamp(-limit, limit)
 
 
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor | None, dtype: torch.dtype,
+           fused: bool = False) -> torch.Tensor:
+    """An expert's hidden activation: clamped_swiglu(g, u) times the routing weight [M] (fp32,
+    None for the shared expert), cast to `dtype` for the down projection. g, u [M, I].
+    fused: the Triton kernel (one launch each way)."""
+    if fused:
+        from .kernels.elementwise import swiglu as kernel
+
+        return kernel(g, u, limit, weight, dtype)
+    h = clamped_swiglu(g, u, limit)
+    return (h * weight[:, None].float() if weight is not None else h).to(dtype)
+
+
 GROUP_ALIGN = 16  # rows per expert group are padded to this (grouped GEMM alignment)
 
 
@@ -312,8 +338,9 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, al
     no padding, for the reference loop)."""
     flat = idx.flatten() - first  # [N*k]
     key = torch.where((flat >= 0) & (flat < n_local), flat, n_local)
-    pairs = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=n_local + 1)
+    ordered, pairs = torch.sort(key, stable=True)
+    # group sizes from the sorted keys (bincount would make the host wait for the GPU)
+    counts = torch.searchsorted(ordered, torch.arange(n_local + 2, device=idx.device)).diff()
     n_pairs = pairs.numel() if all_local else int(counts[:n_local].sum())  # EP: one sync
     pairs = pairs[:n_pairs]
     counts = counts[:n_local]
@@ -324,7 +351,7 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, al
     rows = pad_start[e_of] + torch.arange(n_pairs, device=idx.device) - cnt_start[e_of]
     m = n_pairs + align * n_local  # >= the padded total; spare rows stay zero
     offs = padded.cumsum(0)
-    offs[-1] = m
+    offs[-1].fill_(m)  # a fill kernel; item assignment would copy the int from the host and wait
     return pairs, rows, offs.to(torch.int32), counts, m
 
 
@@ -344,7 +371,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts:
 
 def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                    w2: torch.Tensor, first: int, limit: float, all_local: bool = True,
-                   fused: bool = False) -> torch.Tensor:
+                   fused: bool = False, fused_swiglu: bool = False) -> torch.Tensor:
     """The routed experts of one MoE layer, all groups at once.
 
     x [N, d]; idx [N, k] global expert ids; weight [N, k] fp32 routing weights; w1, w3
@@ -356,9 +383,9 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
     xg = x.new_zeros(m, x.shape[1]).index_copy(0, rows, x[pairs // k])  # [M, d]
     wg = weight.new_zeros(m).index_copy(0, rows, weight.flatten()[pairs].float())  # [M]
-    h = clamped_swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
-                       limit) * wg[:, None]  # [M, I] fp32
-    y = grouped_matmul(h.to(x.dtype), w2, offs, counts, fused)  # [M, d]
+    h = swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
+               limit, wg, x.dtype, fused_swiglu)  # [M, I]
+    y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
     per_pair = y.new_zeros(n * k, y.shape[1]).index_copy(0, pairs, y[rows])  # [N*k, d]
     return per_pair.view(n, k, y.shape[1]).sum(1, dtype=torch.float32)  # n may be 0 (an EP rank)
 
@@ -373,12 +400,14 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
 
 
 # --------------------------------------------------------------------------- index-set form
-def mask_to_index(mask: torch.Tensor) -> torch.Tensor:
-    """Key mask [..., T] -> the attended key indices [..., K] in ascending order (K = the
-    largest set; -1 = empty slot)."""
+def mask_to_index(mask: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """Key mask [..., T] -> the attended key indices [..., K] in ascending order (-1 = empty
+    slot). K = k, a bound on every row's set known to the caller (no wait for the GPU), else
+    the largest set (read from the GPU)."""
     t = mask.shape[-1]
     ar = torch.arange(t, device=mask.device)
-    k = int(mask.sum(-1).max().item()) if mask.numel() else 0
+    if k is None:
+        k = int(mask.sum(-1).max().item()) if mask.numel() else 0
     order = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :k]
     return torch.where(mask.gather(-1, order), order, -1)
 
