@@ -353,15 +353,6 @@ class Attention(nn.Module):
         compressed entry summed over this rank's heads [B, s, G] (detached)."""
         scale = self.head_dim ** -0.5
         n_raw = layout.shape[1]
-        if not use_kernels(self.cfg, q):
-            mask = layout.window_mask(self.window)[:, q_rows]  # [B, s, S]
-            if chosen is not None:
-                mask = torch.cat((mask, chosen), -1)
-            o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, scale, return_probs=want_probs)
-            return o, (probs[..., n_raw:].detach().sum(1) if want_probs else None)
-        from .kernels.sparse_attention import AttentionOptions
-        from .kernels.sparse_attention import sparse_attention as kernel
-
         b, s, h, d = q.shape
         row = torch.arange(b, device=q.device)[:, None, None] * keys.shape[1]  # row offsets in the key pool
         win = layout.window_index(self.window)[:, q_rows]  # [B, s, W]
@@ -371,9 +362,22 @@ class Attention(nn.Module):
             bound = min(self.indexer.topk, chosen.shape[-1]) if self.indexer is not None else chosen.shape[-1]
             picks = ops.mask_to_index(chosen, bound)  # [B, s, K]
             parts.append(torch.where(picks >= 0, picks + n_raw + row, -1))
-        idx = torch.cat(parts, -1).reshape(b * s, -1).to(torch.int32)  # [B*s, W + K] into [B*(S+G)] keys
+        idx = torch.cat(parts, -1).reshape(b * s, -1)  # [B*s, W + K] into [B*(S+G)] keys
+        if not use_kernels(self.cfg, q):
+            # The gather reference: W + K keys a query, not all S + G under a mask.
+            o, _, p = ops.sparse_attention_indexed(q.reshape(b * s, h, d), keys.reshape(-1, d), idx,
+                                                   self.attn_sink, scale, return_probs=True)
+            mass_c = None
+            if want_probs:  # [B*s, H, W + K] -> the chosen entries' mass, summed over heads [B, s, G]
+                g, mass = chosen.shape[-1], p[..., win.shape[-1]:].detach().sum(1)  # [B*s, K]
+                at = torch.where(picks >= 0, picks, g).reshape(b * s, -1)  # empty slots -> a spare column
+                mass_c = mass.new_zeros(b * s, g + 1).scatter_add_(1, at, mass)[:, :g].view(b, s, g)
+            return o.view(b, s, h, d), mass_c
+        from .kernels.sparse_attention import AttentionOptions
+        from .kernels.sparse_attention import sparse_attention as kernel
+
         c = self.cfg
-        o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx, self.attn_sink, scale,
+        o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx.to(torch.int32), self.attn_sink, scale,
                         deterministic=torch.are_deterministic_algorithms_enabled(),
                         options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
         mass_c = None
