@@ -453,9 +453,10 @@ def _moe(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, is_hash: bool)
               (F32 + BOOL) * E * t + I64 * t * k)
         L.add("MoE", f"combine: returned rows [{t * k}, {d}] bf16, pair order [{t * k}] int64",
               BF16 * t * k * d + I64 * t * k)
-    L.add("MoE", f"pair ids, pair rows, token ids [{P}] int64 x3", 3 * I64 * P)
-    L.add("MoE", f"index_copy sources: tokens and outputs [{P}, {d}] bf16, weights [{P}] fp32",
-          2 * BF16 * P * d + F32 * P)
+    # ops.routed_experts' dispatch and combine keep int maps only: the row of each of the P
+    # pairs computed here, the token of each grouped row, the routing weights' gather index
+    L.add("MoE", f"row of each pair [{P}] int64, token of each row and weight index [{M}] int64 x2",
+          I64 * (P + 2 * M))
     L.add("MoE", f"grouped tokens [{M}, {d}] bf16", BF16 * M * d)
     L.add("MoE", f"group offsets [{E_l}] int32", I32 * E_l)
     if lay.fused_elementwise:
@@ -722,28 +723,32 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # later; before: 31.589, 37.479, 48.869, 25.156, 27.164 GiB): the MoE no longer keeps a stacked
 # copy of its weights for the backward. 'kept' and the MoE entries are the walk's less those
 # copies, 3 x 2 B x E x I x d a layer = 1.8985 GiB over the model (derived, not walked again).
+# Peaks and states re-measured (`--measure`, H100, 2026-11-25) after the routed experts'
+# dispatch and combine stopped keeping their [t k, d] sources (before: 29.904, 35.769, 47.220,
+# 25.404, 26.948 unfused; 31.4, 25.2 fused). 'kept' and the MoE entries of the unfused walks are
+# the walk's less the ledger's difference (0.4221 / 0.8442 / 1.6885 GiB at 2k / 4k / 8k; the
+# ledger equals the saved tensors to the byte on CPU, test_plan_memory), not walked again.
 _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementwise off)
-    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.721, "kept": 5.6470, "peak": 29.904,
-     "modules": {"MoE": 2.1047, "Attention": 1.5064, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
+    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.727, "kept": 5.2249, "peak": 29.490,
+     "modules": {"MoE": 1.6826, "Attention": 1.5064, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
                  "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
                  "top-level": 0.0468, "_Column": 0.0261}},
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.712, "kept": 11.2630, "peak": 35.769,
-     "modules": {"MoE": 4.1113, "Attention": 3.0731, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.721, "kept": 10.4188, "peak": 34.936,
+     "modules": {"MoE": 3.2671, "Attention": 3.0731, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
                  "_Row": 0.334, "Compressor": 0.1796, "Linear": 0.1641, "Gate": 0.1204, "MTPBlock": 0.1202,
                  "top-level": 0.0943, "_Column": 0.0527}},
-    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.708, "kept": 22.6515, "peak": 47.220,
-     "modules": {"MoE": 8.1203, "Attention": 6.3833, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
+    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.718, "kept": 20.9630, "peak": 45.542,
+     "modules": {"MoE": 6.4318, "Attention": 6.3833, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
                  "_Row": 0.6678, "Compressor": 0.3595, "Linear": 0.3278, "Gate": 0.2403, "MTPBlock": 0.2399,
                  "top-level": 0.1882, "_Column": 0.1053}},
-    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.404},
-    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.948},
+    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.403},
+    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.692},
 ]
 MEASURED_1B = [{**p, "fused_elementwise": False} for p in _UNFUSED_1B] + [
-    # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25): train_gpu.py on an H100, that day
-    # (peak: the main table's and --ab's; states: --profile's memory outside the step); the
-    # forward's kept tensors and modules were not walked again (no GPU time left that session)
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.71, "peak": 31.4, "fused_elementwise": True},
-    {"seq": 4096, "recompute": True, "params": 2.52, "peak": 25.2, "fused_elementwise": True},
+    # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25); the forward's kept tensors and
+    # modules not walked on the fused path
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.716, "peak": 30.603, "fused_elementwise": True},
+    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "peak": 25.157, "fused_elementwise": True},
 ]
 CALIBRATION = Layout(seq=4096, mbs=1, global_batch=2, loss="lm", name="train_gpu.py")
 # accepted band of estimate / measured for the calibration rows (tests/test_plan_memory.py)

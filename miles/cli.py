@@ -135,7 +135,8 @@ def _submit(argv: list[str]) -> None:
     command = {"chat": "sft", "prompts": "rl"}.get(job.data.source, "run")
     workdir = Path.cwd()
     try:
-        entry = jobs.entrypoint(command, Path(args.job), args.overrides, run_dir, args.report, workdir)
+        entry = jobs.entrypoint(command, Path(args.job), args.overrides, run_dir, args.report, workdir,
+                                jobs.path_overrides(job, workdir))
     except jobs.SubmitError as e:
         print(f"miles submit: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -305,6 +305,47 @@ def test_preflight_names_what_is_wrong(tmp_path):
     assert bringup.check_shared(tmp_path / "runs").startswith(".miles-shared-check-")
 
 
+def test_submit_names_paths_as_the_job_finds_them_in_its_upload(tmp_path, monkeypatch):
+    """A submitted job runs in the uploaded copy of the working directory, which has no runs/,
+    checkpoints/ or data/: `make demo`'s second stage, `miles submit jobs/dapo_tiny.yaml
+    ckpt.hf=runs/<sft>/hf`, failed there ("no config.json"). The entrypoint keeps inputs inside
+    the upload relative and makes inputs outside it and outputs absolute, after the user's
+    overrides; loaded in a copy of the upload it names the same files as here."""
+    import shutil
+
+    from miles.cluster import jobs
+    from miles.config import load_job
+
+    here = tmp_path.resolve() / "checkout"
+    (here / "jobs").mkdir(parents=True)
+    shutil.copy(ROOT / "jobs" / "dapo_tiny.yaml", here / "jobs")
+    (here / "prompts").mkdir()
+    shutil.copy(ROOT / "miles" / "data" / "bundled" / "arith" / "train.jsonl", here / "prompts")
+    (here / "runs" / "sft" / "hf").mkdir(parents=True)
+    (here / "runs" / "sft" / "hf" / "config.json").write_text("{}")
+    outside = ROOT / "miles" / "data" / "bundled" / "arith" / "eval.jsonl"
+    monkeypatch.chdir(here)
+    given = ["data.path=prompts/train.jsonl", f"data.eval_path={outside}", "ckpt.hf=runs/sft/hf",
+             "ckpt.save_dir=ckpts", "ckpt.load=auto"]
+    job = load_job("jobs/dapo_tiny.yaml", given)
+    paths = jobs.path_overrides(job, here)
+    assert paths == ["data.path=prompts/train.jsonl", f"data.eval_path={outside}", f"ckpt.hf={here}/runs/sft/hf",
+                     f"ckpt.save_dir={here}/ckpts"], paths
+    entry = jobs.entrypoint("rl", Path("jobs/dapo_tiny.yaml"), given, "/runs/x", False, here, paths)
+    assert entry[:5] == ["python", "-m", "miles.cli", "rl", "jobs/dapo_tiny.yaml"]
+    assert entry[-1] == "log.run_dir=/runs/x"
+    without = jobs.entrypoint("rl", Path("jobs/dapo_tiny.yaml"), given, "/runs/x", False, here)  # as before
+
+    upload = tmp_path.resolve() / "upload"  # what the cluster unpacks: runs/ left out
+    shutil.copytree(here, upload, ignore=shutil.ignore_patterns("runs"))
+    monkeypatch.chdir(upload)
+    there = load_job(entry[4], entry[5:])
+    assert there.ckpt.hf == here / "runs" / "sft" / "hf" and there.ckpt.save_dir == here / "ckpts"
+    assert (there.data.path, there.data.eval_path) == (str(upload / "prompts" / "train.jsonl"), str(outside))
+    with pytest.raises(ValueError, match="ckpt.hf: runs/sft/hf: not an HF checkpoint directory"):
+        load_job(without[4], without[5:])
+
+
 def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

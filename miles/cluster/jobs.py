@@ -11,6 +11,7 @@ ckpt.save_dir, which on a multi-node cluster belong on a filesystem every node s
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -35,16 +36,45 @@ def job_id(name: str) -> str:
     return f"miles-{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
+# Job keys naming files or directories the job reads, and the one it writes (log.run_dir is
+# made absolute by `miles submit` itself).
+INPUT_KEYS = ("model.config", "data.path", "data.eval_path", "data.tokenizer", "ckpt.hf", "ckpt.load")
+OUTPUT_KEYS = ("ckpt.save_dir",)
+
+
+def path_overrides(job, working_dir: Path) -> list[str]:
+    """KEY=VALUE for each path the validated job names, as seen from here. An input inside
+    what is uploaded stays relative to the working directory (it travels with the job); any
+    other path becomes absolute, outputs always (the uploaded copy is discarded). The job runs
+    in that copy, so a relative path into runs/, checkpoints/ or data/ (never uploaded) would
+    name nothing there, e.g. `make demo`'s `ckpt.hf=runs/<sft>/hf`. On a multi-node cluster
+    such paths must be on a filesystem every node shares."""
+    root = working_dir.resolve()
+    not_uploaded = {e.strip("/") for e in EXCLUDES if e.startswith("/")}
+    out = []
+    for key in INPUT_KEYS + OUTPUT_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(job, section), name)
+        if value is None or (key, str(value)) in (("ckpt.load", "auto"), ("data.tokenizer", "tiny")):
+            continue
+        path = Path(os.path.abspath(value))
+        rel = path.relative_to(root) if path.is_relative_to(root) else None
+        uploaded = key in INPUT_KEYS and rel is not None and rel.parts and rel.parts[0] not in not_uploaded
+        out.append(f"{key}={rel if uploaded else path}")
+    return out
+
+
 def entrypoint(command: str, job_file: Path, overrides: list[str], run_dir: str, report: bool,
-               working_dir: Path) -> list[str]:
-    """The job's command on the cluster, run in the uploaded working directory."""
+               working_dir: Path, paths: list[str] = ()) -> list[str]:
+    """The job's command on the cluster, run in the uploaded working directory; `paths`
+    (path_overrides) come after the user's overrides and win."""
     try:
         rel = job_file.resolve().relative_to(working_dir.resolve())
     except ValueError:
         raise SubmitError(f"{job_file} is outside {working_dir}, the directory uploaded to the cluster: put the "
                           "job file under it (or submit from a directory that holds it)") from None
     kept = [o for o in overrides if not o.startswith("log.run_dir=")]  # replaced by the resolved one
-    return ["python", "-m", "miles.cli", command, str(rel), *kept, f"log.run_dir={run_dir}",
+    return ["python", "-m", "miles.cli", command, str(rel), *kept, *paths, f"log.run_dir={run_dir}",
             *(["--report"] if report else [])]
 
 

@@ -407,13 +407,56 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     n, k = idx.shape
     align = GROUP_ALIGN if fused else 1
     pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
-    xg = x.new_zeros(m, x.shape[1]).index_copy(0, rows, x[pairs // k])  # [M, d]
-    wg = weight.new_zeros(m).index_copy(0, rows, weight.flatten()[pairs].float())  # [M]
+    pair_of_row = torch.full((m,), -1, dtype=torch.long, device=idx.device).index_copy_(0, rows, pairs)  # [M]
+    row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=idx.device).index_copy_(0, pairs, rows)
+    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // k, -1)  # [M], -1: a padding row
+    xg = _Dispatch.apply(x, token_of_row, row_of_pair, k)  # [M, d]
+    wg = take_rows(weight.flatten().float(), pair_of_row)  # [M]
     h = swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
                limit, wg, x.dtype, fused_swiglu)  # [M, I]
     y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
-    per_pair = y.new_zeros(n * k, y.shape[1]).index_copy(0, pairs, y[rows])  # [N*k, d]
-    return per_pair.view(n, k, y.shape[1]).sum(1, dtype=torch.float32)  # n may be 0 (an EP rank)
+    return _Combine.apply(y, row_of_pair, token_of_row, k)  # [N, d] fp32; n may be 0 (an EP rank)
+
+
+def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [N, ...] -> x[idx] [M, ...], a zero row where idx is -1."""
+    pad = torch.cat((x, x.new_zeros(1, *x.shape[1:])))
+    return pad.index_select(0, torch.where(idx >= 0, idx, x.shape[0]))
+
+
+class _Dispatch(torch.autograd.Function):
+    """Tokens -> grouped rows: out[r] = x[token_of_row[r]]. Backward: each token's gradient is
+    the fp32 sum of its k rows' (row_of_pair: the row of pair token * k + slot, -1 if none).
+    Keeps the two int maps only (an index_copy kept its [P, d] source for the backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, row_of_pair: torch.Tensor, k: int):
+        ctx.save_for_backward(row_of_pair)
+        ctx.k = k
+        return take_rows(x, token_of_row)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (row_of_pair,) = ctx.saved_tensors
+        n, d = row_of_pair.numel() // ctx.k, g.shape[1]
+        return take_rows(g, row_of_pair).view(n, ctx.k, d).sum(1, dtype=torch.float32).to(g.dtype), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Grouped rows -> tokens: out[t] = sum over its k slots of y[row_of_pair[t * k + slot]]
+    (fp32, in slot order). Backward: each row gets its token's gradient (token_of_row)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, row_of_pair: torch.Tensor, token_of_row: torch.Tensor, k: int):
+        ctx.save_for_backward(token_of_row)
+        ctx.dtype = y.dtype
+        n, d = row_of_pair.numel() // k, y.shape[1]
+        return take_rows(y, row_of_pair).view(n, k, d).sum(1, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (token_of_row,) = ctx.saved_tensors
+        return take_rows(g, token_of_row).to(ctx.dtype), None, None, None
 
 
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
