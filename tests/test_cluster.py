@@ -333,6 +333,7 @@ def test_submit_names_paths_as_the_job_finds_them_in_its_upload(tmp_path, monkey
                      f"ckpt.save_dir={here}/ckpts"], paths
     entry = jobs.entrypoint("rl", Path("jobs/dapo_tiny.yaml"), given, "/runs/x", False, here, paths)
     assert entry[:5] == ["python", "-m", "miles.cli", "rl", "jobs/dapo_tiny.yaml"]
+    assert entry[5:-1] == ["ckpt.load=auto", *paths], entry  # each path once, as resolved here
     assert entry[-1] == "log.run_dir=/runs/x"
     without = jobs.entrypoint("rl", Path("jobs/dapo_tiny.yaml"), given, "/runs/x", False, here)  # as before
 

@@ -67,13 +67,14 @@ def path_overrides(job, working_dir: Path) -> list[str]:
 def entrypoint(command: str, job_file: Path, overrides: list[str], run_dir: str, report: bool,
                working_dir: Path, paths: list[str] = ()) -> list[str]:
     """The job's command on the cluster, run in the uploaded working directory; `paths`
-    (path_overrides) come after the user's overrides and win."""
+    (path_overrides) replace the user's overrides of the same keys."""
     try:
         rel = job_file.resolve().relative_to(working_dir.resolve())
     except ValueError:
         raise SubmitError(f"{job_file} is outside {working_dir}, the directory uploaded to the cluster: put the "
                           "job file under it (or submit from a directory that holds it)") from None
-    kept = [o for o in overrides if not o.startswith("log.run_dir=")]  # replaced by the resolved one
+    resolved = {"log.run_dir", *(p.split("=", 1)[0] for p in paths)}
+    kept = [o for o in overrides if o.split("=", 1)[0] not in resolved]  # replaced by the resolved ones
     return ["python", "-m", "miles.cli", command, str(rel), *kept, *paths, f"log.run_dir={run_dir}",
             *(["--report"] if report else [])]
 
