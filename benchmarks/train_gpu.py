@@ -93,25 +93,48 @@ def _set_norms(multi_tensor: bool) -> None:
     clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = scale
 
 
+class _UnfusedGates:
+    """ops.hc_pre / ops.hc_head with the mHC gates kernel off (the A/B's earlier rows)."""
+
+    def __init__(self):
+        from plugins.deepseek_v4 import ops
+
+        self.ops, self.pre, self.head = ops, ops.hc_pre, ops.hc_head
+
+    def set(self, on: bool) -> None:
+        pre, head = self.pre, self.head
+        self.ops.hc_pre = pre if on else (lambda *a, **k: pre(*a, **{**k, "gates": False}))
+        self.ops.hc_head = head if on else (lambda *a, **k: head(*a, **{**k, "gates": False}))
+
+
 def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
     """Median step with the changes switched on one by one (same model, same process)."""
-    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW, fused elementwise, recompute)
-        ("kernels on, none of the changes", False, False, False, False, False),
-        ("+ multi-tensor grad norm and scale", False, True, False, False, False),
-        ("+ fused AdamW", False, True, True, False, False),
-        ("+ TF32 fp32 projections", True, True, True, False, False),
-        ("+ fused norm/RoPE/SwiGLU (defaults)", True, True, True, True, False),
-        ("+ recompute (memory)", True, True, True, True, True),
+    keys = ("tf32", "norms", "adam", "elementwise", "gates", "recompute")
+    variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW, fused elementwise, mHC gates,
+        # recompute)
+        ("kernels on, none of the changes", False, False, False, False, False, False),
+        ("+ multi-tensor grad norm and scale", False, True, False, False, False, False),
+        ("+ fused AdamW", False, True, True, False, False, False),
+        ("+ TF32 fp32 projections", True, True, True, False, False, False),
+        ("+ fused norm/RoPE/SwiGLU", True, True, True, True, False, False),
+        ("+ fused mHC gates (defaults)", True, True, True, True, True, False),
+        ("+ recompute (memory)", True, True, True, True, True, True),
     ]
+    gates = _UnfusedGates()
     rows = []
-    for name, tf32, norms, fused, elementwise, recompute in variants + variants[::-1][1:]:  # there and back
-        c = w.model.config
-        c.tf32_projections, c.fused_elementwise, c.recompute = tf32, elementwise, recompute
-        _set_norms(norms)
-        _set_adam(w, fused)
-        torch.cuda.reset_peak_memory_stats()
-        ts = timed(lambda: w.train_step(mbs), steps)
-        rows.append((name, statistics.median(ts), min(ts), max(ts), torch.cuda.max_memory_allocated() / 2**30))
+    try:
+        for name, *flags in variants + variants[::-1][1:]:  # there and back
+            on = dict(zip(keys, flags, strict=True))
+            c = w.model.config
+            c.tf32_projections, c.fused_elementwise, c.recompute = on["tf32"], on["elementwise"], on["recompute"]
+            gates.set(on["gates"])
+            _set_norms(on["norms"])
+            _set_adam(w, on["adam"])
+            torch.cuda.reset_peak_memory_stats()
+            ts = timed(lambda: w.train_step(mbs), steps)
+            rows.append((name, statistics.median(ts), min(ts), max(ts), torch.cuda.max_memory_allocated() / 2**30))
+    finally:
+        gates.set(True)
     act = active_params(cfg, sum(p.numel() for p in w.model.parameters()))
     print(f"\n{torch.cuda.get_device_name()}  A/B, {steps} steps each (median, min, max); forward then back")
     print(f"{'variant':40s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s} "

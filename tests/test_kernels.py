@@ -315,6 +315,101 @@ def test_sinkhorn_kernel_matches_float64_reference(seed, lead, n, iters):
     assert rel(x.grad.cpu(), ref_in.grad) < 2e-6
 
 
+def gates64(mm, nrm, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float, width: int) -> list:
+    """hc_pre's gates (hc_head's with m = n) in float64 from the mixes' raw projection mm and
+    the streams' norm: the formula of DSV4.md, written out (oracle)."""
+    mix = mm * torch.rsqrt(nrm ** 2 / width + norm_eps)[..., None]
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    if mm.shape[-1] == n:
+        return [pre]
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    return [pre, post, sinkhorn64((mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)]
+
+
+# (leading shape, n, iters, full): V4's n = 4 and 20 iterations; rows not a multiple of the
+# block; n = 3 (padded tile); hc_head's gate (pre only); no rows at all
+GATE_CASES = [((3, 67), 4, 20, True), ((5, 7), 3, 3, True), ((2, 45), 4, 1, False), ((0, 4), 4, 20, True)]
+
+
+@pytest.mark.parametrize("lead,n,iters,full", GATE_CASES)
+def test_hc_gates_kernel_matches_float64_reference(seed, lead, n, iters, full):
+    """The fused mHC gates (normalisation of the mixes, the three sigmoid/Sinkhorn groups)
+    against float64 autograd of the formula: every output (NaN-poisoned first) and the
+    gradients of mm, the norm, base and scale (the last two summed over all rows, through the
+    kernel's per-program partials). fp32 on every device: rounding only."""
+    g = torch.Generator().manual_seed(seed)
+    m, width = (n * (n + 2) if full else n), 24 * n
+    mm = torch.randn(*lead, m, generator=g) * 3
+    nrm = (torch.rand(*lead, generator=g) + 0.2) * width ** 0.5
+    base = torch.randn(m, generator=g) * 0.5
+    scale = torch.rand(3 if full else 1, generator=g) + 0.5
+    ref_in = [t.double().requires_grad_() for t in (mm, nrm, base, scale)]
+    refs = gates64(*ref_in, n, iters, 1e-6, 1e-6, width)
+    cots = [torch.randn(r.shape, generator=g) for r in refs]
+    sum((r * c.double()).sum() for r, c in zip(refs, cots, strict=True)).backward()
+    ins = [t.to(DEV).requires_grad_() for t in (mm, nrm, base, scale)]
+    outs = mhc.hc_gates(*ins, n, iters, 1e-6, 1e-6, width)
+    if not full:
+        assert outs[1].numel() == outs[2].numel() == 0
+    outs = outs[:len(refs)]
+    sum((o * c.to(DEV)).sum() for o, c in zip(outs, cots, strict=True)).backward()
+    if not mm.numel():
+        assert all(o.shape == r.shape for o, r in zip(outs, refs, strict=True))
+        assert not ins[2].grad.any() and not ins[3].grad.any()
+        return
+    for o, r, name in zip(outs, refs, ["pre", "post", "comb"], strict=False):
+        assert o.dtype == torch.float32
+        assert rel(o.cpu(), r) < 1e-6, name
+    assert rel(ins[0].grad.cpu(), ref_in[0].grad) < 2e-6, "mm"
+    assert rel(ins[2].grad.cpu(), ref_in[2].grad) < 2e-6, "base"
+    # measured up to 3.7e-6 in 60 seeds: each row's norm gradient sums m signed terms
+    assert rel(ins[1].grad.cpu(), ref_in[1].grad) < 1e-5, "nrm"
+    # A scale's gradient sums over every row, and its terms can cancel: the fp32 error is
+    # relative to the summed size of the terms, sum |d mm * mm| / scale over its group.
+    terms = (ref_in[0].grad * mm.double()).abs()  # [..., m]
+    groups = [terms[..., :n], terms[..., n:2 * n], terms[..., 2 * n:]][:scale.numel()]
+    per_scale = torch.stack([t.sum() for t in groups]) / scale.double()
+    assert within_terms(ins[3].grad, ref_in[3].grad, per_scale) < 2e-6, "scale"
+
+
+def within_terms(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> float:
+    """Largest error of a summed quantity relative to the summed size of its terms."""
+    assert_finite(got, want)
+    return ((got.double().cpu() - want).abs() / terms.clamp_min(1e-300)).max().item()
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
+    """ops.hc_pre / ops.hc_head on the gates kernel (with the projection, the norm and the
+    stream sum around it) against float64 autograd of the unfused formula, all gradients."""
+    from plugins.deepseek_v4.ops import hc_head, hc_pre
+
+    n, d = 4, (1536 if CUDA else 40)
+    m = n * (n + 2) if full else n
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 37, n, d, generator=g).to(DTYPE).float()  # rounded once: both sides see the same x
+    fn = torch.randn(m, n * d, generator=g) * (n * d) ** -0.5
+    base, scale = torch.randn(m, generator=g) * 0.5, torch.rand(3 if full else 1, generator=g) + 0.5
+    ref_in = [t.double().requires_grad_() for t in (x, fn, base, scale)]
+    flat = ref_in[0].flatten(-2)
+    mm = flat @ ref_in[1].T
+    refs = gates64(mm, flat.norm(dim=-1), ref_in[2], ref_in[3], n, 20, 1e-6, 1e-6, n * d)
+    u = torch.einsum("bsn,bsnd->bsd", refs[0], ref_in[0])
+    refs = [u, *refs[1:]]
+    cots = [torch.randn(r.shape, generator=g) for r in refs]
+    sum((r * c.double()).sum() for r, c in zip(refs, cots, strict=True)).backward()
+    ins = [x.to(DEV, DTYPE).requires_grad_()] + [t.to(DEV).requires_grad_() for t in (fn, base, scale)]
+    if full:
+        outs = hc_pre(*ins, 1e-6, 1e-6, 20, fused=True, tf32=CUDA, gates=True)
+    else:
+        outs = (hc_head(*ins, 1e-6, 1e-6, fused=True, tf32=CUDA, gates=True),)
+    sum((o.float() * c.to(DEV)).sum() for o, c in zip(outs, cots, strict=True)).backward()
+    for o, r, name in zip(outs, refs, ["u", "post", "comb"], strict=False):
+        assert rel(o.float().cpu(), r) < TOL, name
+    for got, want, name in zip(ins, ref_in, ["x", "fn", "base", "scale"], strict=True):
+        assert rel(got.grad.float().cpu(), want.grad) < TOL, name
+
+
 @pytest.mark.parametrize("n,k,n_experts", [(300, 4, 8), (37, 2, 5)])
 def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
     """The fused routed-expert path (bf16 grouped GEMMs over padded expert groups) against

@@ -652,7 +652,7 @@ class Block(nn.Module):
         c = self.cfg
         return ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                           getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                          fused=fused, tf32=use_tf32(c, x))
+                          fused=fused, tf32=use_tf32(c, x), gates=use_fused(c, x))
 
     def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, d] -> [B, S, n, d]."""
@@ -686,7 +686,7 @@ def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype)
 def head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, x: torch.Tensor) -> torch.Tensor:
     """Streams [B, S, n, d] -> normed hidden [B, S, d] for the LM head."""
     y = ops.hc_head(x, mod.hc_head_fn, mod.hc_head_base, mod.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps,
-                    fused=use_kernels(cfg, x), tf32=use_tf32(cfg, x))
+                    fused=use_kernels(cfg, x), tf32=use_tf32(cfg, x), gates=use_fused(cfg, x))
     return mod.norm(y)
 
 

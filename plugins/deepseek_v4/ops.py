@@ -194,13 +194,29 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, tf32: bool = Fa
     return fp32_linear(flat, fn, tf32) * torch.rsqrt(ms + norm_eps)
 
 
+def _hc_gates_fused(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                    hc_eps: float, iters: int, tf32: bool):
+    """The Triton gates kernel on the mixes' raw projection and the streams' norm."""
+    from .kernels.mhc import hc_gates
+
+    flat = x.flatten(-2)  # [B, S, n*d]
+    nrm = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32)  # [B, S]
+    return hc_gates(fp32_linear(flat, fn, tf32), nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps,
+                    flat.shape[-1])
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-           hc_eps: float, iters: int, fused: bool = False, tf32: bool = False
+           hc_eps: float, iters: int, fused: bool = False, tf32: bool = False, gates: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
     Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32).
     fused: the Triton Sinkhorn and stream sum (one launch each way) instead of this file's
-    reference."""
+    reference; gates (with fused): the normalisation, sigmoids and Sinkhorn in one kernel."""
+    if fused and gates:
+        from .kernels.mhc import weighted_sum
+
+        pre, post, comb = _hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, iters, tf32)
+        return weighted_sum(pre, x), post, comb
     if fused:
         from .kernels.mhc import sinkhorn as sinkhorn_fn
         from .kernels.mhc import weighted_sum
@@ -229,12 +245,16 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float, fused: bool = False, tf32: bool = False) -> torch.Tensor:
-    """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i."""
-    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
+            hc_eps: float, fused: bool = False, tf32: bool = False, gates: bool = False) -> torch.Tensor:
+    """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i.
+    fused / gates: as hc_pre's."""
     if fused:
         from .kernels.mhc import weighted_sum
 
+        if gates:
+            return weighted_sum(_hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, 1, tf32)[0], x)
+    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
+    if fused:
         return weighted_sum(pre, x)
     return torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
 

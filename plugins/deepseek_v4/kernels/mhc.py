@@ -32,12 +32,50 @@ def _start(L, r0, R, n, NP: tl.constexpr, BLOCK: tl.constexpr):
     offs = r[:, None, None] * n * n + i[None, :, None] * n + i[None, None, :]
     mask = (r < R)[:, None, None] & (i < n)[None, :, None] & (i < n)[None, None, :]
     x = tl.load(L + offs, mask=mask, other=float("-inf"))
+    return offs, mask, _softmax(x, mask)
+
+
+@triton.jit
+def _softmax(x, mask):
+    """Row softmax of a [BLOCK, NP, NP] tile whose padding is -inf (padding -> 0)."""
     mx = tl.max(x, 2)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # padded rows: no NaN
     e = tl.where(mask, tl.exp(x - mx[:, :, None]), 0.0)
     den = tl.sum(e, 2)
-    p = e / tl.where(den == 0.0, 1.0, den)[:, :, None]
-    return offs, mask, p
+    return e / tl.where(den == 0.0, 1.0, den)[:, :, None]
+
+
+@triton.jit
+def _sinkhorn_tile(p, mask, iters, eps):
+    """The normalisation steps after the softmax p (see the module docstring)."""
+    m = _norm(tl.where(mask, p + eps, 0.0), eps, False)
+    for _ in range(iters - 1):
+        m = _norm(_norm(m, eps, True), eps, False)
+    return m
+
+
+@triton.jit
+def _sinkhorn_tile_bwd(p, mask, dy, BUF, sb, live, iters, eps, NP: tl.constexpr):
+    """d logits of the Sinkhorn of softmax p for the output gradient dy: recompute the steps,
+    keeping each one's input in BUF (offsets sb, [BLOCK, steps, NP, NP]), and walk them back."""
+    steps = 2 * iters - 1
+    z = tl.where(mask, p + eps, 0.0)
+    for k in range(steps):  # step 0 and even steps normalise columns, odd steps rows
+        tl.store(BUF + sb + k * NP * NP, z, mask=live)
+        if k % 2 == 1:
+            z = _norm(z, eps, True)
+        else:
+            z = _norm(z, eps, False)
+    for kk in range(steps):
+        k = steps - 1 - kk
+        z = tl.load(BUF + sb + k * NP * NP, mask=live, other=0.0)
+        if k % 2 == 1:
+            dy = _norm_bwd(z, dy, eps, True)
+        else:
+            dy = _norm_bwd(z, dy, eps, False)
+        # padding (n < NP): z = 0 there but dy / eps would grow to inf and turn 0 * inf into NaN
+        dy = tl.where(mask, dy, 0.0)
+    return p * (dy - tl.sum(dy * p, 2)[:, :, None])  # d(p + eps) = dp; softmax backward
 
 
 @triton.jit
@@ -62,41 +100,27 @@ def _norm_bwd(z, dy, eps, ROWS: tl.constexpr):
 @triton.jit
 def _fwd(L, OUT, R, n, iters, eps, NP: tl.constexpr, BLOCK: tl.constexpr):
     offs, mask, p = _start(L, tl.program_id(0) * BLOCK, R, n, NP, BLOCK)
-    m = _norm(tl.where(mask, p + eps, 0.0), eps, False)
-    for _ in range(iters - 1):
-        m = _norm(_norm(m, eps, True), eps, False)
-    tl.store(OUT + offs, m, mask=mask)
+    tl.store(OUT + offs, _sinkhorn_tile(p, mask, iters, eps), mask=mask)
 
 
 @triton.jit
 def _bwd(L, DY, DL, BUF, R, n, iters, eps, NP: tl.constexpr, BLOCK: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK
     offs, mask, p = _start(L, r0, R, n, NP, BLOCK)
-    steps = 2 * iters - 1
-    # scratch of step inputs, [R, steps, NP, NP]; padding entries are stored (as 0) too
+    sb, live = _scratch(r0, R, iters, NP, BLOCK)
+    dy = tl.load(DY + offs, mask=mask, other=0.0)
+    tl.store(DL + offs, _sinkhorn_tile_bwd(p, mask, dy, BUF, sb, live, iters, eps, NP), mask=mask)
+
+
+@triton.jit
+def _scratch(r0, R, iters, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets and mask of rows r0.. in the [R, 2 * iters - 1, NP, NP] step scratch (padding
+    entries are stored, as 0, too)."""
     r = r0 + tl.arange(0, BLOCK)
     i = tl.arange(0, NP)
-    sb = (r.to(tl.int64)[:, None, None] * steps * NP * NP + i[None, :, None] * NP + i[None, None, :])
+    sb = r.to(tl.int64)[:, None, None] * (2 * iters - 1) * NP * NP + i[None, :, None] * NP + i[None, None, :]
     live = (r < R)[:, None, None] & (i < NP)[None, :, None] & (i < NP)[None, None, :]
-    z = tl.where(mask, p + eps, 0.0)
-    for k in range(steps):  # step 0 and even steps normalise columns, odd steps rows
-        tl.store(BUF + sb + k * NP * NP, z, mask=live)
-        if k % 2 == 1:
-            z = _norm(z, eps, True)
-        else:
-            z = _norm(z, eps, False)
-    dy = tl.load(DY + offs, mask=mask, other=0.0)
-    for kk in range(steps):
-        k = steps - 1 - kk
-        z = tl.load(BUF + sb + k * NP * NP, mask=live, other=0.0)
-        if k % 2 == 1:
-            dy = _norm_bwd(z, dy, eps, True)
-        else:
-            dy = _norm_bwd(z, dy, eps, False)
-        # padding (n < NP): z = 0 there but dy / eps would grow to inf and turn 0 * inf into NaN
-        dy = tl.where(mask, dy, 0.0)
-    dx = p * (dy - tl.sum(dy * p, 2)[:, :, None])  # d(p + eps) = dp; softmax backward
-    tl.store(DL + offs, dx, mask=mask)
+    return sb, live
 
 
 def _launch(kernel, r: int, *args, n: int):
@@ -137,6 +161,150 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if iters < 1:
         raise ValueError(f"sinkhorn kernel: iters must be >= 1, got {iters}")
     return _Sinkhorn.apply(logits, iters, eps)
+
+
+# --------------------------------------------------------------------------- mHC gates
+# From the mixes' projection mm = flat(X) @ fn^T [R, m] and the streams' norm nrm = |flat(X)|
+# [R] (K = n * d wide): mix = mm * rsqrt(nrm^2 / K + norm_eps); pre = sigmoid(mix[:n] s0 +
+# b[:n]) + hc_eps; post = 2 sigmoid(mix[n:2n] s1 + b[n:2n]); comb = Sinkhorn(mix[2n:] s2 +
+# b[2n:]) [n, n]. The reference takes about 13 launches forward and 45 backward around its
+# Sinkhorn per site; here one each way, plus the sums of the per-program base and scale
+# gradients. FULL = False is hc_head's gate (m = n: pre only).
+
+
+@triton.jit
+def _gate_inputs(MM, NRM, BASE, SCALE, r0, R, n, m, K, norm_eps, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows r0..: their row index r, norm nrm, rs = rsqrt(nrm^2 / K + eps), the pre group's
+    mask, raw mm and logits [BLOCK, NP]."""
+    r = (r0 + tl.arange(0, BLOCK)).to(tl.int64)
+    i = tl.arange(0, NP)
+    nrm = tl.load(NRM + r, mask=r < R, other=0.0)
+    rs = tl.rsqrt(nrm * nrm / K + norm_eps)
+    vm = (r < R)[:, None] & (i < n)[None, :]
+    raw = tl.load(MM + r[:, None] * m + i[None, :], mask=vm, other=0.0)
+    logit = raw * rs[:, None] * tl.load(SCALE) + tl.load(BASE + i, mask=i < n, other=0.0)[None, :]
+    return r, nrm, rs, vm, raw, logit
+
+
+@triton.jit
+def _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, NP: tl.constexpr):
+    """comb's [BLOCK, NP, NP] tile: offsets ij within a matrix, mask, raw mm and logits."""
+    i = tl.arange(0, NP)
+    ij = i[:, None] * n + i[None, :]
+    mask = (r < R)[:, None, None] & ((i < n)[:, None] & (i < n)[None, :])[None]
+    raw = tl.load(MM + r[:, None, None] * m + 2 * n + ij[None], mask=mask, other=0.0)
+    b = tl.load(BASE + 2 * n + ij, mask=(i < n)[:, None] & (i < n)[None, :], other=0.0)
+    logit = tl.where(mask, raw * rs[:, None, None] * tl.load(SCALE + 2) + b[None], float("-inf"))
+    return ij, mask, raw, logit
+
+
+@triton.jit
+def _gates_fwd(MM, NRM, BASE, SCALE, PRE, POST, COMB, R, n, m, K, iters, hc_eps, norm_eps,
+               NP: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    r, nrm, rs, vm, raw, a = _gate_inputs(MM, NRM, BASE, SCALE, tl.program_id(0) * BLOCK, R, n, m, K, norm_eps,
+                                          NP, BLOCK)
+    i = tl.arange(0, NP)
+    tl.store(PRE + r[:, None] * n + i[None, :], tl.sigmoid(a) + hc_eps, mask=vm)
+    if FULL:
+        raw_b = tl.load(MM + r[:, None] * m + n + i[None, :], mask=vm, other=0.0)
+        b = raw_b * rs[:, None] * tl.load(SCALE + 1) + tl.load(BASE + n + i, mask=i < n, other=0.0)[None, :]
+        tl.store(POST + r[:, None] * n + i[None, :], 2 * tl.sigmoid(b), mask=vm)
+        ij, mask, raw_c, c = _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, NP)
+        comb = _sinkhorn_tile(_softmax(c, mask), mask, iters, hc_eps)
+        tl.store(COMB + r[:, None, None] * n * n + ij[None], comb, mask=mask)
+
+
+@triton.jit
+def _gates_bwd(MM, NRM, BASE, SCALE, DPRE, DPOST, DCOMB, DMM, DNRM, DBASE, DSCALE, BUF, R, n, m, K, iters,
+               hc_eps, norm_eps, NP: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    pid = tl.program_id(0)
+    r0 = pid * BLOCK
+    r, nrm, rs, vm, raw, a = _gate_inputs(MM, NRM, BASE, SCALE, r0, R, n, m, K, norm_eps, NP, BLOCK)
+    i = tl.arange(0, NP)
+    sa = tl.sigmoid(a)
+    da = tl.load(DPRE + r[:, None] * n + i[None, :], mask=vm, other=0.0) * sa * (1 - sa)  # d logit
+    # per program: d base = sum of d logit, d scale = sum of d logit * mix; d mm = d mix * rs
+    tl.store(DBASE + pid * m + i, tl.sum(da, 0), mask=i < n)
+    s0 = tl.load(SCALE)
+    tl.store(DMM + r[:, None] * m + i[None, :], da * s0 * rs[:, None], mask=vm)
+    drs = tl.sum(da * s0 * raw, 1)  # [BLOCK]: d rs = sum over the row of d mix * mm
+    if FULL:
+        tl.store(DSCALE + pid * 3, tl.sum(tl.sum(da * raw, 1) * rs, 0))
+        raw_b = tl.load(MM + r[:, None] * m + n + i[None, :], mask=vm, other=0.0)
+        s1 = tl.load(SCALE + 1)
+        sb = tl.sigmoid(raw_b * rs[:, None] * s1 + tl.load(BASE + n + i, mask=i < n, other=0.0)[None, :])
+        db = tl.load(DPOST + r[:, None] * n + i[None, :], mask=vm, other=0.0) * 2 * sb * (1 - sb)
+        tl.store(DBASE + pid * m + n + i, tl.sum(db, 0), mask=i < n)
+        tl.store(DSCALE + pid * 3 + 1, tl.sum(tl.sum(db * raw_b, 1) * rs, 0))
+        tl.store(DMM + r[:, None] * m + n + i[None, :], db * s1 * rs[:, None], mask=vm)
+        drs += tl.sum(db * s1 * raw_b, 1)
+        ij, mask, raw_c, c = _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, NP)
+        s2 = tl.load(SCALE + 2)
+        sbuf, live = _scratch(r0, R, iters, NP, BLOCK)
+        dy = tl.load(DCOMB + r[:, None, None] * n * n + ij[None], mask=mask, other=0.0)
+        dc = tl.where(mask, _sinkhorn_tile_bwd(_softmax(c, mask), mask, dy, BUF, sbuf, live, iters, hc_eps, NP), 0.0)
+        tl.store(DBASE + pid * m + 2 * n + ij, tl.sum(dc, 0), mask=(i < n)[:, None] & (i < n)[None, :])
+        tl.store(DSCALE + pid * 3 + 2, tl.sum(tl.sum(tl.sum(dc * raw_c, 2), 1) * rs, 0))
+        tl.store(DMM + r[:, None, None] * m + 2 * n + ij[None], dc * s2 * rs[:, None, None], mask=mask)
+        drs += tl.sum(tl.sum(dc * s2 * raw_c, 2), 1)
+    else:
+        tl.store(DSCALE + pid, tl.sum(tl.sum(da * raw, 1) * rs, 0))
+    # rs = (nrm^2 / K + eps)^(-1/2): d nrm = d rs * (-rs^3 nrm / K)
+    tl.store(DNRM + r, -drs * rs * rs * rs * nrm / K, mask=r < R)
+
+
+class _Gates(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mm, nrm, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float, width: int):
+        *lead, m = mm.shape
+        full = m != n
+        mm2, nrm2 = mm.float().reshape(-1, m).contiguous(), nrm.float().reshape(-1).contiguous()
+        base, scale = base.float().contiguous(), scale.float().contiguous()
+        r = nrm2.numel()
+        pre = new_output((*lead, n), mm2, torch.float32)
+        post = new_output((*lead, n if full else 0), mm2, torch.float32)
+        comb = new_output((*lead, n if full else 0, n if full else 0), mm2, torch.float32)
+        if r:
+            _gates_fwd[(triton.cdiv(r, BLOCK_R),)](mm2, nrm2, base, scale, pre, post, comb, r, n, m, float(width),
+                                                   iters, hc_eps, norm_eps, NP=triton.next_power_of_2(n),
+                                                   BLOCK=BLOCK_R, FULL=full)
+        ctx.save_for_backward(mm2, nrm2, base, scale)
+        ctx.args = (n, iters, hc_eps, norm_eps, width, full, mm.shape, nrm.shape)
+        return pre, post, comb
+
+    @staticmethod
+    def backward(ctx, dpre, dpost, dcomb):
+        mm2, nrm2, base, scale = ctx.saved_tensors
+        n, iters, hc_eps, norm_eps, width, full, mm_shape, nrm_shape = ctx.args
+        r, m = mm2.shape
+        progs, np_ = triton.cdiv(r, BLOCK_R), triton.next_power_of_2(n)
+        dmm, dnrm = new_output(mm2.shape, mm2, torch.float32), new_output(nrm2.shape, mm2, torch.float32)
+        dbase = new_output((progs, m), mm2, torch.float32)
+        dscale = new_output((progs, scale.numel()), mm2, torch.float32)
+        if r:
+            buf = torch.empty(r if full else 1, 2 * iters - 1 if full else 1, np_, np_, device=mm2.device,
+                              dtype=torch.float32)
+            _gates_bwd[(progs,)](mm2, nrm2, base, scale, dpre.float().contiguous(), dpost.float().contiguous(),
+                                 dcomb.float().contiguous(), dmm, dnrm, dbase, dscale, buf, r, n, m, float(width),
+                                 iters, hc_eps, norm_eps, NP=np_, BLOCK=BLOCK_R, FULL=full)
+        return (dmm.view(mm_shape), dnrm.view(nrm_shape), dbase.sum(0), dscale.sum(0), None, None, None, None,
+                None)
+
+
+def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+             hc_eps: float, norm_eps: float, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC's gates from mm = flat(X) @ fn^T [..., m] and nrm = |flat(X)|_2 [...] of a `width`
+    = n * d wide flat(X): pre, post [..., n] and comb [..., n, n], fp32, as `ops.hc_pre` computes
+    them (m = n(n + 2)); m = n is hc_head's gate (pre only; post and comb come back empty)."""
+    m = mm.shape[-1]
+    if m not in (n, n * (n + 2)):
+        raise ValueError(f"hc_gates: mm has {m} columns; expected n = {n} or n(n + 2) = {n * (n + 2)}")
+    if mm.shape[:-1] != nrm.shape or base.numel() != m or scale.numel() != (3 if m != n else 1):
+        raise ValueError(f"hc_gates: mm {list(mm.shape)}, nrm {list(nrm.shape)}, base {list(base.shape)}, "
+                         f"scale {list(scale.shape)} do not fit together")
+    if iters < 1:
+        raise ValueError(f"hc_gates: iters must be >= 1, got {iters}")
+    return _Gates.apply(mm, nrm, base, scale, n, iters, hc_eps, norm_eps, width)
 
 
 # --------------------------------------------------------------------------- stream mixing
