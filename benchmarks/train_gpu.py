@@ -7,7 +7,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py [--config 1b|small_50m] [--seq 4096] [--steps 6] [--peak-tflops 989]
     python3 benchmarks/train_gpu.py --ab        # each speed change undone (same process)
     python3 benchmarks/train_gpu.py --ab --stacking  # and stacked vs per-expert routed weights
-    python3 benchmarks/train_gpu.py --profile   # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --profile [--graphs]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
@@ -109,16 +109,17 @@ class _UnfusedGates:
 
 def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
     """Median step with the changes switched on one by one (same model, same process)."""
-    keys = ("tf32", "norms", "adam", "elementwise", "gates", "recompute")
+    keys = ("tf32", "norms", "adam", "elementwise", "gates", "graphs", "recompute")
     variants = [  # (name, tf32 projections, multi-tensor norm/scale, fused AdamW, fused elementwise, mHC gates,
-        # recompute)
-        ("kernels on, none of the changes", False, False, False, False, False, False),
-        ("+ multi-tensor grad norm and scale", False, True, False, False, False, False),
-        ("+ fused AdamW", False, True, True, False, False, False),
-        ("+ TF32 fp32 projections", True, True, True, False, False, False),
-        ("+ fused norm/RoPE/SwiGLU", True, True, True, True, False, False),
-        ("+ fused mHC gates (defaults)", True, True, True, True, True, False),
-        ("+ recompute (memory)", True, True, True, True, True, True),
+        # CUDA graphs, recompute)
+        ("kernels on, none of the changes", False, False, False, False, False, False, False),
+        ("+ multi-tensor grad norm and scale", False, True, False, False, False, False, False),
+        ("+ fused AdamW", False, True, True, False, False, False, False),
+        ("+ TF32 fp32 projections", True, True, True, False, False, False, False),
+        ("+ fused norm/RoPE/SwiGLU", True, True, True, True, False, False, False),
+        ("+ fused mHC gates (defaults)", True, True, True, True, True, False, False),
+        ("+ CUDA graphs", True, True, True, True, True, True, False),
+        ("defaults + recompute (memory)", True, True, True, True, True, False, True),
     ]
     gates = _UnfusedGates()
     rows = []
@@ -127,6 +128,7 @@ def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
             on = dict(zip(keys, flags, strict=True))
             c = w.model.config
             c.tf32_projections, c.fused_elementwise, c.recompute = on["tf32"], on["elementwise"], on["recompute"]
+            c.cuda_graphs = on["graphs"]
             gates.set(on["gates"])
             _set_norms(on["norms"])
             _set_adam(w, on["adam"])
@@ -329,6 +331,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print where one V4 step's time and memory go")
     ap.add_argument("--syncs", action="store_true", help="print where one step synchronizes with the GPU")
     ap.add_argument("--ab", action="store_true", help="the step with each speed change undone, in one process")
+    ap.add_argument("--graphs", action="store_true", help="with --profile or --syncs: CUDA graphs on")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
@@ -346,8 +349,9 @@ def main() -> None:
     host, port = w.rendezvous_address()
     w.init_distributed(host, port)
 
-    def build(kernels: str, edit=None) -> int:
-        total = w.build_model({**cfg.to_dict(), "kernels": kernels}, seed=0, dtype="bfloat16")
+    def build(kernels: str, edit=None, graphs: bool = False) -> int:
+        total = w.build_model({**cfg.to_dict(), "kernels": kernels, "cuda_graphs": graphs}, seed=0,
+                              dtype="bfloat16")
         if edit is not None:  # a variant of the model's modules, before DDP and the optimizer see them
             edit(w.model)
         w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
@@ -362,7 +366,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
 
     if a.profile or a.syncs:
-        build("triton")
+        build("triton", graphs=a.graphs)
         sync_sites(w, mbs) if a.syncs else profile_step(w, mbs)
         return
     if a.compile != "none":
@@ -378,8 +382,10 @@ def main() -> None:
         return
     runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit
-    for kernels, name in (("torch", "DeepSeek-V4, kernels off"), ("triton", "DeepSeek-V4, kernels on")):
-        total = build(kernels)
+    for kernels, graphs, name in (("torch", False, "DeepSeek-V4, kernels off"),
+                                  ("triton", False, "DeepSeek-V4, kernels on"),
+                                  ("triton", True, "DeepSeek-V4, kernels on, CUDA graphs")):
+        total = build(kernels, graphs=graphs)
         try:
             ts = timed(lambda: w.train_step(mbs), a.steps)
         except torch.OutOfMemoryError:
@@ -414,7 +420,7 @@ def main() -> None:
         tps = tokens / med
         print(f"{name:34s} {tot / 1e9:7.2f}B {act / 1e9:7.2f}B {med * 1e3:9.1f} {tps:9,.0f} "
               f"{6 * act * tps / peak:6.1%} {mem:9.1f}")
-    off, on = runs[0][3], runs[1][3]
+    off, on = runs[0][3], runs[2][3] or runs[1][3]
     if on and off:
         print(f"V4 kernels on / off tokens/s: {statistics.median(off) / statistics.median(on):.2f}x")
     if on:

@@ -62,7 +62,7 @@ ReasoningEffort = Literal["low", "high", "xhigh", "max"]  # deepseek-recipe's re
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
 # model.<name>, not overrides: they change how the model computes, not its weights
 KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks", "tf32_projections",
-                   "fused_elementwise", "recompute")
+                   "fused_elementwise", "recompute", "cuda_graphs")
 
 
 class ModelConfig(Section):
@@ -77,6 +77,7 @@ class ModelConfig(Section):
     tf32_projections: Bool = True  # bf16 on CUDA: fp32 projections on TF32 tensor cores (exact bf16 products)
     fused_elementwise: Bool = True  # GPU kernels on: RMSNorm, RoPE, SwiGLU fused (off: PyTorch ops)
     recompute: Bool = False  # keep block inputs only, run each block again in the backward (memory for compute)
+    cuda_graphs: Bool = False  # CUDA training: each block's forward and backward as one CUDA graph each
     _arch: DeepSeekV4Config = PrivateAttr()
 
     @model_validator(mode="after")

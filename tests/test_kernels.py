@@ -5,6 +5,8 @@ Runs on CUDA (bf16, several shapes) and, without a GPU, under Triton's CPU inter
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import assert_finite
@@ -366,10 +368,15 @@ def test_hc_gates_kernel_matches_float64_reference(seed, lead, n, iters, full):
     assert rel(ins[1].grad.cpu(), ref_in[1].grad) < 1e-5, "nrm"
     # A scale's gradient sums over every row, and its terms can cancel: the fp32 error is
     # relative to the summed size of the terms, sum |d mm * mm| / scale over its group.
-    terms = (ref_in[0].grad * mm.double()).abs()  # [..., m]
+    assert within_terms(ins[3].grad, ref_in[3].grad, scale_terms(ref_in[0].grad, mm, n, scale)) < 2e-6, "scale"
+
+
+def scale_terms(dmm: torch.Tensor, mm: torch.Tensor, n: int, scale: torch.Tensor) -> torch.Tensor:
+    """The summed size of the terms of each mHC scale's gradient: sum |d mm * mm| over the
+    scale's group of columns and all rows, over the scale (d scale = sum d logit * mix)."""
+    terms = (dmm * mm.double()).abs()  # [..., m]
     groups = [terms[..., :n], terms[..., n:2 * n], terms[..., 2 * n:]][:scale.numel()]
-    per_scale = torch.stack([t.sum() for t in groups]) / scale.double()
-    assert within_terms(ins[3].grad, ref_in[3].grad, per_scale) < 2e-6, "scale"
+    return torch.stack([t.sum() for t in groups]) / scale.double()
 
 
 def within_terms(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> float:
@@ -393,6 +400,7 @@ def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     ref_in = [t.double().requires_grad_() for t in (x, fn, base, scale)]
     flat = ref_in[0].flatten(-2)
     mm = flat @ ref_in[1].T
+    mm.retain_grad()
     refs = gates64(mm, flat.norm(dim=-1), ref_in[2], ref_in[3], n, 20, 1e-6, 1e-6, n * d)
     u = torch.einsum("bsn,bsnd->bsd", refs[0], ref_in[0])
     refs = [u, *refs[1:]]
@@ -406,8 +414,10 @@ def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     sum((o.float() * c.to(DEV)).sum() for o, c in zip(outs, cots, strict=True)).backward()
     for o, r, name in zip(outs, refs, ["u", "post", "comb"], strict=False):
         assert rel(o.float().cpu(), r) < TOL, name
-    for got, want, name in zip(ins, ref_in, ["x", "fn", "base", "scale"], strict=True):
+    for got, want, name in zip(ins[:3], ref_in[:3], ["x", "fn", "base"], strict=True):
         assert rel(got.grad.float().cpu(), want.grad) < TOL, name
+    # a scale's gradient sums over all rows (see the kernel test)
+    assert within_terms(ins[3].grad, ref_in[3].grad, scale_terms(mm.grad, mm.detach(), n, scale)) < TOL, "scale"
 
 
 @pytest.mark.parametrize("n,k,n_experts", [(300, 4, 8), (37, 2, 5)])
@@ -770,3 +780,70 @@ def test_chunked_head_logprobs_match_the_full_logits(seed, tf32, monkeypatch):
         runs.append([t.detach().double().cpu() for t in (lp, ent, y.grad, w.grad)])
     for name, a, b in zip(("logprobs", "entropy", "d y", "d w"), runs[1], runs[0], strict=True):
         assert rel(a, b) < (1e-2 if CUDA else 1e-5), name  # bf16 gradients: a few ulps of 2^-8
+
+
+def _graph_steps(w, cfg: dict, graphs: bool, batches: list) -> list[dict]:
+    w.build_model({**cfg, "cuda_graphs": graphs}, seed=0, dtype="bfloat16", deterministic=True)
+    w.setup_training(lr=1e-3, warmup_steps=0, total_steps=100)
+    out = [w.train_step(mbs, checksums=True) for mbs in batches]
+    if graphs:
+        assert w.model._graphs.captures == 1  # one signature, captured once, replayed since
+    w.ddp.grad_accs.clear()  # its hooks hold the model in a cycle through C++
+    w.model = w.ddp = w.opt = w.sched = None
+    return out
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
+def test_graphed_training_steps_equal_eager_steps_bitwise(seed, monkeypatch):
+    """config.cuda_graphs through the trainer (Megatron DDP, bf16, deterministic kernels): three
+    steps of two micro-batches, each step's rows packed with fresh documents of fresh lengths,
+    give the eager steps' losses, grad norm and the MD5 of every reduced gradient bit for bit;
+    a fourth step of another length runs eagerly, with a warning, and agrees too.
+    Guards inputs not copied into the graphs, a layout or RoPE table frozen at capture, the
+    capture's warm-up counted into the experts' loads (step 2 routes by the bias they set),
+    and aux terms lost on the way out of a graph."""
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from miles.train.batching import MicroBatch
+    from miles.train.worker import TrainWorker
+    from plugins.deepseek_v4 import DeepSeekV4Config
+    from plugins.deepseek_v4.determinism import disable_deterministic
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    cfg = DeepSeekV4Config.tiny(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, head_dim=128,
+        qk_rope_head_dim=64, q_lora_rank=128, o_groups=4, o_lora_rank=64, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=128, index_n_heads=4, index_head_dim=64, index_topk=32,
+        compress_ratios=[4, 16, 0, 0], num_hash_layers=1, sliding_window=64, kernels="triton").to_dict()
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for s in (512, 512, 512, 384):  # the last step's shape was not captured: it runs eagerly
+        mbs = []
+        for _ in range(2):
+            cuts = sorted(torch.randperm(s - 2, generator=g)[:3].add(1).tolist())
+            doc = torch.zeros(s, dtype=torch.long)
+            for c in cuts:
+                doc[c:] += 1
+            doc[s - int(torch.randint(0, 40, (1,), generator=g)):] = -1  # padding at the end
+            ids = torch.randint(0, 1024, (1, s + 1), generator=g)
+            mbs.append(MicroBatch.lm(ids[:, :-1], ids[:, 1:].contiguous(), doc[None]))
+        batches.append(mbs)
+    w = TrainWorker(0, 1)
+    w.init_distributed(*w.rendezvous_address())
+    try:
+        eager = _graph_steps(w, cfg, False, batches)
+        with pytest.warns(UserWarning, match="run eagerly"):
+            graphed = _graph_steps(w, cfg, True, batches)
+    finally:
+        disable_deterministic()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        gc.collect()
+        torch.cuda.empty_cache()
+    for step, (a, b) in enumerate(zip(eager, graphed, strict=True)):
+        assert a["grad_md5"] and all(math.isfinite(v) for v in a.values() if isinstance(v, float)), step
+        a.pop("step_time"), b.pop("step_time")
+        assert a == b, step

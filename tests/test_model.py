@@ -388,6 +388,17 @@ def test_routed_experts_are_stacked_parameters_under_deepseek_per_expert_names(s
         other.load_state_dict({**new, "layers.1.ffn.experts.2.w1.weight": torch.zeros(inter + 1, d)})
 
 
+def assert_same_step(m0: dict, g0: dict, m1: dict, g1: dict) -> None:
+    """Two training steps' loss metrics and gradients are equal bit for bit (and finite)."""
+    for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss"):
+        assert_finite(m0[k], m1[k], what=k)
+        assert torch.equal(m0[k], m1[k]), k
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert_finite(g0[n], g1[n], what=n)
+        assert torch.equal(g0[n], g1[n]), f"{n}: max diff {(g0[n] - g1[n]).abs().max():.3e}"
+
+
 def test_recompute_gives_the_same_step_and_counts_loads_once(seed):
     """config.recompute keeps block inputs only and runs each block (MTP's too) again in the
     backward: losses, every gradient and the router's expert loads are those of the plain
@@ -408,13 +419,54 @@ def test_recompute_gives_the_same_step_and_counts_loads_once(seed):
     (m0, g0, l0, c0), (m1, g1, l1, c1) = runs[False], runs[True]
     n_gates = c0
     assert c1 == 2 * n_gates, f"gates ran {c1} times with recompute, {n_gates} without"
-    for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss"):
-        assert_finite(m0[k], m1[k], what=k)
-        assert torch.equal(m0[k], m1[k]), k
-    assert g0.keys() == g1.keys()
-    for n in g0:
-        assert_finite(g0[n], g1[n], what=n)
-        assert torch.equal(g0[n], g1[n]), f"{n}: max diff {(g0[n] - g1[n]).abs().max():.3e}"
+    assert_same_step(m0, g0, m1, g1)
     for n in l0:
         assert l0[n].sum() > 0, n
         assert torch.equal(l0[n], l1[n]), f"{n}: loads {l0[n].tolist()} vs {l1[n].tolist()} with recompute"
+
+
+def test_static_block_count_gives_the_same_step(seed, monkeypatch):
+    """The GPU path's layout holds G = S // r compression blocks a row (static shapes: no wait
+    for the GPU, CUDA graphs) instead of the most any row has: packed documents and padding
+    leave trailing invalid entries, which no query may see: losses and every gradient equal
+    the dynamic count's bit for bit."""
+    from plugins.deepseek_v4.layout import SequenceLayout
+
+    ids = random_ids(seed, 2, SEQ)
+    docs = torch.tensor([[0] * 30 + [1] * 33 + [-1] * 7, [0] * 9 + [1] * 61])
+    mb = MicroBatch.lm(ids, torch.where(docs >= 0, labels_of(ids), IGNORE_INDEX), docs)
+    build = SequenceLayout.build.__func__
+    runs = []
+    for static in (False, True):
+        monkeypatch.setattr(SequenceLayout, "build", classmethod(
+            lambda cls, *a, static=static, **k: build(cls, *a, **{**k, "static_blocks": static})))
+        model = tiny_model(seed).train()
+        counts = []
+        for mod in model.modules():
+            if getattr(mod, "compressor", None) is not None and hasattr(mod, "ratio"):
+                mod.register_forward_hook(lambda m, a, o, counts=counts: counts.append(a[1].layout.blocks(m.ratio)))
+        _, res = losses.compute(model, MicroBatch.lm(mb.input_ids, mb.labels, mb.doc_ids))
+        res.loss.backward()
+        runs.append((res.metrics, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, counts))
+    (m0, g0, b0), (m1, g1, b1) = runs
+    assert all(b.count == SEQ // b.ratio for b in b1) and any(x.count < y.count for x, y in zip(b0, b1, strict=True))
+    assert_same_step(m0, g0, m1, g1)
+
+
+def test_cuda_graphs_refuse_what_they_cannot_serve():
+    """config.cuda_graphs: with recompute the config fails validation; off CUDA (or without
+    the GPU kernels) the first training forward raises instead of silently running eagerly;
+    a model split over ranks fails at construction."""
+    from plugins.deepseek_v4.config import ConfigError
+    from plugins.deepseek_v4.parallel import ParallelContext
+
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        DeepSeekV4Config.tiny(cuda_graphs=True, recompute=True)
+    model = DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(cuda_graphs=True)).train()
+    ids = random_ids(0, 1, SEQ)
+    with pytest.raises(ValueError, match="need CUDA and the GPU kernels"):
+        model(ids)
+    with torch.no_grad():  # inference never graphs
+        assert torch.isfinite(model(ids).logits).all()
+    with pytest.raises(ValueError, match="tp=2"):
+        DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(cuda_graphs=True), ctx=ParallelContext(tp_size=2), seed=None)

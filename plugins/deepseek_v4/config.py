@@ -93,6 +93,9 @@ class DeepSeekV4Config:
     # Training: keep each block's input only and run its forward again in the backward
     # (activation memory of one block instead of all, for about a third more compute)
     recompute: bool = False
+    # Training on CUDA: each block's forward and backward replayed as one CUDA graph each (the
+    # step is host-bound: thousands of small launches a block); one capture per input shape
+    cuda_graphs: bool = False
     # Fields of DeepSeek's file that carry no model meaning for us, kept for the round trip.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -188,6 +191,8 @@ class DeepSeekV4Config:
         if self.num_nextn_predict_layers and self.compress_ratios[-1] != 0:
             raise ConfigError(f"{source}: field 'compress_ratios[{len(self.compress_ratios) - 1}]' (the MTP block) "
                               f"must be 0: the MTP block is sliding-window attention (got {self.compress_ratios[-1]})")
+        need(not (self.cuda_graphs and self.recompute), "cuda_graphs",
+             "and recompute cannot both be on (a graphed block keeps its activations)")
         if self.rope_scaling is not None:
             y = self.rope_scaling
             if not (y.factor >= 1 and y.original_max_position_embeddings > 0 and y.beta_fast > y.beta_slow > 0):

@@ -47,13 +47,16 @@ class Blocks:
 class SequenceLayout:
     doc: torch.Tensor  # [B, S] int64 document id, -1 = padding
     pos: torch.Tensor  # [B, S] int64 position inside the document
+    # G = S // r blocks a row (a static shape: no wait for the GPU, CUDA graphs) instead of the
+    # most complete blocks any row has; the extra entries are invalid and seen by no query
+    static_blocks: bool = False
     _blocks: dict[int, Blocks] = field(default_factory=dict, repr=False)
     _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _window_idx: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, batch: int, seq: int, device: torch.device, attention_mask: torch.Tensor | None = None,
-              doc_ids: torch.Tensor | None = None) -> SequenceLayout:
+              doc_ids: torch.Tensor | None = None, static_blocks: bool = False) -> SequenceLayout:
         """attention_mask [B, S] (1 = token, 0 = padding, any side) or doc_ids [B, S]
         (packed documents: equal ids in contiguous runs, -1 = padding)."""
         if attention_mask is not None and doc_ids is not None:
@@ -73,7 +76,7 @@ class SequenceLayout:
         starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
         run_start = torch.cummax(torch.where(starts, idx, 0), dim=1).values
         pos = torch.where(doc >= 0, idx - run_start, 0)
-        return cls(doc=doc, pos=pos)
+        return cls(doc=doc, pos=pos, static_blocks=static_blocks)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,7 +106,7 @@ class SequenceLayout:
 
     def blocks(self, ratio: int) -> Blocks:
         if ratio not in self._blocks:
-            self._blocks[ratio] = _complete_blocks(self.doc, self.pos, ratio)
+            self._blocks[ratio] = _complete_blocks(self.doc, self.pos, ratio, self.static_blocks)
         return self._blocks[ratio]
 
     def visible(self, blocks: Blocks) -> torch.Tensor:
@@ -115,7 +118,7 @@ class SequenceLayout:
         return same & blocks.valid[:, None, :] & (blocks.end[:, None, :] <= idx[None, :, None])
 
 
-def _complete_blocks(doc: torch.Tensor, pos: torch.Tensor, r: int) -> Blocks:
+def _complete_blocks(doc: torch.Tensor, pos: torch.Tensor, r: int, static: bool) -> Blocks:
     b, s = doc.shape
     dev = doc.device
     idx = torch.arange(s, device=dev).expand(b, s)
@@ -123,7 +126,7 @@ def _complete_blocks(doc: torch.Tensor, pos: torch.Tensor, r: int) -> Blocks:
     end_c = end.clamp(max=s - 1)
     complete = ((pos % r == 0) & (doc >= 0) & (end < s)
                 & (doc.gather(1, end_c) == doc) & (pos.gather(1, end_c) == pos + r - 1))
-    g = int(complete.sum(1).max().item()) if s else 0
+    g = s // r if static else int(complete.sum(1).max().item()) if s else 0
     # Compact the block starts of each row to the front, in order.
     key = torch.where(complete, idx, idx + s)
     order = key.sort(dim=1).indices[:, :g]

@@ -785,6 +785,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
         self.register_buffer("inv_freq_swa", ops.rope_inv_freq(rd, cfg.rope_theta, None), persistent=False)
         self.register_buffer("inv_freq_compressed", ops.rope_inv_freq(rd, cfg.compress_rope_theta,
                                                                       cfg.rope_scaling), persistent=False)
+        self._graphs = None  # graphs.BlockGraphs, made on the first graphed forward
+        if cfg.cuda_graphs:
+            self._block_graphs()  # a layout it cannot serve fails here, not at the first step
         if seed is not None:
             self.init_weights(seed)
 
@@ -862,7 +865,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
             raise ValueError(f"unknown auxiliary losses {sorted(unknown)}; known: {sorted(AUX_LOSSES)}")
         q = ctx.seq_chunk(s)
         q = q.to(input_ids.device) if isinstance(q, torch.Tensor) else q
-        layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids)
+        layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids,
+                                      static_blocks=use_kernels(cfg, input_ids))
         fwd = Fwd(layout, self._ropes(layout.pos), q=q, capture=_capture, aux=frozenset(aux))
         ids = input_ids[:, q]
         if ctx.first_stage:
@@ -899,7 +903,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         # Index j combines X_{j-1} (same document) with embed(t_j): the MTP sequence of a
         # document starts at its second token, at position pos - 1; first tokens are dead.
         alive = (layout.pos >= 1) & (layout.doc >= 0)
-        mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0))
+        mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0),
+                                 static_blocks=layout.static_blocks)
         mfwd = Fwd(mlayout, self._ropes(mlayout.pos), q=fwd.q, aux=fwd.aux)
         x_all = self.ctx.gather_seq(x)  # the shift crosses context-parallel chunks
         x_prev = torch.cat((torch.zeros_like(x_all[:, :1]), x_all[:, :-1]), 1)[:, fwd.q]
@@ -910,8 +915,16 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     def _block(self, block: Block, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """One block; with config.recompute (training) only its input is kept and its forward
-        runs again in the backward, flagged `fwd.replay` so side effects happen once."""
-        if not (self.config.recompute and self.training and torch.is_grad_enabled()):
+        runs again in the backward, flagged `fwd.replay` so side effects happen once; with
+        config.cuda_graphs (training) its forward and backward replay as CUDA graphs."""
+        train = self.training and torch.is_grad_enabled()
+        if self.config.cuda_graphs and train and fwd.capture is None:
+            if not (x.is_cuda and use_kernels(self.config, x)):
+                raise ValueError("cuda_graphs: the graphed blocks need CUDA and the GPU kernels (config.kernels)")
+            y = self._block_graphs()(block, x, fwd, ids)
+            if y is not None:
+                return y
+        if not (self.config.recompute and train):
             return block(x, fwd, ids)
 
         @contextlib.contextmanager
@@ -924,6 +937,19 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
         return torch.utils.checkpoint.checkpoint(block, x, fwd, ids, use_reentrant=False,
                                                  context_fn=lambda: (contextlib.nullcontext(), replaying()))
+
+    def _block_graphs(self):
+        if self._graphs is None:
+            c = self.ctx
+            split = {k: v for k, v in (("tp", c.tp_size), ("ep", c.ep_size), ("cp", c.cp_size),
+                                       ("pp", c.pp_size)) if v > 1}
+            if split:
+                raise ValueError(f"cuda_graphs: the graphed blocks run one model replica per process; this "
+                                 f"layout splits it ({', '.join(f'{k}={v}' for k, v in split.items())})")
+            from .graphs import BlockGraphs
+
+            self._graphs = BlockGraphs(self)
+        return self._graphs
 
     def _aux_sums(self, fwd: Fwd) -> dict[str, torch.Tensor]:
         """This stage's share of the auxiliary sums: each layer's term divided by the model's

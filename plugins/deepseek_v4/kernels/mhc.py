@@ -311,7 +311,11 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # Per token: u = sum_i pre_i X_i (hc_pre, hc_head) and X'_j = post_j F + sum_i comb[i, j] X_i
 # (hc_post), in fp32 registers over D chunks, stored in x.dtype. The reference upcasts the
 # [R, n, d] streams to fp32 and runs tiny batched matmuls (several full passes each way).
-BLOCK_D = 32 if INTERPRET else 256
+# H100, [4096, 4, 1536] bf16, us (train_gpu's shape): BD 256 and 4 warps ran the stream sum
+# forward in 225 and hc_post's backward in 323 (a tenth of the copy bandwidth); BD 512 and 2
+# warps 29 and 76 (hc_post forward and the stream sum's backward ~45 either way).
+BLOCK_D = 32 if INTERPRET else 512
+MIX_WARPS = 2
 
 
 @triton.jit
@@ -388,6 +392,11 @@ def _post_bwd(F, X, P, C, DO, DF, DX, DP, DC, n, d, NP: tl.constexpr, BD: tl.con
     tl.store(DC + r * n * n + i[:, None] * n + i[None, :], dcomb, mask=nn)
 
 
+def _mix(kernel, grid, *args) -> None:
+    """Launch a stream-mixing kernel; args end with (n, d)."""
+    kernel[grid](*args, NP=triton.next_power_of_2(args[-2]), BD=BLOCK_D, num_warps=MIX_WARPS)
+
+
 def _grid_rows(r: int, d: int) -> tuple[int, int]:
     return (r, triton.cdiv(d, BLOCK_D))
 
@@ -400,7 +409,7 @@ class _WeightedSum(torch.autograd.Function):
         r = x.numel() // (n * d) if n * d else 0
         u = new_output((*lead, d), x, x.dtype)
         if r and d:
-            _wsum_fwd[_grid_rows(r, d)](w, x, u, n, d, NP=triton.next_power_of_2(n), BD=BLOCK_D)
+            _mix(_wsum_fwd, _grid_rows(r, d), w, x, u, n, d)
         ctx.save_for_backward(w, x)
         return u
 
@@ -411,7 +420,7 @@ class _WeightedSum(torch.autograd.Function):
         r = x.numel() // (n * d) if n * d else 0
         dw, dx = new_output(w.shape, x, torch.float32), new_output(x.shape, x, x.dtype)
         if r and d:
-            _wsum_bwd[(r,)](w, x, du.contiguous(), dw, dx, n, d, NP=triton.next_power_of_2(n), BD=BLOCK_D)
+            _mix(_wsum_bwd, (r,), w, x, du.contiguous(), dw, dx, n, d)
         else:
             dw.zero_()
             dx.zero_()
@@ -427,7 +436,7 @@ class _Post(torch.autograd.Function):
         r = x.numel() // (n * d) if n * d else 0
         out = new_output(x.shape, x, x.dtype)
         if r and d:
-            _post_fwd[_grid_rows(r, d)](f, x, post, comb, out, n, d, NP=triton.next_power_of_2(n), BD=BLOCK_D)
+            _mix(_post_fwd, _grid_rows(r, d), f, x, post, comb, out, n, d)
         ctx.save_for_backward(f, x, post, comb)
         return out
 
@@ -439,8 +448,7 @@ class _Post(torch.autograd.Function):
         df, dx = new_output(f.shape, f, f.dtype), new_output(x.shape, x, x.dtype)
         dp, dc = new_output(post.shape, x, torch.float32), new_output(comb.shape, x, torch.float32)
         if r and d:
-            _post_bwd[(r,)](f, x, post, comb, do.contiguous(), df, dx, dp, dc, n, d,
-                            NP=triton.next_power_of_2(n), BD=BLOCK_D)
+            _mix(_post_bwd, (r,), f, x, post, comb, do.contiguous(), df, dx, dp, dc, n, d)
         else:
             for t in (df, dx, dp, dc):
                 t.zero_()

@@ -1,0 +1,195 @@
+"""CUDA graphs of the training blocks (config.cuda_graphs).
+
+A training step of the ~1B model is host-bound: each block's forward and backward is about a
+thousand small launches, and the GPU waits for the host between them. Here every block (main
+layers, then MTP) is captured once per input shape (`_Graphed`, after the pattern of
+`torch.cuda.make_graphed_callables`) and each forward and backward replays as one graph.
+
+What a graph needs, and where it comes from:
+- Tensors in, tensors out: `_BlockStep` takes the block input, the token ids, the layout's
+  (document, position) and the RoPE tables, rebuilds the per-forward facts (`Fwd`) inside the
+  graph, and returns the block output with its auxiliary loss terms, which the caller appends
+  to its own `Fwd`.
+- Static shapes and no host reads inside a block: the layout's compression blocks have the
+  static count G = S // r (`SequenceLayout.static_blocks`, set on the kernel path always, so
+  a graphed and an eager step compute the same thing).
+- Replays in capture order: forwards of blocks 0..N-1, then backwards N-1..0, one micro-batch
+  at a time (no pipeline interleaving), all sharing one memory pool.
+- Gradients leave the backward graph in its static buffers: Megatron's DDP hook adds each to
+  `main_grad` and drops it before the next replay writes there again.
+Only one process per model replica (TP = EP = CP = PP = 1; data parallelism is outside the
+blocks) and no recompute; `DeepSeekV4ForCausalLM` checks both.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from .layout import SequenceLayout
+
+
+class _BlockStep(nn.Module):
+    """One block as a function of tensors: (x, ids, doc, pos, cos/sin of both RoPE kinds) ->
+    (x', indexer terms..., balance terms...)."""
+
+    def __init__(self, block: nn.Module, inv_freq: dict[str, torch.Tensor], aux: frozenset[str]):
+        super().__init__()
+        self.block = block
+        self.inv_freq, self.aux = inv_freq, aux  # not submodules: only the block's parameters are inputs
+        self.n_indexer = 0
+
+    def forward(self, x, ids, doc, pos, cos_swa, sin_swa, cos_comp, sin_comp):
+        from .model import Fwd, Rope
+
+        layout = SequenceLayout(doc=doc, pos=pos, static_blocks=True)
+        ropes = {"swa": Rope(self.inv_freq["swa"], cos_swa, sin_swa),
+                 "compressed": Rope(self.inv_freq["compressed"], cos_comp, sin_comp)}
+        fwd = Fwd(layout, ropes, aux=self.aux)
+        y = self.block(x, fwd, ids)
+        self.n_indexer = len(fwd.indexer_terms)
+        return (y, *fwd.indexer_terms, *fwd.balance_terms)
+
+
+def _inputs(x: torch.Tensor, ids: torch.Tensor, fwd) -> tuple[torch.Tensor, ...]:
+    r = fwd.ropes
+    return (x, ids, fwd.layout.doc, fwd.layout.pos, r["swa"].cos, r["swa"].sin, r["compressed"].cos,
+            r["compressed"].sin)
+
+
+class _Graphed:
+    """One block's forward and backward as CUDA graphs over static buffers.
+
+    Not `torch.cuda.make_graphed_callables`: its backward graph differentiates the module's own
+    parameters, and Megatron's DDP made their gradient accumulators on the default stream,
+    which a capture on another stream may not wait on. Here the graphs run on detached aliases
+    of the parameters (same storage, leaves of the capture stream), and the replay hands their
+    gradients to the real parameters, whose accumulators (and DDP hooks) run eagerly."""
+
+    def __init__(self, step: _BlockStep, args: tuple[torch.Tensor, ...], stream: torch.cuda.Stream):
+        self.step, self.stream = step, stream
+        named = dict(step.named_parameters())
+        self.names, self.params = list(named), list(named.values())
+        with torch.cuda.stream(stream):
+            self.inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+            self.alias = [p.detach().requires_grad_(p.requires_grad) for p in self.params]
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+
+    def _run(self) -> tuple[torch.Tensor, ...]:
+        return torch.func.functional_call(self.step, dict(zip(self.names, self.alias, strict=True)),
+                                          tuple(self.inputs))
+
+    def _diff(self) -> list[torch.Tensor]:
+        return [t for t in (*self.inputs, *self.alias) if t.requires_grad]
+
+    def warm_up(self) -> None:
+        out = [o for o in self._run() if o.requires_grad]
+        torch.autograd.grad(out, self._diff(), [torch.ones_like(o) for o in out], allow_unused=True)
+
+    def capture_forward(self, pool) -> None:
+        with torch.cuda.graph(self.fwd, pool=pool, stream=self.stream):
+            self.out = self._run()
+        self.grad_out = [torch.zeros_like(o) if o.requires_grad else None for o in self.out]
+
+    def capture_backward(self, pool) -> None:
+        out = [o for o in self.out if o.requires_grad]
+        with torch.cuda.graph(self.bwd, pool=pool, stream=self.stream):
+            grads = torch.autograd.grad(out, self._diff(), [g for g in self.grad_out if g is not None],
+                                        allow_unused=True)
+        it = iter(grads)
+        self.grad_in = [next(it) if t.requires_grad else None for t in (*self.inputs, *self.alias)]
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _Replay.apply(self, *args, *self.params)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: _Graphed, *args_and_params):
+        for static, a in zip(g.inputs, args_and_params[:len(g.inputs)], strict=True):
+            if static.data_ptr() != a.data_ptr():
+                static.copy_(a)
+        g.fwd.replay()
+        ctx.g = g
+        return tuple(o.detach() for o in g.out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        g = ctx.g
+        for static, d in zip(g.grad_out, grads, strict=True):
+            if static is not None and static.data_ptr() != d.data_ptr():
+                static.copy_(d)
+        g.bwd.replay()
+        return (None, *(t.detach() if t is not None else None for t in g.grad_in))
+
+
+class BlockGraphs:
+    """The model's blocks graphed, one set per input signature (shapes, dtypes, auxiliary
+    losses); at most `max_sets` sets are kept (each holds its own memory pool, the size of a
+    step's activations), later signatures run eagerly: pad micro-batches to one length."""
+
+    def __init__(self, model: nn.Module, max_sets: int = 1):
+        self.model, self.max_sets = model, max_sets
+        self._sets: dict[tuple, dict[int, _Graphed]] = {}
+        self._eager: set[tuple] = set()
+        self.captures = 0
+
+    def __call__(self, block: nn.Module, x: torch.Tensor, fwd, ids: torch.Tensor) -> torch.Tensor | None:
+        """The block's output through its graph, with its auxiliary terms appended to `fwd`;
+        None when this signature has no graphs (the caller runs the block eagerly)."""
+        args = _inputs(x, ids, fwd)
+        key = (tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args), fwd.aux)
+        steps = self._sets.get(key)
+        if steps is None:
+            if len(self._sets) >= self.max_sets:
+                if key not in self._eager:
+                    self._eager.add(key)
+                    warnings.warn(f"cuda_graphs: blocks with inputs {[list(a.shape) for a in args[:2]]} run "
+                                  f"eagerly: {self.max_sets} input signature(s) captured already (pad "
+                                  f"micro-batches to one length to replay them all)", stacklevel=2)
+                return None
+            steps = self._sets[key] = self._capture(args, fwd.aux)
+        graphed = steps[id(block)]
+        y, *terms = graphed(*args)
+        n = graphed.step.n_indexer
+        fwd.indexer_terms.extend(terms[:n])
+        fwd.balance_terms.extend(terms[n:])
+        return y
+
+    def _capture(self, args: tuple[torch.Tensor, ...], aux: frozenset[str]) -> dict[int, _Graphed]:
+        from .model import Gate
+
+        m = self.model
+        blocks = [*m.layers, *m.mtp]  # the order they run in
+        if not all(hasattr(p, "main_grad") for b in blocks for p in b.parameters()):
+            raise RuntimeError("cuda_graphs: train under Megatron's DDP (miles.train.worker.TrainWorker): a "
+                               "graph's parameter gradients leave it in static buffers that the next replay "
+                               "overwrites, so each must be added to its main_grad before then")
+        inv = {"swa": m.inv_freq_swa, "compressed": m.inv_freq_compressed}
+        steps = [_BlockStep(b, inv, aux) for b in blocks]
+        gates = [g for g in m.modules() if isinstance(g, Gate) and not g.is_hash]
+        loads = [g.expert_load.clone() for g in gates]
+        # Warm-up (autotuning, lazy allocations), then every forward in run order and every
+        # backward in reverse, on one side stream and one memory pool: replays must come in
+        # that order, one micro-batch at a time, so each reuses memory as its capture did.
+        stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+        stream.wait_stream(torch.cuda.current_stream())
+        graphed = [_Graphed(s, args, stream) for s in steps]
+        with torch.cuda.stream(stream):
+            for g in graphed:
+                for _ in range(2):
+                    g.warm_up()
+        torch.cuda.synchronize()
+        for g in graphed:
+            g.capture_forward(pool)
+        for g in reversed(graphed):
+            g.capture_backward(pool)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.no_grad():  # the warm-up's routing counted nothing
+            for g, load in zip(gates, loads, strict=True):
+                g.expert_load.copy_(load)
+        self.captures += 1
+        return {id(b): g for b, g in zip(blocks, graphed, strict=True)}
