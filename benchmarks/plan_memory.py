@@ -349,16 +349,17 @@ def _rms(L: Ledger, lay: Layout, rows: int, width: int, weight: bool = True, sco
         L.add(scope, f"rms_norm weight.float() [{width}] fp32", F32 * width)
 
 
-def _mhc_site(L: Ledger, scope: str, cfg: DeepSeekV4Config, t: int) -> None:
+def _mhc_site(L: Ledger, scope: str, cfg: DeepSeekV4Config, lay: Layout, t: int) -> None:
     """hc_pre + hc_post (fused kernels) of one sublayer: the input streams, the sublayer output,
-    and fp32 per token: |x| and rsqrt (2), raw and normalised mixes (2m), the pre/post
-    sigmoids (2n), Sinkhorn's input (n^2), pre + eps (n), post (n), comb (n^2)."""
+    and fp32 per token: with the gates kernel (fused_elementwise) |x| (1), the raw mixes (m),
+    pre + eps (n), post (n), comb (n^2); without it also the rsqrt (1), the normalised mixes
+    (m), the pre/post sigmoids (2n) and Sinkhorn's input (n^2)."""
     n, d = cfg.hc_mult, cfg.hidden_size
     m = n * (n + 2)
     L.add(scope, f"streams X [{t}, {n}, {d}] bf16", BF16 * t * n * d)
     L.add(scope, f"sublayer output f [{t}, {d}] bf16", BF16 * t * d)
-    L.add(scope, f"mixes, gates, Sinkhorn in/out [{t}, {2 + 2 * m + 4 * n + 2 * n * n}] fp32",
-          F32 * t * (2 + 2 * m + 4 * n + 2 * n * n))
+    per = 1 + m + 2 * n + n * n if lay.fused_elementwise else 2 + 2 * m + 4 * n + 2 * n * n
+    L.add(scope, f"mixes, gates, Sinkhorn in/out [{t}, {per}] fp32", F32 * t * per)
 
 
 def _compressor(L: Ledger, lay: Layout, B: int, G: int, r: int, width: int, overlap: bool,
@@ -478,7 +479,7 @@ def block_ledger(cfg: DeepSeekV4Config, lay: Layout, dm: Dims, layer: int, seen:
     """Everything one block keeps for its backward (its mHC sites, norms, attention, MoE)."""
     L = Ledger()
     for _site in ("attn", "ffn"):
-        _mhc_site(L, scope, cfg, dm.t)
+        _mhc_site(L, scope, cfg, lay, dm.t)
         _rms(L, lay, dm.t, cfg.hidden_size)  # attn_norm / ffn_norm
     _attention(L, cfg, lay, dm, cfg.layer_ratio(layer), seen)
     _moe(L, cfg, lay, dm, is_hash=layer < cfg.num_hash_layers)
@@ -490,7 +491,8 @@ def _head(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims) -> None:
     in the loss (chunked), which keeps its input: loss_region_bytes counts it."""
     t, n, d = dm.t, cfg.hc_mult, cfg.hidden_size
     L.add("top-level", f"head streams [{t}, {n}, {d}] bf16", BF16 * t * n * d)
-    L.add("top-level", f"head mixes, gates [{t}, {2 + 4 * n}] fp32", F32 * t * (2 + 4 * n))
+    per = 1 + 2 * n if lay.fused_elementwise else 2 + 4 * n  # |x|, raw mixes, pre (the gates kernel)
+    L.add("top-level", f"head mixes, gates [{t}, {per}] fp32", F32 * t * per)
     _rms(L, lay, t, d)
 
 
