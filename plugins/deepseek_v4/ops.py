@@ -248,13 +248,14 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
             hc_eps: float, fused: bool = False, tf32: bool = False, gates: bool = False) -> torch.Tensor:
     """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i.
     fused / gates: as hc_pre's."""
+    if fused and gates:
+        from .kernels.mhc import weighted_sum
+
+        return weighted_sum(_hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, 1, tf32)[0], x)
+    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
     if fused:
         from .kernels.mhc import weighted_sum
 
-        if gates:
-            return weighted_sum(_hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, 1, tf32)[0], x)
-    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
-    if fused:
         return weighted_sum(pre, x)
     return torch.einsum("bsn,bsnd->bsd", pre, x.float()).to(x.dtype)
 
