@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _run(rank: int, world: int, port: int, seq: int, steps: int, out: dict) -> None:
+    # Before any import that may touch CUDA: TrainWorker takes device 0, as under Ray.
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     from benchmarks.train_gpu import config_1b
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
 
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # TrainWorker takes device 0, as under Ray
     cfg = config_1b(seq)
     w = TrainWorker(rank, world)
     w.init_distributed("127.0.0.1", port, cp=world)
@@ -58,20 +59,19 @@ def main() -> None:
     a = ap.parse_args()
     gpus = torch.cuda.device_count()
     out = mp.Manager().dict()
-    for cp in a.cp:
+    print(f"{torch.cuda.get_device_name()}  ~1B config, seq={a.seq}, 1 sequence per step, recompute on")
+    print(f"{'CP':>3s} {'step ms':>9s} {'tokens/s':>10s} {'vs CP=1':>8s} {'peak GiB/rank':>14s}", flush=True)
+    for cp in a.cp:  # a row as each CP size finishes (a long run may be cut off)
         if cp > gpus:
             print(f"cp={cp}: needs {cp} GPUs, {gpus} here: skipped")
             continue
         from miles.cluster.node import free_port
 
         mp.spawn(_run, args=(cp, free_port(), a.seq, a.steps, out), nprocs=cp)
-    print(f"\n{torch.cuda.get_device_name()}  ~1B config, seq={a.seq}, 1 sequence per step, recompute on")
-    print(f"{'CP':>3s} {'step ms':>9s} {'tokens/s':>10s} {'vs CP=1':>8s} {'peak GiB/rank':>14s}")
-    base = out.get(1, (None,))[0]
-    for cp in sorted(out.keys()):
         t, mem = out[cp]
+        base = out.get(1, (None,))[0]
         ratio = f"{base / t:.2f}x" if base else "-"
-        print(f"{cp:3d} {t * 1e3:9.1f} {a.seq / t:10,.0f} {ratio:>8s} {mem:14.1f}")
+        print(f"{cp:3d} {t * 1e3:9.1f} {a.seq / t:10,.0f} {ratio:>8s} {mem:14.1f}", flush=True)
 
 
 if __name__ == "__main__":
