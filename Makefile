@@ -29,10 +29,12 @@ test: venv
 	$(BIN)/python -m pytest
 
 # Everything make test runs, plus every combined parallel layout (make test checks a rotating
-# pair of the five each day to stay under 20 minutes on 2 cores).
+# pair of the five each day to stay under 20 minutes on 2 cores), plus every layout in bf16
+# against one process's bf16 errors as the GPUs run them (about 2.5 minutes).
 test-all: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest --all-layouts
+	$(BIN)/python -m pytest tests/test_parallel_layouts.py --all-layouts --bf16 -k layout_matches
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

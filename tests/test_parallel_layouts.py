@@ -14,10 +14,16 @@ CP2xTP2, PP2xDP2, EP2xDP2). Against the single-process model on the same global 
   moments of every shard, the parameters and router biases;
 - exported weights are exactly the single-process state.
 
-On a machine with enough GPUs the same suite runs with nccl in bf16 (Triton attention kernels):
-there a layout's error against the fp32 single-process reference may be at most 4x the
-single-process bf16 run's own error (or 5% of the reference, whichever is larger), and the
-losses and grad norms of the training steps agree within 2% / 5%.
+Every learned router picks the same experts as one process for every token.
+
+On a machine with enough GPUs the same suite runs with nccl in bf16 (Triton attention kernels);
+`--bf16` runs that mode on CPU (gloo; make test-all). There a layout's error against the fp32
+single-process reference may be at most 4x the largest error of one process in bf16 (or 5% of
+the reference): of the bf16 model and of copies re-rounded by about one bf16 ulp (_single_bf16
+says why) for step 0's losses, logprobs, gradients and the policy loss, of a one-rank bf16
+trainer for the training steps' losses and grad norms. A router may pick otherwise on a few
+near ties; those experts' gradients are not compared. Planted in bf16 (tp2), each fails: K = V
+gradient not summed over TP (575 misses), router weights' gradient not summed over TP (15).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ pytest.importorskip("megatron.core")
 
 from miles.train import losses  # noqa: E402
 from miles.train.batching import MicroBatch  # noqa: E402
+from miles.train.inspect import routes  # noqa: E402
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM  # noqa: E402
 from plugins.deepseek_v4.model import IGNORE_INDEX  # noqa: E402
 from plugins.deepseek_v4.parallel import ParallelContext  # noqa: E402
@@ -69,16 +76,15 @@ def _rotation(today: int) -> set[str]:
 
 
 GPUS = torch.cuda.device_count()
-GPU = GPUS >= 2
-DTYPE = torch.bfloat16 if GPU else torch.float32
-WORST: dict[str, float] = {}  # GPU: largest (layout error / single-process bf16 error) per quantity
+GPU = GPUS >= 2  # bf16 on the GPUs (nccl), else fp32 on CPU (gloo) unless --bf16
+WORST: dict[str, tuple] = {}  # bf16, this layout: per quantity, the largest error / one process's, and where
+MISSES: list[str] = []  # bf16, this layout: every comparison over its bound (all reported at its end)
 
 
 def _resources(world: int) -> dict | None:
-    """One GPU per rank where there are GPUs; on CPU four ranks share the fixture's 2 CPUs."""
-    if GPU:
-        return {"CPU": 1, "GPU": 1}
-    return {"CPU": min(1.0, 2 / world)}
+    """One GPU per rank where there are GPUs; four ranks share the fixture's 2 CPUs."""
+    cpus = {"CPU": min(1.0, 2 / world)}
+    return {**cpus, "GPU": 1} if GPU else cpus
 
 
 def _batch(seed: int, step: int = 0) -> MicroBatch:
@@ -162,7 +168,8 @@ def _single_process(seed: int, cfg: DeepSeekV4Config, parts: list[tuple[int, int
                              {"params": [p for n, p in named if _no_decay(n, p)], "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.999), eps=EPS)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    _, res = losses.compute(model, _batch(seed, 0))
+    with routes(model) as picked:
+        _, res = losses.compute(model, _batch(seed, 0))
     policy_batch = _policy_batch(seed, res.logprobs)
     _, res = losses.compute(model, policy_batch, name="policy", options=POLICY)
     res.loss.backward()
@@ -190,44 +197,99 @@ def _single_process(seed: int, cfg: DeepSeekV4Config, parts: list[tuple[int, int
                    for m in ("exp_avg", "exp_avg_sq")]
         rec["moments"] = {n: (m1, moments[1][n]) for n, m1 in moments[0].items()}
         steps.append(rec)
-    return {"init": init, "policy": policy, "steps": steps}
+    return {"init": init, "policy": policy, "steps": steps, "routes": {k: v[0] for k, v in picked.items()}}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The single-process run (each step's batch as one micro-batch); on a GPU, one process's
-    bf16 error as the yardstick of a layout's."""
+def reference(request, ray_cluster):
+    """The single-process run (each step's batch as one micro-batch); in bf16 (on GPUs, or
+    --bf16), one process's bf16 errors as the yardstick of a layout's: the model's losses,
+    logprobs, gradients and policy metrics, and a one-rank trainer's steps."""
     seed = 1234
     cfg = DeepSeekV4Config.tiny()
     ref = _single_process(seed, cfg, [(0, BATCH)])
-    single16 = None
-    if GPU:  # the single-process bf16 run: the yardstick for layouts' bf16 error
-        m16 = DeepSeekV4ForCausalLM(cfg, dtype=DTYPE, seed=seed).train().cuda()
-        _, res = losses.compute(m16, _batch(seed, 0).to(torch.device("cuda")))
+    bf16 = GPU or request.config.getoption("--bf16")
+    single16 = _single_bf16(seed, cfg, ref["policy"]["batch"]) if bf16 else None
+    return {"seed": seed, "cfg": cfg, "dtype": torch.bfloat16 if bf16 else torch.float32, "single16": single16, **ref}
+
+
+DRAWS = 3  # re-rounded bf16 copies of the model beside the plain one: the yardstick's spread
+
+
+def _single_bf16(seed: int, cfg: DeepSeekV4Config, policy_batch: MicroBatch) -> dict:
+    """One process in bf16, the yardstick of a layout's bf16 error. `draws`: step 0's losses,
+    logprobs and gradients and the policy loss's metrics and gradients, of the bf16 model and
+    of DRAWS copies whose every weight is multiplied by (1 + u / 256), u uniform in [-1, 1]
+    (about one bf16 rounding: models bf16 cannot tell apart); `steps`: STEPS training steps
+    of a one-rank trainer. Why the copies: a layout rounds its partial sums elsewhere, and
+    where a quantity is fragile under rounding (a gradient summed from terms that cancel; an
+    expert or indexer entry chosen by a near tie of scores) one process's error is one small
+    draw of a wide spread; the copies measure that spread per quantity."""
+    from miles.cluster.train_group import TrainGroup
+
+    dev = torch.device("cuda" if GPU else "cpu")
+    draws = []
+    for i in range(DRAWS + 1):
+        m16 = DeepSeekV4ForCausalLM(cfg, dtype=torch.bfloat16, seed=seed).train().to(dev)
+        if i:
+            g = torch.Generator().manual_seed(seed + i)
+            with torch.no_grad():
+                for p in m16.parameters():
+                    p.mul_(1 + (torch.rand(p.shape, generator=g) * 2 - 1).to(dev) / 256)
+        _, res = losses.compute(m16, _batch(seed, 0).to(dev))
         res.loss.backward()
-        single16 = {"losses": {k: v.item() for k, v in res.metrics.items()}, "logprobs": res.logprobs.cpu(),
-                    "grads": {k: g.float().cpu() for k, g in _grads(m16).items()}}
-    return {"seed": seed, "cfg": cfg, "single16": single16, **ref}
+        d = {"losses": {k: v.item() for k, v in res.metrics.items()}, "logprobs": res.logprobs.float().cpu(),
+             "grads": {k: g.float().cpu() for k, g in _grads(m16).items()}}
+        m16.zero_grad(set_to_none=True)
+        _, res = losses.compute(m16, policy_batch.to(dev), name="policy", options=POLICY)
+        res.loss.backward()
+        draws.append({**d, "policy": {k: v.item() for k, v in res.metrics.items()},
+                      "policy_grads": {k: g.float().cpu() for k, g in _grads(m16).items()}})
+    group = TrainGroup(1, resources=_resources(1))
+    try:
+        group.call("build_model", cfg.to_dict(), seed, dtype="bfloat16")
+        group.call("setup_training", LR, eps=EPS, weight_decay=WD, clip_grad=CLIP, decay="constant")
+        x = group.layout[0]
+        steps = [group.call("train_step", _split(_batch(seed, step), x))[0] for step in range(STEPS)]
+    finally:
+        group.shutdown()
+    return {"draws": draws, "steps": steps}
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, single16: torch.Tensor | None, what: str) -> None:
-    """fp32 (CPU): max-abs <= ATOL. bf16 (GPU): relative error at most 4x one process's (or 5e-2)."""
-    if not GPU:
+def _yard(s16: dict | None, *path) -> list | None:
+    """The bf16 draws' values at path (e.g. "grads", name), or None in fp32."""
+    if s16 is None:
+        return None
+    out = []
+    for d in s16["draws"]:
+        for k in path:
+            d = d[k]
+        out.append(d)
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, single16: list | None, what: str) -> None:
+    """fp32 (`single16` None): max-abs <= ATOL. bf16 (`single16`: one process's bf16 values,
+    plain and re-rounded): relative error at most 4x the largest of theirs (or 5e-2).
+    bf16 misses are collected in MISSES and reported together at the layout's end."""
+    if single16 is None:
         assert_close(got, want, atol=ATOL, what=what)
         return
-    got, want, single16 = got.double(), want.double(), single16.double()
+    got, want = got.double(), want.double()
     assert torch.isfinite(got).all(), f"non-finite values {what}"
     scale = want.norm().clamp_min(1e-12)
-    err, base = ((got - want).norm() / scale).item(), ((single16 - want).norm() / scale).item()
+    err = ((got - want).norm() / scale).item()
+    bases = [((torch.as_tensor(s).double() - want).norm() / scale).item() for s in single16]
+    base = max(bases)
     # A layout adds bf16 roundings one process does not make (each TP rank's partial
-    # row-parallel output, all-reduced partial gradients, CP/EP partial sums), and sums that
-    # cancel (the mHC base/scale gradients: 24 numbers summed over every token) amplify the
-    # order: measured on 2 H200s, worst ratios 2-8x on tiny bases, <= 4.7e-2 relative. The
-    # bound catches structural bugs (a missing sum, a wrong shard: O(1) errors); subtle ones
-    # are the fp32 CPU suite's job.
-    assert err <= max(4 * base, 5e-2), f"{what}: relative error {err:.3e} vs one process's bf16 {base:.3e}"
+    # row-parallel output, all-reduced partial gradients, CP/EP partial sums); 4x the spread
+    # of one process's bf16 errors leaves room for that and still catches structural bugs
+    # (a missing sum, a wrong shard: O(1) errors); subtle ones are the fp32 suite's job.
+    if err > max(4 * base, 5e-2):
+        MISSES.append(f"{what}: relative error {err:.3e} vs one process's bf16 {bases[0]:.3e} "
+                      f"(re-rounded: {', '.join(f'{b:.3e}' for b in bases[1:])})")
     key = what.split(" ")[0] + " " + ("grad" if " grad " in what else what.split(" ")[-1])
-    WORST[key] = max(WORST.get(key, 0.0), err / max(base, 1e-12))
+    WORST[key] = max(WORST.get(key, (0.0,)), (err / max(base, 1e-12), what, f"{err:.2e}", f"{base:.2e}"))
 
 
 def _tp_part(t: torch.Tensor, dim: int | None, x: dict) -> torch.Tensor:
@@ -235,13 +297,18 @@ def _tp_part(t: torch.Tensor, dim: int | None, x: dict) -> torch.Tensor:
     return t if dim is None else t.chunk(x["tp"], dim)[x["tp_rank"]]
 
 
-def _check_grads(grads: dict[str, torch.Tensor], s16: dict | None, x: dict, r: dict, who: str) -> None:
+def _check_grads(grads: dict[str, torch.Tensor], grads16: list[dict] | None, x: dict, r: dict, who: str,
+                 skip: tuple[str, ...] = ()) -> None:
     """Each owned part of each reduced gradient (start, end in the flattened TP-local tensor)
-    against the same elements of the single-process gradient."""
+    against the same elements of the single-process gradient (bf16: and of one process's bf16
+    gradients `grads16`, one dict per draw); names starting with one of `skip` (experts a
+    router flip gave other tokens, bf16 only) are not compared."""
+    def part(full: dict[str, torch.Tensor], k: str, a: int, b: int) -> torch.Tensor:
+        return _tp_part(full[k], r["dims"][k], x).reshape(-1)[a:b]
+
     for k, (a, b, g) in r["grads"].items():
-        dim = r["dims"][k]
-        want = _tp_part(grads[k], dim, x).reshape(-1)[a:b]
-        _close(g, want, s16 and _tp_part(s16[k], dim, x).reshape(-1)[a:b], f"{who} grad {k}")
+        if not k.startswith(skip):
+            _close(g, part(grads, k, a, b), grads16 and [part(d, k, a, b) for d in grads16], f"{who} grad {k}")
 
 
 def _check_coverage(ranks: list[dict], lay: list[dict], want: set[str], name: str) -> None:
@@ -263,24 +330,63 @@ def _check_coverage(ranks: list[dict], lay: list[dict], want: set[str], name: st
         assert end == numel[key], f"{name}: {key[0]} owned up to element {end} of {numel[key]}"
 
 
-def _check_forward_backward(reference, lay: list[dict], ranks: list[dict], name: str) -> None:
+def _check_routes(reference, lay: list[dict], ranks: list[dict], name: str) -> tuple[str, ...]:
+    """Every learned router picks, for every token, the experts one process picks (each
+    layer's picks gathered from the ranks holding it, by micro-batch rows and CP columns; TP
+    peers, which hold the same tokens, pick alike). fp32: every token. bf16: a near tie
+    between two experts' scores can fall either way under another rounding: one expert gains
+    the token, one loses it and the kept one's normalised weight changes (their gradients move
+    by O(1): not a bug, and not comparable), so up to 1 token in 20 per layer may differ (a
+    wrong router differs on most); the names of the experts involved are returned, their
+    gradients to be skipped."""
+    want = reference["routes"]  # {MoE layer: experts [B, S, k]}
+    got = {layer: torch.full_like(v, -1) for layer, v in want.items()}
+    for x, r in zip(lay, ranks, strict=True):
+        cols = ParallelContext(cp_size=x["cp"], cp_rank=x["cp_rank"]).seq_chunk(SEQ)
+        for layer, picks in r["routes"].items():
+            assert len(picks) == len(_cuts(x)), f"{name} rank {x['rank']} {layer}: {len(picks)} forwards recorded"
+            for (a, b), p in zip(_cuts(x), picks, strict=True):
+                seen = got[layer][a:b, cols]
+                assert ((seen == -1) | (seen == p)).all(), f"{name} {layer}: ranks holding the same tokens disagree"
+                got[layer][a:b, cols] = p
+    skip = set()
+    for layer, g in got.items():
+        assert (g >= 0).all(), f"{name} {layer}: no rank routed some tokens"
+        moved = (g != want[layer]).any(-1).nonzero().tolist()  # [[row, col], ...]
+        if reference["single16"] is None:
+            assert not moved, f"{name} {layer}: tokens {moved[:5]} routed to other experts than one process"
+            continue
+        assert len(moved) <= g[..., 0].numel() // 20, f"{name} {layer}: {len(moved)} tokens routed otherwise"
+        for i, j in moved:
+            experts = set(g[i, j].tolist()) | set(want[layer][i, j].tolist())  # a kept one's weight moved too
+            skip |= {f"{layer}.experts.{e}." for e in experts}
+            print(f"{name} {layer}: token ({i}, {j}) routed to {g[i, j].tolist()}, one process "
+                  f"{want[layer][i, j].tolist()}: experts {sorted(experts)} not compared")
+    return tuple(sorted(skip))
+
+
+def _check_forward_backward(reference, lay: list[dict], ranks: list[dict], name: str) -> tuple[str, ...]:
+    """Routes, losses, logprobs and gradients of step 0; returns the experts not compared."""
     ref, s16 = reference["steps"][0], reference["single16"]
+    skip = _check_routes(reference, lay, ranks, name)
     for x, r in zip(lay, ranks, strict=True):
         who = f"{name} rank {x['rank']}"
         assert r["losses"].keys() == ref["losses"].keys(), f"{who}: reported {sorted(r['losses'])}"
         for k in ("lm_loss", "mtp_loss", "indexer_loss", "loss"):
-            if GPU:
-                _close(torch.tensor(r["losses"][k]), torch.tensor(ref["losses"][k]),
-                       torch.tensor(s16["losses"][k]), f"{who} {k}")
+            if s16:
+                _close(torch.tensor(r["losses"][k]), torch.tensor(ref["losses"][k]), _yard(s16, "losses", k),
+                       f"{who} {k}")
             else:
                 assert r["losses"][k] == pytest.approx(ref["losses"][k], rel=1e-5, abs=1e-7), f"{who} {k} loss"
         last_stage = x["pp_rank"] == x["pp"] - 1
         assert bool(r["logprobs"]) == last_stage, f"{who}: logprobs belong to the last stage only"
         cols = ParallelContext(cp_size=x["cp"], cp_rank=x["cp_rank"]).seq_chunk(SEQ)
         for (a, b), lp in zip(_cuts(x), r["logprobs"], strict=True) if last_stage else ():
-            _close(lp, ref["logprobs"][a:b, cols], s16 and s16["logprobs"][a:b, cols], f"{who} logprobs")
-        _check_grads(ref["grads"], s16 and s16["grads"], x, r, who)
+            _close(lp, ref["logprobs"][a:b, cols], s16 and [t[a:b, cols] for t in _yard(s16, "logprobs")],
+                   f"{who} logprobs")
+        _check_grads(ref["grads"], _yard(s16, "grads"), x, r, who, skip)
     _check_coverage(ranks, lay, set(ref["grads"]), name)
+    return skip
 
 
 def _expected_names(x: dict, names: list[str], cfg: DeepSeekV4Config) -> set[str]:
@@ -395,18 +501,20 @@ def test_layout_matches_single_process(ray_cluster, reference, name, request):
     if GPU and GPUS < world:
         pytest.skip(f"{world} ranks need {world} GPUs here ({GPUS} visible)")
     seed, cfg = reference["seed"], reference["cfg"]
+    MISSES.clear()
+    WORST.clear()
     group = TrainGroup(world, resources=_resources(world), **sizes)
     try:
         lay = group.layout
         assert [x["dp"] for x in lay] == [world // math.prod(v for k, v in sizes.items() if k != "ep")] * world, \
             "the layout silently fell back to fewer ranks"
         group.call("build_model", {**cfg.to_dict(), "recompute": name in RECOMPUTE}, seed,
-                   dtype=str(DTYPE).removeprefix("torch."))
+                   dtype=str(reference["dtype"]).removeprefix("torch."))
         group.call("setup_training", LR, eps=EPS, weight_decay=WD, clip_grad=CLIP, decay="constant")
         batch = _batch(seed, 0)
         ranks = group.call_each("inspect", [("step_gradients", _split(batch, x)) for x in lay])
         _check_sharding(reference, lay, ranks, name)
-        _check_forward_backward(reference, lay, ranks, name)
+        skip = _check_forward_backward(reference, lay, ranks, name)  # the policy pass routes alike
         dims = [r["dims"] for r in ranks]
 
         # The forward-only path (old/reference logprobs in RL) gives the same per-token
@@ -416,19 +524,22 @@ def test_layout_matches_single_process(ray_cluster, reference, name, request):
             assert (lps is not None) == (x["pp_rank"] == x["pp"] - 1)
             s16 = reference["single16"]
             for (a, b), lp in zip(_cuts(x), lps, strict=True) if lps else ():
-                _close(lp, reference["steps"][0]["logprobs"][a:b], s16 and s16["logprobs"][a:b],
+                _close(lp, reference["steps"][0]["logprobs"][a:b], s16 and [t[a:b] for t in _yard(s16, "logprobs")],
                        f"{name} forward_logprobs")
 
         # The policy loss (every option on) through the same schedules: losses and gradients.
         group.call("set_loss", "policy", POLICY)
-        pol = reference["policy"]
+        pol, s16 = reference["policy"], reference["single16"]
         ranks = group.call_each("inspect", [("step_gradients", _split(pol["batch"], x)) for x in lay])
         for x, r in zip(lay, ranks, strict=True):
-            assert r["losses"].keys() == pol["losses"].keys(), f"{name}: policy metrics {sorted(r['losses'])}"
+            who = f"{name} rank {x['rank']} policy"
+            assert r["losses"].keys() == pol["losses"].keys(), f"{who}: metrics {sorted(r['losses'])}"
             for k, v in pol["losses"].items():
-                assert r["losses"][k] == pytest.approx(v, rel=2e-2 if GPU else 1e-5, abs=1e-7), f"{name} policy {k}"
-            if not GPU:
-                _check_grads(pol["grads"], None, x, r, f"{name} rank {x['rank']} policy")
+                if s16:
+                    _close(torch.tensor(r["losses"][k]), torch.tensor(v), _yard(s16, "policy", k), f"{who} {k}")
+                else:
+                    assert r["losses"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), f"{who} {k}"
+            _check_grads(pol["grads"], _yard(s16, "policy_grads"), x, r, who, skip)
         _check_coverage(ranks, lay, set(pol["grads"]), f"{name} policy")
         group.call("set_loss", "lm")
 
@@ -449,11 +560,14 @@ def test_layout_matches_single_process(ray_cluster, reference, name, request):
             logs = group.call_each("train_step", [(m,) for m in mbs])
             ref = reference["steps"][step]
             for x, log in zip(lay, logs, strict=True):
-                assert log["loss"] == pytest.approx(ref["losses"]["loss"], rel=2e-2 if GPU else 1e-5), \
-                    f"rank {x['rank']} step {step} loss"
-                assert log["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2 if GPU else 1e-4), \
-                    f"rank {x['rank']} step {step} grad norm"
-            if GPU:
+                who = f"{name} rank {x['rank']} step {step}"
+                if s16:  # against a one-rank bf16 trainer's same step
+                    for k, want in (("loss", ref["losses"]["loss"]), ("grad_norm", ref["grad_norm"])):
+                        _close(torch.tensor(log[k]), torch.tensor(want), [s16["steps"][step][k]], f"{who} {k}")
+                else:
+                    assert log["loss"] == pytest.approx(ref["losses"]["loss"], rel=1e-5), f"{who} loss"
+                    assert log["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"{who} grad norm"
+            if s16:
                 continue  # bf16 parameters after Adam steps: compared through the losses above
             after = group.call("inspect", "model_state")
             for x, st in zip(lay, after, strict=True):  # aux-loss-free balancing: global loads, sign updates
@@ -464,8 +578,11 @@ def test_layout_matches_single_process(ray_cluster, reference, name, request):
             before = after
     finally:
         group.shutdown()
-    if GPU:
-        print(f"{name}: worst layout/single-process bf16 error ratios {WORST}")
+    if reference["single16"]:
+        print(f"\n{name}: worst layout / single-process bf16 error ratios:")
+        for key, (ratio, what, err, base) in sorted(WORST.items()):
+            print(f"  {key}: {ratio:.2f}x at {what} ({err} vs {base})")
+    assert not MISSES, f"{len(MISSES)} comparisons over their bound:\n" + "\n".join(MISSES)
 
 
 def test_the_rotation_covers_every_combined_layout():

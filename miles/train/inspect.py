@@ -9,11 +9,13 @@ flattened TP-local tensor: the elements this data-parallel rank's optimizer shar
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
 
 from miles.train.batching import MicroBatch
+from plugins.deepseek_v4.model import MoE
 
 
 def _parts(model, name: str, p: torch.nn.Parameter) -> Iterator[tuple[str, torch.Tensor, int]]:
@@ -53,21 +55,50 @@ def _split_dims(worker) -> dict[str, int | None]:
             for k, p in worker.model.deepseek_named(worker.model.named_parameters())}
 
 
+@contextlib.contextmanager
+def routes(model: torch.nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Record the experts each learned router picks: {MoE module name: one [B, S, k] tensor
+    (experts sorted) per forward of the block, in run order}, on the host, for the tokens this
+    rank holds. A block's forward run again in the backward (config.recompute, `fwd.replay`)
+    picks the same experts and is not recorded."""
+    out: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for name, moe in model.named_modules():
+        if isinstance(moe, MoE) and not moe.gate.is_hash:
+            seen, picks = {}, out.setdefault(name, [])  # seen: the block's [B, S], whether a replay
+
+            def enter(mod, args, seen=seen):  # MoE.forward(x [B, S, d], fwd, ids, valid)
+                seen.update(shape=args[0].shape[:-1], replay=args[1] is not None and args[1].replay)
+
+            def record(gate, args, result, seen=seen, picks=picks):
+                if not seen["replay"]:  # result: experts [B*S, k], weights, scores
+                    picks.append(result[0].sort(-1).values.reshape(*seen["shape"], -1).cpu())
+
+            hooks += [moe.register_forward_pre_hook(enter), moe.gate.register_forward_hook(record)]
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def step_gradients(worker, micro_batches: list[MicroBatch]) -> dict:
     """The training step without its update (TrainWorker.reduced_gradients): the global
     batch's loss metrics, per-token log-probs of this rank's tokens (last stage: this CP
     rank's chunk, per micro-batch), and this rank's owned part of every reduced gradient
-    {name: (start, end, values)}, with each tensor's TP split dim and TP-local size. The
+    {name: (start, end, values)}, with each tensor's TP split dim and TP-local size, and the
+    experts each learned router picked for this rank's tokens, per micro-batch (`routes`). The
     gradient buffers are zeroed and the router's load counts restored afterwards: the next
     training step sees none of this pass."""
     loads = [(b, b.clone()) for n, b in worker.model.named_buffers() if n.endswith("expert_load")]
-    res, aux = worker.reduced_gradients(micro_batches)
+    with routes(worker.model) as picked:
+        res, aux = worker.reduced_gradients(micro_batches)
     for b, before in loads:  # the router's load counts are the training step's, not this look's
         b.copy_(before)
     grads = {name: (a, b, g[a:b].float().cpu().clone()) for name, g, a, b, _, _ in _owned(worker)}
     numel = {k: p.numel() for k, p in worker.model.deepseek_named(worker.model.named_parameters())}
     out = {"losses": worker._reported(res, aux), "logprobs": [r["logprobs"].cpu() for r in res], "grads": grads,
-           "dims": _split_dims(worker), "numel": numel}
+           "dims": _split_dims(worker), "numel": numel, "routes": picked}
     worker.ddp.zero_grad_buffer()  # nothing of this pass reaches the next step
     return out
 
