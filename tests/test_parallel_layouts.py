@@ -143,6 +143,11 @@ def _cuts(x: dict) -> list[tuple[int, int]]:
     return [(0, 1), (1, 2)] if r == 0 else [(2, 4)]
 
 
+def _cols(x: dict) -> slice | torch.Tensor:
+    """The sequence positions this rank's CP chunk holds."""
+    return ParallelContext(cp_size=x["cp"], cp_rank=x["cp_rank"]).seq_chunk(SEQ)
+
+
 def _split(mb: MicroBatch, x: dict) -> list[MicroBatch]:
     return [mb.rows(a, b) for a, b in _cuts(x)]
 
@@ -342,7 +347,7 @@ def _check_routes(reference, lay: list[dict], ranks: list[dict], name: str) -> t
     want = reference["routes"]  # {MoE layer: experts [B, S, k]}
     got = {layer: torch.full_like(v, -1) for layer, v in want.items()}
     for x, r in zip(lay, ranks, strict=True):
-        cols = ParallelContext(cp_size=x["cp"], cp_rank=x["cp_rank"]).seq_chunk(SEQ)
+        cols = _cols(x)
         for layer, picks in r["routes"].items():
             assert len(picks) == len(_cuts(x)), f"{name} rank {x['rank']} {layer}: {len(picks)} forwards recorded"
             for (a, b), p in zip(_cuts(x), picks, strict=True):
@@ -380,7 +385,7 @@ def _check_forward_backward(reference, lay: list[dict], ranks: list[dict], name:
                 assert r["losses"][k] == pytest.approx(ref["losses"][k], rel=1e-5, abs=1e-7), f"{who} {k} loss"
         last_stage = x["pp_rank"] == x["pp"] - 1
         assert bool(r["logprobs"]) == last_stage, f"{who}: logprobs belong to the last stage only"
-        cols = ParallelContext(cp_size=x["cp"], cp_rank=x["cp_rank"]).seq_chunk(SEQ)
+        cols = _cols(x)
         for (a, b), lp in zip(_cuts(x), r["logprobs"], strict=True) if last_stage else ():
             _close(lp, ref["logprobs"][a:b, cols], s16 and [t[a:b, cols] for t in _yard(s16, "logprobs")],
                    f"{who} logprobs")
