@@ -7,7 +7,8 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py [--config 1b|small_50m] [--seq 4096] [--steps 6] [--peak-tflops 989]
     python3 benchmarks/train_gpu.py --ab        # each speed change undone (same process)
     python3 benchmarks/train_gpu.py --ab --stacking  # and stacked vs per-expert routed weights
-    python3 benchmarks/train_gpu.py --profile [--graphs]  # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --ab --mixes     # the mHC mixes kernel vs torch, CUDA graphs on
+    python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
@@ -174,21 +175,67 @@ def per_expert_weights(model: torch.nn.Module) -> None:
             m.experts = PerExpertWeights(m.experts)
 
 
-def stacking_ab(w, build, release, mbs, steps: int, tokens: int) -> None:
-    """Stacked routed-expert weights against one Parameter per expert, alternating; each arm
-    a fresh model and optimizer (the parameters differ) in this process."""
+def fresh_ab(w, build, release, mbs, steps: int, tokens: int, title: str, arms) -> None:
+    """Arms [(name, set_up(on: bool) -> build kwargs)] alternating, 3 rounds; each arm a fresh
+    model and optimizer in this process (for changes to the parameters themselves)."""
     rows = []
-    for per_expert in (True, False) * 3:
-        build("triton", per_expert_weights if per_expert else None)
-        n = sum(1 for _ in w.model.parameters())
-        ts = timed(lambda: w.train_step(mbs), steps)
-        rows.append(("one parameter per expert" if per_expert else "stacked experts (default)", n,
-                     statistics.median(ts), torch.cuda.max_memory_allocated() / 2**30))
-        release()
-    print(f"\n{torch.cuda.get_device_name()}  routed-expert weights A/B, {steps} steps each (median)")
-    print(f"{'variant':30s} {'params':>7s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s}")
+    for name, set_up in arms * 3:
+        try:
+            build("triton", **set_up(True))
+            n = sum(1 for _ in w.model.parameters())
+            ts = timed(lambda: w.train_step(mbs), steps)
+            rows.append((name, n, statistics.median(ts), torch.cuda.max_memory_allocated() / 2**30))
+        finally:
+            set_up(False)
+            release()
+    print(f"\n{torch.cuda.get_device_name()}  {title} A/B, {steps} steps each (median)")
+    print(f"{'variant':44s} {'params':>7s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s}")
     for name, n, med, mem in rows:
-        print(f"{name:30s} {n:7d} {med * 1e3:8.1f} {tokens / med:8,.0f} {mem:8.1f}")
+        print(f"{name:44s} {n:7d} {med * 1e3:8.1f} {tokens / med:8,.0f} {mem:8.1f}")
+
+
+def stacking_arms():
+    """Stacked routed-expert weights against one Parameter per expert (the parameters differ)."""
+    return [("one parameter per expert", lambda on: {"edit": per_expert_weights} if on else {}),
+            ("stacked experts (default)", lambda on: {})]
+
+
+def _torch_mixes_gates(x, fn, base, scale, norm_eps, hc_eps, iters):
+    """The gates' inputs as they were before `mhc.stream_mixes`: a TF32 projection of an fp32
+    copy of the streams and torch's norm (its backward an autograd chain over [R, n d])."""
+    from plugins.deepseek_v4 import ops
+    from plugins.deepseek_v4.kernels.mhc import hc_gates
+
+    flat = x.flatten(-2)
+    nrm = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32)
+    return hc_gates(ops.fp32_linear(flat, fn, True), nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps,
+                    flat.shape[-1])
+
+
+def mixes_ab(w, mbs, steps: int, tokens: int) -> None:
+    """mHC's gate inputs from one kernel pass (default) against torch's projection and norm,
+    under CUDA graphs, alternating in one model: each arm keeps its own captured graphs (a
+    graph replays the code path it was captured with; a fresh model per arm would need the
+    previous one's graph pool freed, which this process does not manage)."""
+    from plugins.deepseek_v4 import ops
+
+    fused, model, sets, rows = ops._hc_gates_fused, w.model, {}, []
+    arms = [("CUDA graphs, mixes through torch", _torch_mixes_gates),
+            ("CUDA graphs, one-pass mixes kernel (default)", fused)]
+    try:
+        for name, gates in arms * 3:
+            ops._hc_gates_fused = gates  # hc_head runs outside the graphs: it follows the switch too
+            model._graphs = sets.get(name)  # None: this arm's first step captures its graphs
+            ts = timed(lambda: w.train_step(mbs), steps)
+            sets[name] = model._graphs
+            rows.append((name, statistics.median(ts), min(ts), max(ts)))
+    finally:
+        ops._hc_gates_fused = fused
+    print(f"\n{torch.cuda.get_device_name()}  mHC mixes A/B, {steps} steps each (median, min, max); "
+          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB with both arms' graphs")
+    print(f"{'variant':46s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'tok/s':>8s}")
+    for name, med, lo, hi in rows:
+        print(f"{name:46s} {med * 1e3:8.1f} {lo * 1e3:7.1f} {hi * 1e3:7.1f} {tokens / med:8,.0f}")
 
 
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
@@ -222,14 +269,17 @@ def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
 
 
 # ---------------------------------------------------------------------------- diagnostics
-def profile_step(w, mbs) -> None:
+def profile_step(w, mbs, shapes: bool = False) -> None:
     """Where one step's time goes (CUDA time per op, host syncs, GPU idle) and what the
-    first micro-batch's forward keeps for the backward (saved tensors by module)."""
+    first micro-batch's forward keeps for the backward (saved tensors by module). With
+    `shapes`, also the CUDA time per (op, input shapes): the shapes name the projection or
+    the elementwise chain (eager only; inside CUDA graphs the profiler sees kernels, not ops)."""
     w.train_step(mbs)
     w.train_step(mbs)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=shapes) as prof:
         t = time.perf_counter()
         w.train_step(mbs)
         torch.cuda.synchronize()
@@ -244,6 +294,9 @@ def profile_step(w, mbs) -> None:
           f"({kernel_us / 1e6 / wall:.0%}); {syncs}")
     print(ev.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
     print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    if shapes:
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_device_time_total", row_limit=70, max_name_column_width=40, max_shapes_column_width=90))
 
     # saved tensors of one micro-batch's forward, by the innermost module that saved them
     stack, saved = ["(top)"], {}
@@ -332,7 +385,9 @@ def main() -> None:
     ap.add_argument("--syncs", action="store_true", help="print where one step synchronizes with the GPU")
     ap.add_argument("--ab", action="store_true", help="the step with each speed change undone, in one process")
     ap.add_argument("--graphs", action="store_true", help="with --profile or --syncs: CUDA graphs on")
+    ap.add_argument("--shapes", action="store_true", help="with --profile: CUDA time per op and input shapes")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
+    ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -367,18 +422,22 @@ def main() -> None:
 
     if a.profile or a.syncs:
         build("triton", graphs=a.graphs)
-        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs)
+        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes)
         return
     if a.compile != "none":
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
+        return
+    if a.ab and a.mixes:
+        build("triton", graphs=True)
+        mixes_ab(w, mbs, a.steps, tokens)
         return
     if a.ab:
         build("triton")
         ab_table(w, mbs, a.steps, tokens, cfg, a.peak_tflops)
         release()
         if a.stacking:
-            stacking_ab(w, build, release, mbs, a.steps, tokens)
+            fresh_ab(w, build, release, mbs, a.steps, tokens, "routed-expert weights", stacking_arms())
         return
     runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit

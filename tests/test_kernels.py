@@ -385,6 +385,47 @@ def within_terms(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> 
     return ((got.double().cpu() - want).abs() / terms.clamp_min(1e-300)).max().item()
 
 
+# (leading shape, n, d, m): train_gpu's streams (K = 6144) with hc_pre's 24 columns; hc_head's
+# 4; K and the rows not multiples of the tiles; rows spanning several backward row groups;
+# no rows at all
+MIXES_CASES = ([((2, 300), 4, 1536, 24), ((37,), 4, 1536, 4), ((3, 171), 3, 200, 15), ((0, 5), 4, 64, 24)]
+               if CUDA else [((2, 21), 4, 20, 24), ((37,), 3, 7, 4), ((0, 5), 4, 8, 24)])
+
+
+@pytest.mark.parametrize("lead,n,d,m", MIXES_CASES)
+def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m):
+    """The gates' inputs mm = flat(X) @ fn^T and nrm = |flat(X)| in one pass, against float64
+    autograd: both outputs (NaN-poisoned first), the streams' gradient (the projection's and
+    the norm's terms together, bf16 on CUDA) and fn's (summed over row groups). A zero row
+    checks the norm's gradient there (0, as torch's). fp32 dots (ieee): the projection is
+    exact fp32, so its outputs are held to fp32 rounding on every device."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, n * d, generator=g).to(DTYPE).float()  # rounded once: both sides see it
+    if x.numel():
+        x.view(-1, n * d)[min(3, x.numel() // (n * d) - 1)] = 0.0
+    fn = torch.randn(m, n * d, generator=g) * (n * d) ** -0.5
+    ref_in = [t.double().requires_grad_() for t in (x, fn)]
+    mm_ref, nrm_ref = ref_in[0] @ ref_in[1].T, ref_in[0].norm(dim=-1)
+    c_mm, c_nrm = torch.randn(mm_ref.shape, generator=g), torch.randn(nrm_ref.shape, generator=g)
+    ((mm_ref * c_mm.double()).sum() + (nrm_ref * c_nrm.double()).sum()).backward()
+    ins = [x.to(DEV, DTYPE).requires_grad_(), fn.to(DEV).requires_grad_()]
+    mm, nrm = mhc.stream_mixes(*ins)
+    assert mm.dtype == nrm.dtype == torch.float32 and mm.shape == mm_ref.shape and nrm.shape == nrm_ref.shape
+    ((mm * c_mm.to(DEV)).sum() + (nrm * c_nrm.to(DEV)).sum()).backward()
+    if not x.numel():
+        assert not ins[1].grad.any()
+        return
+    # fp32 sums of K = n d (mm, nrm) or R (fn) terms: rounding grows like sqrt(terms) ulps
+    # (1.4e-6 measured at K = 6144 on an H100, where a TF32 projection errs by ~5e-4)
+    k_sum, r_sum = [max(1e-6, 2 * t ** 0.5 * 2.0 ** -24) for t in (n * d, x.numel() // (n * d))]
+    assert rel(mm.cpu(), mm_ref) < k_sum, "mm"
+    assert rel(nrm.cpu(), nrm_ref) < k_sum, "nrm"
+    assert rel(ins[0].grad.float().cpu(), ref_in[0].grad) < (TOL if CUDA else 1e-6), "x"
+    assert rel(ins[1].grad.cpu(), ref_in[1].grad) < r_sum, "fn"
+    with pytest.raises(ValueError, match="stream_mixes"):
+        mhc.stream_mixes(ins[0], ins[1][:, 1:])
+
+
 @pytest.mark.parametrize("full", [True, False])
 def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     """ops.hc_pre / ops.hc_head on the gates kernel (with the projection, the norm and the

@@ -195,14 +195,14 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, tf32: bool = Fa
 
 
 def _hc_gates_fused(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                    hc_eps: float, iters: int, tf32: bool):
-    """The Triton gates kernel on the mixes' raw projection and the streams' norm."""
-    from .kernels.mhc import hc_gates
+                    hc_eps: float, iters: int):
+    """The Triton gates kernel on the mixes' raw projection and the streams' norm (both from
+    one kernel pass over the streams, the projection in exact fp32)."""
+    from .kernels.mhc import hc_gates, stream_mixes
 
     flat = x.flatten(-2)  # [B, S, n*d]
-    nrm = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32)  # [B, S]
-    return hc_gates(fp32_linear(flat, fn, tf32), nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps,
-                    flat.shape[-1])
+    mm, nrm = stream_mixes(flat, fn)  # [B, S, m], [B, S]
+    return hc_gates(mm, nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps, flat.shape[-1])
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -215,7 +215,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if fused and gates:
         from .kernels.mhc import weighted_sum
 
-        pre, post, comb = _hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, iters, tf32)
+        pre, post, comb = _hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, iters)
         return weighted_sum(pre, x), post, comb
     if fused:
         from .kernels.mhc import sinkhorn as sinkhorn_fn
@@ -251,7 +251,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if fused and gates:
         from .kernels.mhc import weighted_sum
 
-        return weighted_sum(_hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, 1, tf32)[0], x)
+        return weighted_sum(_hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, 1)[0], x)
     pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
     if fused:
         from .kernels.mhc import weighted_sum

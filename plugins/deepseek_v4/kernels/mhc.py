@@ -307,6 +307,124 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
     return _Gates.apply(mm, nrm, base, scale, n, iters, hc_eps, norm_eps, width)
 
 
+# --------------------------------------------------------------------------- mixes' inputs
+# The gates read mm = flat(X) @ fn^T [R, m] and nrm = |flat(X)|_2 [R] of the flat streams
+# [R, K] (K = n * d, m = 24 or 4 columns). Through torch these cost an fp32 copy of the
+# streams for the projection and, in the backward, the norm's autograd chain (a div, a
+# masked_fill, a mul and casts over [R, K] fp32: ~22 ms of the ~1B step's 250 on an H100)
+# plus a separate [R, K] gradient from the projection. Here one pass reads the streams each
+# way: mm and nrm forward; dx = dmm @ fn + (dnrm / nrm) x and fn's gradient (per-program
+# partials over row groups, one sum: deterministic) backward. The dots run "tf32x3" (three
+# TF32 products: fp32-accurate on tensor cores, 2.4e-7 relative on the H100 against the TF32
+# projection's 2.1e-4); "ieee" FMA dots measured 4x slower forward.
+# Tiles (H100, [4096, 6144] bf16 streams, m = 24, `benchmarks/mixes_gpu.py`, us including the
+# autograd call's host time): torch 163 forward / 648 backward; these tiles 105 / 256-313.
+# The forward may split K over SPLIT programs a row block (per-split partials, one sum); each
+# backward program owns a column block of a row group (GROUPS groups; fn's partials per group).
+MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=16, BK=64, SPLIT=1, warps=4)
+MIX_BWD = dict(BS=16, BK=16, GROUPS=2, warps=4) if INTERPRET else dict(BS=16, BK=64, GROUPS=8, warps=4)
+MIX_PREC = "tf32x3"
+
+
+@triton.jit
+def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr):
+    """Program (row block, K split): partial mm [BS, m] and sum of squares [BS] of its slab."""
+    r = tl.program_id(0) * BS + tl.arange(0, BS)
+    part = tl.program_id(1)
+    j = tl.arange(0, MP)
+    rows = r < R
+    acc = tl.zeros([BS, MP], tl.float32)
+    sq = tl.zeros([BS], tl.float32)
+    for k0 in range(part * kspan, tl.minimum(part * kspan + kspan, K), BK):
+        c = k0 + tl.arange(0, BK)
+        x = tl.load(X + r.to(tl.int64)[:, None] * K + c[None, :], mask=rows[:, None] & (c < K)[None, :],
+                    other=0.0).to(tl.float32)  # [BS, BK]
+        w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)  # [BS, MP]
+        sq += tl.sum(x * x, 1)
+    tl.store(MM + (part * R + r)[:, None] * m + j[None, :], acc, mask=rows[:, None] & (j < m)[None, :])
+    tl.store(SQ + part * R + r, sq, mask=rows)
+
+
+@triton.jit
+def _mixes_bwd(X, FN, DMM, C, DX, DFN, R, K, m, span, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr):
+    """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient."""
+    c = tl.program_id(0) * BK + tl.arange(0, BK)
+    grp = tl.program_id(1)
+    j = tl.arange(0, MP)
+    cols, fm = c < K, (j < m)[:, None] & (c < K)[None, :]
+    w = tl.load(FN + j[:, None] * K + c[None, :], mask=fm, other=0.0)  # [MP, BK]
+    dw = tl.zeros([MP, BK], tl.float32)
+    for r0 in range(grp * span, tl.minimum(grp * span + span, R), BS):
+        r = r0 + tl.arange(0, BS)
+        rows = r < R
+        offs = r.to(tl.int64)[:, None] * K + c[None, :]
+        mask = rows[:, None] & cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(DMM + r[:, None] * m + j[None, :], mask=rows[:, None] & (j < m)[None, :], other=0.0)
+        s = tl.load(C + r, mask=rows, other=0.0)
+        dx = tl.dot(g, w, input_precision=PREC) + s[:, None] * x  # [BS, BK]
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
+    tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
+
+
+def _tile_span(total: int, parts: int, tile: int) -> int:
+    """Each of `parts` programs' share of `total`, rounded up to whole tiles (>= one tile)."""
+    return triton.cdiv(triton.cdiv(max(total, 1), parts), tile) * tile
+
+
+class _Mixes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn: torch.Tensor):
+        *lead, k = x.shape
+        m = fn.shape[0]
+        x2, fn32 = x.reshape(-1, k).contiguous(), fn.float().contiguous()
+        r, t = x2.shape[0], MIX_FWD
+        kspan = _tile_span(k, t["SPLIT"], t["BK"])
+        parts = triton.cdiv(max(k, 1), kspan)
+        mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
+        if r:
+            _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
+                                                         MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
+                                                         BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
+        mm, nrm = (mm[0], sq[0].sqrt()) if parts == 1 else (mm.sum(0), sq.sum(0).sqrt())
+        ctx.save_for_backward(x2, fn32, nrm)
+        ctx.shapes = (x.shape, fn.dtype)
+        return mm.view(*lead, m), nrm.view(lead)
+
+    @staticmethod
+    def backward(ctx, dmm, dnrm):
+        x2, fn32, nrm = ctx.saved_tensors
+        x_shape, fn_dtype = ctx.shapes
+        (r, k), m, t = x2.shape, fn32.shape[0], MIX_BWD
+        dmm = torch.zeros(r, m, device=x2.device) if dmm is None else dmm.float().reshape(r, m).contiguous()
+        # d|x| / dx = x / |x| (0 at x = 0, as torch's norm backward)
+        c = (torch.zeros_like(nrm) if dnrm is None
+             else torch.where(nrm > 0, dnrm.float().reshape(r) / nrm, 0.0).contiguous())
+        span = _tile_span(r, t["GROUPS"], t["BS"])
+        groups = triton.cdiv(max(r, 1), span)
+        dx = new_output((r, k), x2, x2.dtype)
+        dfn = new_output((groups, m, k), x2, torch.float32)
+        if r:
+            _mixes_bwd[(triton.cdiv(k, t["BK"]), groups)](x2, fn32, dmm, c, dx, dfn, r, k, m, span,
+                                                          MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
+                                                          BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
+        else:
+            dfn.zero_()
+        return dx.view(x_shape), dfn.sum(0).to(fn_dtype)
+
+
+def stream_mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat(X) @ fn^T [..., m], |flat(X)|_2 [...]) in fp32 from the flat streams x [..., K]
+    (any float dtype) and fn [m, K]: the inputs of `hc_gates`, one read of x each way."""
+    if fn.dim() != 2 or fn.shape[1] != x.shape[-1]:
+        raise ValueError(f"stream_mixes: fn {list(fn.shape)} does not fit x {list(x.shape)} (expected [m, K])")
+    return _Mixes.apply(x, fn)
+
+
 # --------------------------------------------------------------------------- stream mixing
 # Per token: u = sum_i pre_i X_i (hc_pre, hc_head) and X'_j = post_j F + sum_i comb[i, j] X_i
 # (hc_post), in fp32 registers over D chunks, stored in x.dtype. The reference upcasts the
