@@ -8,6 +8,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab        # each speed change undone (same process)
     python3 benchmarks/train_gpu.py --ab --stacking  # and stacked vs per-expert routed weights
     python3 benchmarks/train_gpu.py --ab --mixes     # the mHC mixes kernel vs torch, CUDA graphs on
+    python3 benchmarks/train_gpu.py --ab --products  # bf16-product vs TF32 projections, CUDA graphs on
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
@@ -212,30 +213,52 @@ def _torch_mixes_gates(x, fn, base, scale, norm_eps, hc_eps, iters):
                     flat.shape[-1])
 
 
-def mixes_ab(w, mbs, steps: int, tokens: int) -> None:
-    """mHC's gate inputs from one kernel pass (default) against torch's projection and norm,
-    under CUDA graphs, alternating in one model: each arm keeps its own captured graphs (a
-    graph replays the code path it was captured with; a fresh model per arm would need the
-    previous one's graph pool freed, which this process does not manage)."""
-    from plugins.deepseek_v4 import ops
-
-    fused, model, sets, rows = ops._hc_gates_fused, w.model, {}, []
-    arms = [("CUDA graphs, mixes through torch", _torch_mixes_gates),
-            ("CUDA graphs, one-pass mixes kernel (default)", fused)]
+def graphed_ab(w, mbs, steps: int, tokens: int, title: str, arms) -> None:
+    """Arms [(name, switch(on: bool))] under CUDA graphs, alternating in one model, 3 rounds:
+    each arm keeps its own captured graphs (a graph replays the code path it was captured
+    with; a fresh model per arm ran out of memory: the released graphed models stayed alive)."""
+    model, sets, rows = w.model, {}, []
     try:
-        for name, gates in arms * 3:
-            ops._hc_gates_fused = gates  # hc_head runs outside the graphs: it follows the switch too
+        for name, switch in arms * 3:
+            for other, off in arms:
+                if other != name:
+                    off(False)
+            switch(True)  # code outside the graphs (the heads, hc_head) follows the switch too
             model._graphs = sets.get(name)  # None: this arm's first step captures its graphs
             ts = timed(lambda: w.train_step(mbs), steps)
             sets[name] = model._graphs
             rows.append((name, statistics.median(ts), min(ts), max(ts)))
     finally:
-        ops._hc_gates_fused = fused
-    print(f"\n{torch.cuda.get_device_name()}  mHC mixes A/B, {steps} steps each (median, min, max); "
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB with both arms' graphs")
+        for _name, switch in arms:
+            switch(False)
+    print(f"\n{torch.cuda.get_device_name()}  {title} A/B, {steps} steps each (median, min, max); "
+          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB with every arm's graphs")
     print(f"{'variant':46s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'tok/s':>8s}")
     for name, med, lo, hi in rows:
         print(f"{name:46s} {med * 1e3:8.1f} {lo * 1e3:7.1f} {hi * 1e3:7.1f} {tokens / med:8,.0f}")
+
+
+def _patch(module, attr: str, value):
+    """switch(on): module.attr = value while on, the original otherwise."""
+    original = getattr(module, attr)
+    return lambda on: setattr(module, attr, value if on else original)
+
+
+def mixes_arms():
+    """mHC's gate inputs through torch's projection and norm against `mhc.stream_mixes`."""
+    from plugins.deepseek_v4 import ops
+
+    return [("CUDA graphs, mixes through torch", _patch(ops, "_hc_gates_fused", _torch_mixes_gates)),
+            ("CUDA graphs, one-pass mixes kernel (default)", lambda on: None)]
+
+
+def products_arms():
+    """The bf16 x bf16 fp32 projections' forward (heads, gate, compressor) as TF32 GEMMs of
+    fp32 copies against bf16 GEMMs with fp32 output (`ops.bf16_products`)."""
+    from plugins.deepseek_v4 import ops
+
+    return [("CUDA graphs, TF32 projections", _patch(ops, "bf16_products", lambda x, w: None)),
+            ("CUDA graphs, bf16 products (default)", lambda on: None)]
 
 
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
@@ -388,6 +411,7 @@ def main() -> None:
     ap.add_argument("--shapes", action="store_true", help="with --profile: CUDA time per op and input shapes")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
+    ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -428,9 +452,12 @@ def main() -> None:
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
-    if a.ab and a.mixes:
+    if a.ab and (a.mixes or a.products):
         build("triton", graphs=True)
-        mixes_ab(w, mbs, a.steps, tokens)
+        if a.mixes:
+            graphed_ab(w, mbs, a.steps, tokens, "mHC mixes", mixes_arms())
+        if a.products:
+            graphed_ab(w, mbs, a.steps, tokens, "fp32 projections", products_arms())
         return
     if a.ab:
         build("triton")

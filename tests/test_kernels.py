@@ -763,6 +763,24 @@ def test_fp32_projection_on_tf32_tensor_cores_matches_float64(seed, w_dtype):
             assert torch.equal(a, b), name
 
 
+def test_bf16_products_are_exact_products_summed_in_fp32(seed):
+    """ops.bf16_products (the bf16 x bf16 projections' forward with tf32 on: heads, gate,
+    compressor) on CUDA: the fp32 result of the same bf16 values in float64 to fp32 summation
+    rounding (~sqrt(K) ulps), which a GEMM rounding its output or its sums to bf16 (2^-9)
+    misses by far. Elsewhere (CPU, fp32 operands) it declines (None) and fp32_linear runs."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, m = 301, 1536, 1000  # the ~1B config's width, rows and columns not multiples of a tile
+    x = torch.randn(2, n, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(m, k, generator=g) * 0.02).to(torch.bfloat16)
+    assert ops.bf16_products(x.float().to(DEV), w.float().to(DEV)) is None
+    if not CUDA:
+        assert ops.bf16_products(x, w) is None
+        return
+    y = ops.bf16_products(x.to(DEV), w.to(DEV))
+    assert y.dtype == torch.float32 and y.shape == (2, n, m)
+    assert rel(y.cpu(), x.double() @ w.double().t()) < 2 * k ** 0.5 * 2.0 ** -24
+
+
 @pytest.mark.skipif(not CUDA, reason="TF32 exists on CUDA only")
 def test_bf16_model_with_tf32_projections_is_as_close_to_fp32_as_without(seed):
     """The whole bf16 training step (kernels on, tiny model with every feature) with the

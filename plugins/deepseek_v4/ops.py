@@ -53,6 +53,9 @@ class _Fp32Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, tf32: bool) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.tf32 = tf32
+        z = bf16_products(x, w) if tf32 else None
+        if z is not None:
+            return z
         with _cuda_matmul_precision(tf32):
             return F.linear(x.float(), w.float())
 
@@ -68,11 +71,22 @@ class _Fp32Linear(torch.autograd.Function):
         return gx, gw, None
 
 
+def bf16_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] @ w [N, K]^T -> fp32 [..., N] on bf16 tensor cores when both are bf16 CUDA
+    tensors, else None. A product of two bf16 numbers is exact in fp32 and the GEMM sums in
+    fp32, so this is the TF32 path's result (its operands are exact in TF32 too) at twice
+    the tensor-core rate. Callers look it up on this module at call time (the A/B swaps it)."""
+    if not (x.dtype == w.dtype == torch.bfloat16 and x.is_cuda):
+        return None
+    return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+
+
 def fp32_linear(x: torch.Tensor, w: torch.Tensor, tf32: bool = False) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] in fp32 (the projections DSV4.md keeps in fp32:
     compressor, gate, mHC mixes, LM/MTP heads). With bf16 x and w every product is exact
     in TF32 (8 mantissa bits fit in TF32's 10), so `tf32` changes only the rounding of fp32
-    operands (an fp32 weight, the backward's fp32 gradient) and the summation order."""
+    operands (an fp32 weight, the backward's fp32 gradient) and the summation order; such a
+    forward runs as a bf16 GEMM with fp32 output (`bf16_products`: the same exact products)."""
     if x.dtype == w.dtype == torch.float32 and not tf32:
         return F.linear(x, w)
     return _Fp32Linear.apply(x, w, tf32)
