@@ -84,8 +84,9 @@ class DeepSeekV4Config:
     sm90_kernels: bool = True
     sm90_kv_gradient: bool = False
     overlap_chunks: bool = False
-    # The fp32 projections of a bf16 model (compressor, gate, mHC mixes, LM/MTP heads) on TF32
-    # tensor cores: exact products of bf16 operands, fp32 sums (ops.fp32_linear)
+    # The fp32 projections of a bf16 model (compressor, gate, mHC mixes, LM/MTP heads) on
+    # tensor cores: TF32, and a bf16 x bf16 forward as a bf16 GEMM with fp32 output; exact
+    # products of bf16 operands, fp32 sums (ops.fp32_linear)
     tf32_projections: bool = True
     # With the GPU kernels: RMSNorm, RoPE and the experts' clamped SwiGLU as fused Triton
     # kernels, one launch each way (off: the PyTorch ops, for A/B runs)
