@@ -763,6 +763,41 @@ def test_fp32_projection_on_tf32_tensor_cores_matches_float64(seed, w_dtype):
             assert torch.equal(a, b), name
 
 
+# (B, S, h, d, G): V4's indexer (16 heads of 128) over 4096 tokens' 1024 entries on CUDA;
+# token and entry counts off the tiles, several token splits of dk; no entries at all
+SCORE_CASES = ([(1, 700, 16, 128, 175), (2, 37, 3, 64, 11), (1, 5, 2, 16, 0)] if CUDA
+               else [(2, 37, 3, 16, 11), (1, 40, 2, 32, 21), (1, 5, 2, 16, 0)])
+
+
+@pytest.mark.parametrize("b,s,h,d,g", SCORE_CASES)
+def test_indexer_scores_kernel_matches_float64_reference(seed, b, s, h, d, g):
+    """The lightning indexer's scores sum_h w relu(q_h . k_g) as one kernel each way, against
+    float64 autograd of the formula: the scores (NaN-poisoned first) and the gradients of q,
+    k (summed over token splits) and w. fp32 inputs on every device, tf32x3 dots: fp32
+    rounding only (sums over d, h, G or S terms)."""
+    from plugins.deepseek_v4.kernels import indexer
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(b, s, h, d, generator=gen), torch.randn(b, g, d, generator=gen)
+    w = torch.randn(b, s, h, generator=gen) * h ** -0.5
+    cot = torch.randn(b, s, g, generator=gen)
+    ref_in = [t.double().requires_grad_() for t in (q, k, w)]
+    ref = torch.einsum("bsh,bshg->bsg", ref_in[2], torch.relu(torch.einsum("bshd,bgd->bshg", ref_in[0], ref_in[1])))
+    (ref * cot.double()).sum().backward()
+    ins = [t.to(DEV).requires_grad_() for t in (q, k, w)]
+    out = indexer.indexer_scores(*ins)
+    assert out.dtype == torch.float32 and out.shape == (b, s, g)
+    (out * cot.to(DEV)).sum().backward()
+    if not g:
+        assert not ins[0].grad.any() and not ins[2].grad.any()
+        return
+    assert rel(out.cpu(), ref) < 1e-5, "scores"
+    for got, want, name in zip(ins, ref_in, ["q", "k", "w"], strict=True):
+        assert rel(got.grad.cpu(), want.grad) < 1e-5, name
+    with pytest.raises(ValueError, match="indexer_scores"):
+        indexer.indexer_scores(ins[0], ins[1][..., 1:], ins[2])
+
+
 def test_bf16_products_are_exact_products_summed_in_fp32(seed):
     """ops.bf16_products (the bf16 x bf16 projections' forward with tf32 on: heads, gate,
     compressor) on CUDA: the fp32 result of the same bf16 values in float64 to fp32 summation

@@ -1,5 +1,8 @@
-"""Triton kernel for the lightning indexer's training target: the main attention's
-probability mass on each chosen compressed entry, summed over heads (no gradient).
+"""Triton kernels of the lightning indexer: its training target (`attention_mass`, below)
+and its scores with their backward (`indexer_scores`, at the end of the file).
+
+The target: the main attention's probability mass on each chosen compressed entry, summed
+over heads (no gradient).
 
     mass[b, t, g] = sum_h exp(q[b, t, h] . e[b, g] * scale - lse[b*S + t, h])   (g chosen)
 
@@ -70,3 +73,133 @@ def attention_mass(q: torch.Tensor, entries: torch.Tensor, lse: torch.Tensor, ch
             q, e, lse, ch, out, scale, s, g, h, q.stride(0), q.stride(1), q.stride(2), e.stride(0), e.stride(1),
             ch.stride(0), ch.stride(1), out.stride(0), out.stride(1), D=d, IEEE=q.dtype == torch.float32)
     return out
+
+
+# --------------------------------------------------------------------------- indexer scores
+# score[b, t, g] = sum_h w[b, t, h] relu(q[b, t, h] . k[b, g]), fp32 (DSV4.md keeps the
+# lightning indexer's scores in fp32), forward and backward without the [B, S, h, G] dot
+# products the PyTorch path builds chunk by chunk (`ops.indexer_scores`: fp32 bmm's on CUDA
+# cores, a relu, a head sum; the backward recomputes them and permutes [G, h, S] copies).
+# The dots are tf32x3 (three TF32 products: fp32-accurate on tensor cores). The backward:
+# one program per (token tile, head) for dq and dw over all entries; one per (entry tile,
+# token split) for dk's per-split partials, summed once (no atomics: deterministic).
+# Not wired into the model yet: `benchmarks/indexer_gpu.py` measures it against the torch path.
+SCORE_PREC = "tf32x3"
+SCORE_TILE = dict(BT=16, BG=16, SPLIT=2, warps=4) if INTERPRET else dict(BT=64, BG=64, SPLIT=8, warps=4)
+
+
+@triton.jit
+def _q_tile(Q, b, t, h, S, H, D: tl.constexpr):
+    """q[b, t, h, :] [BT, D] of a contiguous [B, S, H, D] tensor (rows past S are 0)."""
+    d = tl.arange(0, D)
+    return tl.load(Q + ((b * S + t) * H + h)[:, None] * D + d[None, :], mask=(t < S)[:, None], other=0.0)
+
+
+@triton.jit
+def _scores_fwd(Q, K, W, OUT, S, G, H, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    g = tl.program_id(1) * BG + tl.arange(0, BG)
+    d = tl.arange(0, D)
+    k = tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)  # [BG, D]
+    acc = tl.zeros([BT, BG], tl.float32)
+    for h in range(H):
+        dots = tl.dot(_q_tile(Q, b, t, h, S, H, D), tl.trans(k), input_precision=PREC)  # [BT, BG]
+        w = tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
+        acc += w[:, None] * tl.maximum(dots, 0.0)
+    tl.store(OUT + (b * S + t)[:, None] * G + g[None, :], acc, mask=(t < S)[:, None] & (g < G)[None, :])
+
+
+@triton.jit
+def _scores_bwd_q(Q, K, W, DS, DQ, DW, S, G, H, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
+                  PREC: tl.constexpr):
+    """dq[b, t, h] = sum_g [dots > 0] ds[t, g] w[t, h] k[g]; dw[b, t, h] = sum_g ds relu(dots)."""
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    q = _q_tile(Q, b, t, h, S, H, D)
+    w = tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
+    dq = tl.zeros([BT, D], tl.float32)
+    dw = tl.zeros([BT], tl.float32)
+    for g0 in range(0, G, BG):
+        g = g0 + tl.arange(0, BG)
+        k = tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+        ds = tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :],
+                     other=0.0)
+        dots = tl.dot(q, tl.trans(k), input_precision=PREC)
+        dw += tl.sum(ds * tl.maximum(dots, 0.0), 1)
+        dd = tl.where(dots > 0, ds * w[:, None], 0.0)  # d score / d dots [BT, BG]
+        dq += tl.dot(dd, k, input_precision=PREC)
+    tl.store(DQ + ((b * S + t) * H + h)[:, None] * D + d[None, :], dq, mask=(t < S)[:, None])
+    tl.store(DW + (b * S + t) * H + h, dw, mask=t < S)
+
+
+@triton.jit
+def _scores_bwd_k(Q, K, W, DS, DK, S, G, H, span, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
+                  PREC: tl.constexpr):
+    """This token split's share of dk[b, g] = sum_{t, h} [dots > 0] ds[t, g] w[t, h] q[t, h]."""
+    b = tl.program_id(2).to(tl.int64)
+    g = tl.program_id(0) * BG + tl.arange(0, BG)
+    part = tl.program_id(1)
+    d = tl.arange(0, D)
+    k = tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    dk = tl.zeros([BG, D], tl.float32)
+    for t0 in range(part * span, tl.minimum(part * span + span, S), BT):
+        t = t0 + tl.arange(0, BT)
+        ds = tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :],
+                     other=0.0)
+        for h in range(H):
+            q = _q_tile(Q, b, t, h, S, H, D)
+            w = tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
+            dots = tl.dot(q, tl.trans(k), input_precision=PREC)
+            dd = tl.where(dots > 0, ds * w[:, None], 0.0)
+            dk += tl.dot(tl.trans(dd), q, input_precision=PREC)  # [BG, D]
+    tl.store(DK + ((part * tl.num_programs(2) + b) * G + g)[:, None] * D + d[None, :], dk, mask=(g < G)[:, None])
+
+
+class _Scores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        b, s, h, d = q.shape
+        g, t = k.shape[1], SCORE_TILE
+        q32, k32, w32 = (x.float().contiguous() for x in (q, k, w))
+        out = new_output((b, s, g), q32, torch.float32)
+        if out.numel():
+            _scores_fwd[(triton.cdiv(s, t["BT"]), triton.cdiv(g, t["BG"]), b)](
+                q32, k32, w32, out, s, g, h, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
+        ctx.save_for_backward(q32, k32, w32)
+        ctx.dtypes = (q.dtype, k.dtype, w.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, ds: torch.Tensor):
+        q, k, w = ctx.saved_tensors
+        b, s, h, d = q.shape
+        g, t = k.shape[1], SCORE_TILE
+        ds = ds.float().contiguous()
+        dq, dw = new_output(q.shape, q, torch.float32), new_output(w.shape, q, torch.float32)
+        span = triton.cdiv(triton.cdiv(max(s, 1), t["SPLIT"]), t["BT"]) * t["BT"]
+        parts = triton.cdiv(max(s, 1), span)
+        dk = new_output((parts, b, g, d), q, torch.float32)
+        if s and g:
+            _scores_bwd_q[(triton.cdiv(s, t["BT"]), h, b)](q, k, w, ds, dq, dw, s, g, h, D=d, BT=t["BT"],
+                                                           BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
+            _scores_bwd_k[(triton.cdiv(g, t["BG"]), parts, b)](q, k, w, ds, dk, s, g, h, span, D=d, BT=t["BT"],
+                                                               BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
+        else:
+            for x in (dq, dw, dk):
+                x.zero_()
+        qd, kd, wd = ctx.dtypes
+        return dq.to(qd), dk.sum(0).to(kd), dw.to(wd)
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ops.indexer_scores`: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
+    [B, S, G] fp32 = sum_h w relu(q_h . k_g), differentiable in q, k and w."""
+    b, s, h, d = q.shape
+    if k.dim() != 3 or k.shape[0] != b or k.shape[2] != d or w.shape != (b, s, h):
+        raise ValueError(f"indexer_scores: q {list(q.shape)}, k {list(k.shape)}, w {list(w.shape)} do not fit")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"indexer_scores: head dim {d} must be a power of two >= 16")
+    return _Scores.apply(q, k, w)

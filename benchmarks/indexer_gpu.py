@@ -1,0 +1,90 @@
+"""The lightning indexer's scores on one GPU: sum_h w relu(q_h . k_g) in fp32 at the ~1B
+config's CSA shape (4096 tokens, 16 heads of 128, 1024 compressed entries), forward and
+backward, the PyTorch path (`ops.indexer_scores`: chunked fp32 bmm's, relu, head sum) against
+the Triton kernel's tiles (`kernels.indexer.indexer_scores`, tf32x3 dots). Each row checks its
+results against float64 (largest relative error of the scores and of the q, k, w gradients).
+
+    python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plugins.deepseek_v4 import ops  # noqa: E402
+from plugins.deepseek_v4.kernels import indexer  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def measure(scores, ins, cot, refs) -> tuple[float, float, list[float]]:
+    from triton.testing import do_bench
+
+    xs = [t.detach().requires_grad_() for t in ins]
+    out = scores(*xs)
+    grads = torch.autograd.grad(out, xs, cot, retain_graph=True)
+    errs = [rel(t, r) for t, r in zip((out, *grads), refs, strict=True)]
+    with torch.no_grad():
+        fwd = do_bench(lambda: scores(*ins), return_mode="median")
+    bwd = do_bench(lambda: torch.autograd.grad(out, xs, cot, retain_graph=True), return_mode="median")
+    return fwd * 1e3, bwd * 1e3, errs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--entries", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="the default tiles only")
+    a = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, a.seq, a.heads, a.dim, generator=g)
+    k = torch.randn(1, a.entries, a.dim, generator=g)
+    w = torch.randn(1, a.seq, a.heads, generator=g) * a.heads ** -0.5
+    cot = torch.randn(1, a.seq, a.entries, generator=g).cuda()
+    ins64 = [t.double().cuda().requires_grad_() for t in (q, k, w)]
+    ref = torch.einsum("bsh,bshg->bsg", ins64[2], torch.relu(torch.einsum("bshd,bgd->bshg", ins64[0], ins64[1])))
+    refs = [ref.detach(), *torch.autograd.grad(ref, ins64, cot.double())]
+    del ref, ins64
+    ins = [t.cuda() for t in (q, k, w)]
+    print(f"\n{torch.cuda.get_device_name()}  indexer scores: {a.seq} tokens, {a.heads} heads of {a.dim}, "
+          f"{a.entries} entries, fp32; us (median); relative error vs float64: scores / dq / dk / dw")
+    print(f"{'variant':48s} {'fwd':>8s} {'bwd':>8s}   errors")
+    fwd0, bwd0, errs = measure(ops.indexer_scores, ins, cot, refs)
+    print(f"{'torch: chunked fp32 bmm + relu + head sum':48s} {fwd0:8.1f} {bwd0:8.1f}   "
+          + " / ".join(f"{e:.1e}" for e in errs))
+    keep = (dict(indexer.SCORE_TILE), indexer.SCORE_PREC)
+    tiles = ([(keep[1], 64, 64, 8, 4)] if a.quick else
+             itertools.product(["tf32x3", "ieee"], [32, 64], [32, 64, 128], [8, 16], [4, 8]))
+    try:
+        for prec, bt, bg, split, warps in tiles:
+            if prec == "ieee" and (bt, bg, split, warps) != (64, 64, 8, 4):
+                continue  # one ieee row for scale
+            indexer.SCORE_PREC = prec
+            indexer.SCORE_TILE = dict(BT=bt, BG=bg, SPLIT=split, warps=warps)
+            try:
+                fwd, bwd, errs = measure(indexer.indexer_scores, ins, cot, refs)
+            except Exception as e:  # a tile past the shared memory of this GPU
+                print(f"kernel {prec} BT {bt} BG {bg} split {split} warps {warps}: {type(e).__name__}")
+                continue
+            name = f"kernel {prec:6s} BT {bt} BG {bg} split {split} warps {warps}"
+            print(f"{name:48s} {fwd:8.1f} {bwd:8.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
+                  + f"   {(fwd0 + bwd0) / (fwd + bwd):.2f}x")
+    finally:
+        indexer.SCORE_TILE, indexer.SCORE_PREC = keep
+
+
+if __name__ == "__main__":
+    main()
