@@ -176,29 +176,21 @@ def per_expert_weights(model: torch.nn.Module) -> None:
             m.experts = PerExpertWeights(m.experts)
 
 
-def fresh_ab(w, build, release, mbs, steps: int, tokens: int, title: str, arms) -> None:
-    """Arms [(name, set_up(on: bool) -> build kwargs)] alternating, 3 rounds; each arm a fresh
-    model and optimizer in this process (for changes to the parameters themselves)."""
+def stacking_ab(w, build, release, mbs, steps: int, tokens: int) -> None:
+    """Stacked routed-expert weights against one Parameter per expert, alternating; each arm
+    a fresh model and optimizer (the parameters differ) in this process."""
     rows = []
-    for name, set_up in arms * 3:
-        try:
-            build("triton", **set_up(True))
-            n = sum(1 for _ in w.model.parameters())
-            ts = timed(lambda: w.train_step(mbs), steps)
-            rows.append((name, n, statistics.median(ts), torch.cuda.max_memory_allocated() / 2**30))
-        finally:
-            set_up(False)
-            release()
-    print(f"\n{torch.cuda.get_device_name()}  {title} A/B, {steps} steps each (median)")
-    print(f"{'variant':44s} {'params':>7s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s}")
+    for per_expert in (True, False) * 3:
+        build("triton", per_expert_weights if per_expert else None)
+        n = sum(1 for _ in w.model.parameters())
+        ts = timed(lambda: w.train_step(mbs), steps)
+        rows.append(("one parameter per expert" if per_expert else "stacked experts (default)", n,
+                     statistics.median(ts), torch.cuda.max_memory_allocated() / 2**30))
+        release()
+    print(f"\n{torch.cuda.get_device_name()}  routed-expert weights A/B, {steps} steps each (median)")
+    print(f"{'variant':30s} {'params':>7s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s}")
     for name, n, med, mem in rows:
-        print(f"{name:44s} {n:7d} {med * 1e3:8.1f} {tokens / med:8,.0f} {mem:8.1f}")
-
-
-def stacking_arms():
-    """Stacked routed-expert weights against one Parameter per expert (the parameters differ)."""
-    return [("one parameter per expert", lambda on: {"edit": per_expert_weights} if on else {}),
-            ("stacked experts (default)", lambda on: {})]
+        print(f"{name:30s} {n:7d} {med * 1e3:8.1f} {tokens / med:8,.0f} {mem:8.1f}")
 
 
 def _torch_mixes_gates(x, fn, base, scale, norm_eps, hc_eps, iters):
@@ -220,9 +212,8 @@ def graphed_ab(w, mbs, steps: int, tokens: int, title: str, arms) -> None:
     model, sets, rows = w.model, {}, []
     try:
         for name, switch in arms * 3:
-            for other, off in arms:
-                if other != name:
-                    off(False)
+            for _other, off in arms:
+                off(False)
             switch(True)  # code outside the graphs (the heads, hc_head) follows the switch too
             model._graphs = sets.get(name)  # None: this arm's first step captures its graphs
             ts = timed(lambda: w.train_step(mbs), steps)
@@ -464,7 +455,7 @@ def main() -> None:
         ab_table(w, mbs, a.steps, tokens, cfg, a.peak_tflops)
         release()
         if a.stacking:
-            fresh_ab(w, build, release, mbs, a.steps, tokens, "routed-expert weights", stacking_arms())
+            stacking_ab(w, build, release, mbs, a.steps, tokens)
         return
     runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit

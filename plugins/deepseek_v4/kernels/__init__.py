@@ -34,3 +34,9 @@ def new_output(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
     return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+def tile_span(total: int, parts: int, tile: int) -> int:
+    """Each of `parts` programs' share of `total` rows, rounded up to whole tiles (>= one)."""
+    share = -(-max(total, 1) // parts)
+    return -(-share // tile) * tile

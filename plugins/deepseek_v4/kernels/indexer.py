@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, new_output, within_head_dim
+from . import INTERPRET, new_output, tile_span, within_head_dim
 from .sparse_attention import _mm
 
 _CONFIGS = ([triton.Config({"BT": 16, "BG": 16, "BD": 16}, num_warps=4, num_stages=1)] if INTERPRET else
@@ -96,17 +96,36 @@ def _q_tile(Q, b, t, h, S, H, D: tl.constexpr):
 
 
 @triton.jit
+def _k_tile(K, b, g, G, D: tl.constexpr):
+    """k[b, g, :] [BG, D] of a contiguous [B, G, D] tensor (rows past G are 0)."""
+    d = tl.arange(0, D)
+    return tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+
+
+@triton.jit
+def _w_col(W, b, t, h, S, H):
+    """w[b, t, h] [BT] of a contiguous [B, S, H] tensor."""
+    return tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
+
+
+@triton.jit
+def _dots_and_grad(q, k, DS, b, t, g, w, S, G, PREC: tl.constexpr):
+    """dots [BT, BG] = q . k, the upstream ds [BT, BG] and d score / d dots = [dots > 0] ds w."""
+    ds = tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :], other=0.0)
+    dots = tl.dot(q, tl.trans(k), input_precision=PREC)
+    return dots, ds, tl.where(dots > 0, ds * w[:, None], 0.0)
+
+
+@triton.jit
 def _scores_fwd(Q, K, W, OUT, S, G, H, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     g = tl.program_id(1) * BG + tl.arange(0, BG)
-    d = tl.arange(0, D)
-    k = tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)  # [BG, D]
+    k = _k_tile(K, b, g, G, D)  # [BG, D]
     acc = tl.zeros([BT, BG], tl.float32)
     for h in range(H):
         dots = tl.dot(_q_tile(Q, b, t, h, S, H, D), tl.trans(k), input_precision=PREC)  # [BT, BG]
-        w = tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
-        acc += w[:, None] * tl.maximum(dots, 0.0)
+        acc += _w_col(W, b, t, h, S, H)[:, None] * tl.maximum(dots, 0.0)
     tl.store(OUT + (b * S + t)[:, None] * G + g[None, :], acc, mask=(t < S)[:, None] & (g < G)[None, :])
 
 
@@ -118,18 +137,14 @@ def _scores_bwd_q(Q, K, W, DS, DQ, DW, S, G, H, D: tl.constexpr, BT: tl.constexp
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    q = _q_tile(Q, b, t, h, S, H, D)
-    w = tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
+    q, w = _q_tile(Q, b, t, h, S, H, D), _w_col(W, b, t, h, S, H)
     dq = tl.zeros([BT, D], tl.float32)
     dw = tl.zeros([BT], tl.float32)
     for g0 in range(0, G, BG):
         g = g0 + tl.arange(0, BG)
-        k = tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-        ds = tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :],
-                     other=0.0)
-        dots = tl.dot(q, tl.trans(k), input_precision=PREC)
+        k = _k_tile(K, b, g, G, D)
+        dots, ds, dd = _dots_and_grad(q, k, DS, b, t, g, w, S, G, PREC)
         dw += tl.sum(ds * tl.maximum(dots, 0.0), 1)
-        dd = tl.where(dots > 0, ds * w[:, None], 0.0)  # d score / d dots [BT, BG]
         dq += tl.dot(dd, k, input_precision=PREC)
     tl.store(DQ + ((b * S + t) * H + h)[:, None] * D + d[None, :], dq, mask=(t < S)[:, None])
     tl.store(DW + (b * S + t) * H + h, dw, mask=t < S)
@@ -143,17 +158,13 @@ def _scores_bwd_k(Q, K, W, DS, DK, S, G, H, span, D: tl.constexpr, BT: tl.conste
     g = tl.program_id(0) * BG + tl.arange(0, BG)
     part = tl.program_id(1)
     d = tl.arange(0, D)
-    k = tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    k = _k_tile(K, b, g, G, D)
     dk = tl.zeros([BG, D], tl.float32)
     for t0 in range(part * span, tl.minimum(part * span + span, S), BT):
         t = t0 + tl.arange(0, BT)
-        ds = tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :],
-                     other=0.0)
         for h in range(H):
             q = _q_tile(Q, b, t, h, S, H, D)
-            w = tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
-            dots = tl.dot(q, tl.trans(k), input_precision=PREC)
-            dd = tl.where(dots > 0, ds * w[:, None], 0.0)
+            _dots, _ds, dd = _dots_and_grad(q, k, DS, b, t, g, _w_col(W, b, t, h, S, H), S, G, PREC)
             dk += tl.dot(tl.trans(dd), q, input_precision=PREC)  # [BG, D]
     tl.store(DK + ((part * tl.num_programs(2) + b) * G + g)[:, None] * D + d[None, :], dk, mask=(g < G)[:, None])
 
@@ -179,7 +190,7 @@ class _Scores(torch.autograd.Function):
         g, t = k.shape[1], SCORE_TILE
         ds = ds.float().contiguous()
         dq, dw = new_output(q.shape, q, torch.float32), new_output(w.shape, q, torch.float32)
-        span = triton.cdiv(triton.cdiv(max(s, 1), t["SPLIT"]), t["BT"]) * t["BT"]
+        span = tile_span(s, t["SPLIT"], t["BT"])
         parts = triton.cdiv(max(s, 1), span)
         dk = new_output((parts, b, g, d), q, torch.float32)
         if s and g:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, new_output
+from . import INTERPRET, new_output, tile_span
 
 BLOCK_R = 16 if INTERPRET else 64
 
@@ -371,11 +371,6 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, R, K, m, span, MP: tl.constexpr, BS: tl.c
     tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
 
 
-def _tile_span(total: int, parts: int, tile: int) -> int:
-    """Each of `parts` programs' share of `total`, rounded up to whole tiles (>= one tile)."""
-    return triton.cdiv(triton.cdiv(max(total, 1), parts), tile) * tile
-
-
 class _Mixes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fn: torch.Tensor):
@@ -383,7 +378,7 @@ class _Mixes(torch.autograd.Function):
         m = fn.shape[0]
         x2, fn32 = x.reshape(-1, k).contiguous(), fn.float().contiguous()
         r, t = x2.shape[0], MIX_FWD
-        kspan = _tile_span(k, t["SPLIT"], t["BK"])
+        kspan = tile_span(k, t["SPLIT"], t["BK"])
         parts = triton.cdiv(max(k, 1), kspan)
         mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
         if r:
@@ -404,7 +399,7 @@ class _Mixes(torch.autograd.Function):
         # d|x| / dx = x / |x| (0 at x = 0, as torch's norm backward)
         c = (torch.zeros_like(nrm) if dnrm is None
              else torch.where(nrm > 0, dnrm.float().reshape(r) / nrm, 0.0).contiguous())
-        span = _tile_span(r, t["GROUPS"], t["BS"])
+        span = tile_span(r, t["GROUPS"], t["BS"])
         groups = triton.cdiv(max(r, 1), span)
         dx = new_output((r, k), x2, x2.dtype)
         dfn = new_output((groups, m, k), x2, torch.float32)
