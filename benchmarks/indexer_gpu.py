@@ -66,7 +66,7 @@ def main() -> None:
     print(f"{'torch: chunked fp32 bmm + relu + head sum':48s} {fwd0:8.1f} {bwd0:8.1f}   "
           + " / ".join(f"{e:.1e}" for e in errs))
     keep = (dict(indexer.SCORE_TILE), indexer.SCORE_PREC)
-    tiles = ([(keep[1], 64, 64, 8, 4)] if a.quick else
+    tiles = ([(keep[1], keep[0]["BT"], keep[0]["BG"], keep[0]["SPLIT"], keep[0]["warps"])] if a.quick else
              itertools.product(["tf32x3", "ieee"], [32, 64], [32, 64, 128], [8, 16], [4, 8]))
     try:
         for prec, bt, bg, split, warps in tiles:

@@ -9,6 +9,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --stacking  # and stacked vs per-expert routed weights
     python3 benchmarks/train_gpu.py --ab --mixes     # the mHC mixes kernel vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --products  # bf16-product vs TF32 projections, CUDA graphs on
+    python3 benchmarks/train_gpu.py --ab --indexer   # the indexer score kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
@@ -252,6 +253,15 @@ def products_arms():
             ("CUDA graphs, bf16 products (default)", lambda on: None)]
 
 
+def indexer_arms():
+    """The lightning indexer's scores through torch (chunked fp32 bmm's) against the kernels."""
+    from plugins.deepseek_v4 import ops
+    from plugins.deepseek_v4.kernels import indexer
+
+    return [("CUDA graphs, indexer scores through torch", _patch(indexer, "indexer_scores", ops.indexer_scores)),
+            ("CUDA graphs, indexer score kernels (default)", lambda on: None)]
+
+
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
     from plugins.deepseek_v4 import ops
 
@@ -403,6 +413,7 @@ def main() -> None:
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
+    ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -443,12 +454,14 @@ def main() -> None:
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
-    if a.ab and (a.mixes or a.products):
+    if a.ab and (a.mixes or a.products or a.indexer):
         build("triton", graphs=True)
         if a.mixes:
             graphed_ab(w, mbs, a.steps, tokens, "mHC mixes", mixes_arms())
         if a.products:
             graphed_ab(w, mbs, a.steps, tokens, "fp32 projections", products_arms())
+        if a.indexer:
+            graphed_ab(w, mbs, a.steps, tokens, "indexer scores", indexer_arms())
         return
     if a.ab:
         build("triton")

@@ -333,7 +333,8 @@ class Attention(nn.Module):
                 qi, wi = self.indexer.queries(x.detach(), c_q.detach(), q_cos, q_sin)
                 ki_entries, ki_cz = self.indexer.compressor(x.detach(), blocks, gather)
                 ki_entries = rope_e(ki_entries, blocks.pos)
-                scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi)  # [B, S, G]
+                scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi,
+                                             fused=use_kernels(self.cfg, qi))  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
             keys = torch.cat((kv, comp), 1)
         want_kl = self.indexer is not None and "indexer" in fwd.aux and torch.is_grad_enabled()

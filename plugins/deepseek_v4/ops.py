@@ -338,10 +338,14 @@ class _IndexerScores(torch.autograd.Function):
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
-                   chunk_elements: int = INDEXER_CHUNK_ELEMENTS) -> torch.Tensor:
+                   chunk_elements: int = INDEXER_CHUNK_ELEMENTS, fused: bool = False) -> torch.Tensor:
     """Lightning-indexer scores in fp32: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
     [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g]), computed over chunks of query rows
-    that hold at most `chunk_elements` dot products at a time."""
+    that hold at most `chunk_elements` dot products at a time. fused: the Triton kernels
+    (one pass each way, no [S, h, G] dots in memory; tf32x3 dots)."""
+    if fused:
+        from .kernels.indexer import indexer_scores as kernel
+        return kernel(q, k, w)
     b, s, h, _ = q.shape
     rows = max(1, chunk_elements // max(1, b * h * k.shape[1]))
     return _IndexerScores.apply(q, k, w, rows)

@@ -83,9 +83,9 @@ def attention_mass(q: torch.Tensor, entries: torch.Tensor, lse: torch.Tensor, ch
 # The dots are tf32x3 (three TF32 products: fp32-accurate on tensor cores). The backward:
 # one program per (token tile, head) for dq and dw over all entries; one per (entry tile,
 # token split) for dk's per-split partials, summed once (no atomics: deterministic).
-# Not wired into the model yet: `benchmarks/indexer_gpu.py` measures it against the torch path.
+# The model's kernel path (`ops.indexer_scores(fused=True)`); `benchmarks/indexer_gpu.py` times the tiles.
 SCORE_PREC = "tf32x3"
-SCORE_TILE = dict(BT=16, BG=16, SPLIT=2, warps=4) if INTERPRET else dict(BT=64, BG=64, SPLIT=8, warps=4)
+SCORE_TILE = dict(BT=16, BG=16, SPLIT=2, warps=4) if INTERPRET else dict(BT=64, BG=32, SPLIT=16, warps=4)
 
 
 @triton.jit
