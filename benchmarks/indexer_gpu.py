@@ -1,8 +1,12 @@
 """The lightning indexer's scores on one GPU: sum_h w relu(q_h . k_g) in fp32 at the ~1B
 config's CSA shape (4096 tokens, 16 heads of 128, 1024 compressed entries), forward and
 backward, the PyTorch path (`ops.indexer_scores`: chunked fp32 bmm's, relu, head sum) against
-the Triton kernel's tiles (`kernels.indexer.indexer_scores`, tf32x3 dots). Each row checks its
-results against float64 (largest relative error of the scores and of the q, k, w gradients).
+the Triton kernel's tiles and dot precisions (`kernels.indexer.indexer_scores`: Triton's tf32x3,
+the operands split by hand, ieee). Each row checks its results against float64 (largest
+relative error of the scores and of the q, k, w gradients). dq and dk of any fp32-accurate
+dots that are not IEEE fp32 land 1e-5 to 1e-3 from float64's: a dot within rounding of 0
+flips its relu gate and adds or drops a whole term (tests/test_kernels.py checks them
+through the kernel's own gate).
 
     python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--quick]
 """
@@ -47,7 +51,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="the default tiles only")
+    ap.add_argument("--quick", action="store_true", help="the defaults only")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, a.seq, a.heads, a.dim, generator=g)
@@ -65,25 +69,27 @@ def main() -> None:
     fwd0, bwd0, errs = measure(ops.indexer_scores, ins, cot, refs)
     print(f"{'torch: chunked fp32 bmm + relu + head sum':48s} {fwd0:8.1f} {bwd0:8.1f}   "
           + " / ".join(f"{e:.1e}" for e in errs))
-    keep = (dict(indexer.SCORE_TILE), indexer.SCORE_PREC)
-    tiles = ([(keep[1], keep[0]["BT"], keep[0]["BG"], keep[0]["SPLIT"], keep[0]["warps"])] if a.quick else
-             itertools.product(["tf32x3", "ieee"], [32, 64], [32, 64, 128], [8, 16], [4, 8]))
+    keep = ({k: dict(v) for k, v in indexer.SCORE_TILES.items()}, indexer.SCORE_PREC)
+    rows = [("defaults", keep[1], keep[0])]  # (name, precision, tiles): the defaults first
+    if not a.quick:  # every tile for both passes (the forward ignores split), each precision
+        rows += [(f"BT {bt} BG {bg} split {sp} warps {wa}", prec,
+                  {"fwd": dict(BT=bt, BG=bg, warps=wa), "bwd": dict(BT=bt, BG=bg, SPLIT=sp, warps=wa)})
+                 for prec, bt, bg, sp, wa in itertools.product(["tf32x3", "split3"], [32, 64], [32, 64, 128],
+                                                               [8, 16], [4, 8])]
+        rows.append(("defaults", "ieee", keep[0]))  # for scale
     try:
-        for prec, bt, bg, split, warps in tiles:
-            if prec == "ieee" and (bt, bg, split, warps) != (64, 64, 8, 4):
-                continue  # one ieee row for scale
-            indexer.SCORE_PREC = prec
-            indexer.SCORE_TILE = dict(BT=bt, BG=bg, SPLIT=split, warps=warps)
+        for tiles, prec, cfg in rows:
+            indexer.SCORE_PREC, indexer.SCORE_TILES = prec, cfg
             try:
                 fwd, bwd, errs = measure(indexer.indexer_scores, ins, cot, refs)
             except Exception as e:  # a tile past the shared memory of this GPU
-                print(f"kernel {prec} BT {bt} BG {bg} split {split} warps {warps}: {type(e).__name__}")
+                print(f"kernel {prec} {tiles}: {type(e).__name__}")
                 continue
-            name = f"kernel {prec:6s} BT {bt} BG {bg} split {split} warps {warps}"
+            name = f"kernel {prec:6s} {tiles}"
             print(f"{name:48s} {fwd:8.1f} {bwd:8.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
                   + f"   {(fwd0 + bwd0) / (fwd + bwd):.2f}x")
     finally:
-        indexer.SCORE_TILE, indexer.SCORE_PREC = keep
+        indexer.SCORE_TILES, indexer.SCORE_PREC = keep
 
 
 if __name__ == "__main__":

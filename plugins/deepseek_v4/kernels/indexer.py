@@ -80,12 +80,20 @@ def attention_mass(q: torch.Tensor, entries: torch.Tensor, lse: torch.Tensor, ch
 # lightning indexer's scores in fp32), forward and backward without the [B, S, h, G] dot
 # products the PyTorch path builds chunk by chunk (`ops.indexer_scores`: fp32 bmm's on CUDA
 # cores, a relu, a head sum; the backward recomputes them and permutes [G, h, S] copies).
-# The dots are tf32x3 (three TF32 products: fp32-accurate on tensor cores). The backward:
-# one program per (token tile, head) for dq and dw over all entries; one per (entry tile,
-# token split) for dk's per-split partials, summed once (no atomics: deterministic).
+# The forward also keeps the relu gate as bits, [B, S, h, ceil(G/32)] int32 (S h G / 8
+# bytes), so the backward needs one product per gradient and no dots:
+#   e[t, h] = sum_g [dot > 0] ds[t, g] k[g]  ->  dq = w e,  dw = q . e  (= sum_g ds relu(dot))
+#   dk[g]   = sum_{t,h} [dot > 0] ds[t, g] w[t, h] q[t, h]
+# one program per (token tile, head) for e, one per (entry tile, token split) for dk's
+# per-split partials, summed once (no atomics: deterministic). Dots: SCORE_PREC "tf32x3"
+# (Triton's three TF32 products), "split3" (the same three products from operands split
+# here by masking the low 13 bits), or "ieee".
 # The model's kernel path (`ops.indexer_scores(fused=True)`); `benchmarks/indexer_gpu.py` times the tiles.
-SCORE_PREC = "tf32x3"
-SCORE_TILE = dict(BT=16, BG=16, SPLIT=2, warps=4) if INTERPRET else dict(BT=64, BG=32, SPLIT=16, warps=4)
+# H100, benchmarks/indexer_gpu.py: the forward is fastest at 64-token tiles, the backward at 32
+# (its e and dk accumulators are [tile, 128] fp32); "split3" 15% faster than tf32x3 there.
+SCORE_PREC = "split3"
+SCORE_TILES = ({"fwd": dict(BT=16, BG=32, warps=4), "bwd": dict(BT=16, BG=64, SPLIT=2, warps=4)} if INTERPRET else
+               {"fwd": dict(BT=64, BG=32, warps=4), "bwd": dict(BT=32, BG=32, SPLIT=16, warps=4)})
 
 
 @triton.jit
@@ -109,63 +117,108 @@ def _w_col(W, b, t, h, S, H):
 
 
 @triton.jit
-def _dots_and_grad(q, k, DS, b, t, g, w, S, G, PREC: tl.constexpr):
-    """dots [BT, BG] = q . k, the upstream ds [BT, BG] and d score / d dots = [dots > 0] ds w."""
-    ds = tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :], other=0.0)
-    dots = tl.dot(q, tl.trans(k), input_precision=PREC)
-    return dots, ds, tl.where(dots > 0, ds * w[:, None], 0.0)
+def _ds_tile(DS, b, t, g, S, G):
+    """The upstream gradient ds[b, t, g] [BT, BG] of a contiguous [B, S, G] tensor (0 outside)."""
+    return tl.load(DS + (b * S + t)[:, None] * G + g[None, :], mask=(t < S)[:, None] & (g < G)[None, :], other=0.0)
 
 
 @triton.jit
-def _scores_fwd(Q, K, W, OUT, S, G, H, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
+def _bits_at(BITS, b, t, h, g0, S, H, NW, BG: tl.constexpr):
+    """Addresses [BT, BG / 32] of the gate words of entries g0 .. g0 + BG of rows (t, h), and
+    their mask (rows past S, words past NW)."""
+    wi = g0 // 32 + tl.arange(0, BG // 32)
+    return BITS + ((b * S + t) * H + h)[:, None] * NW + wi[None, :], (t < S)[:, None] & (wi < NW)[None, :]
+
+
+@triton.jit
+def _pack(on, BT: tl.constexpr, BG: tl.constexpr):
+    """[BT, BG] bool -> [BT, BG / 32] int32, entry j of a 32-run as bit j (distinct bits: the sum is an or)."""
+    bits = on.to(tl.int32) << (tl.arange(0, BG) % 32)[None, :]
+    return tl.sum(tl.reshape(bits, (BT, BG // 32, 32)), 2)
+
+
+@triton.jit
+def _unpack(words, BT: tl.constexpr, BG: tl.constexpr):
+    """_pack's inverse: [BT, BG / 32] int32 -> [BT, BG] bool."""
+    bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+    return tl.reshape(bits, (BT, BG)) != 0
+
+
+@triton.jit
+def _split(x):
+    """x = hi + lo with hi x's top 10 mantissa bits (a TF32 value) and lo the rest (exact)."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # -8192: 0xFFFFE000
+    return hi, x - hi
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a [M, K] @ b [K, N] in fp32: "split3" sums hi.hi + hi.lo + lo.hi (TF32 products, the
+    one dropped lo.lo is 2^-20 of a product), otherwise tl.dot at input_precision PREC."""
+    if PREC == "split3":
+        ah, al = _split(a)
+        bh, bl = _split(b)
+        acc = tl.dot(al, bh, input_precision="tf32")
+        acc = tl.dot(ah, bl, acc, input_precision="tf32")
+        return tl.dot(ah, bh, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _scores_fwd(Q, K, W, OUT, BITS, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
+                PREC: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    g = tl.program_id(1) * BG + tl.arange(0, BG)
-    k = _k_tile(K, b, g, G, D)  # [BG, D]
+    g0 = tl.program_id(1) * BG
+    g = g0 + tl.arange(0, BG)
+    kt = tl.trans(_k_tile(K, b, g, G, D))  # [D, BG]
     acc = tl.zeros([BT, BG], tl.float32)
     for h in range(H):
-        dots = tl.dot(_q_tile(Q, b, t, h, S, H, D), tl.trans(k), input_precision=PREC)  # [BT, BG]
+        dots = _dot(_q_tile(Q, b, t, h, S, H, D), kt, PREC)  # [BT, BG]; 0 past G
         acc += _w_col(W, b, t, h, S, H)[:, None] * tl.maximum(dots, 0.0)
+        at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
+        tl.store(at, _pack(dots > 0, BT, BG), mask=inside)
     tl.store(OUT + (b * S + t)[:, None] * G + g[None, :], acc, mask=(t < S)[:, None] & (g < G)[None, :])
 
 
 @triton.jit
-def _scores_bwd_q(Q, K, W, DS, DQ, DW, S, G, H, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
+def _scores_bwd_q(Q, K, W, DS, BITS, DQ, DW, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
                   PREC: tl.constexpr):
-    """dq[b, t, h] = sum_g [dots > 0] ds[t, g] w[t, h] k[g]; dw[b, t, h] = sum_g ds relu(dots)."""
+    """e = sum_g [dot > 0] ds[t, g] k[g] over all entries; dq[b, t, h] = w e, dw[b, t, h] = q . e."""
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    q, w = _q_tile(Q, b, t, h, S, H, D), _w_col(W, b, t, h, S, H)
-    dq = tl.zeros([BT, D], tl.float32)
-    dw = tl.zeros([BT], tl.float32)
+    e = tl.zeros([BT, D], tl.float32)
     for g0 in range(0, G, BG):
         g = g0 + tl.arange(0, BG)
-        k = _k_tile(K, b, g, G, D)
-        dots, ds, dd = _dots_and_grad(q, k, DS, b, t, g, w, S, G, PREC)
-        dw += tl.sum(ds * tl.maximum(dots, 0.0), 1)
-        dq += tl.dot(dd, k, input_precision=PREC)
-    tl.store(DQ + ((b * S + t) * H + h)[:, None] * D + d[None, :], dq, mask=(t < S)[:, None])
-    tl.store(DW + (b * S + t) * H + h, dw, mask=t < S)
+        at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
+        on = _unpack(tl.load(at, mask=inside, other=0), BT, BG)
+        e += _dot(tl.where(on, _ds_tile(DS, b, t, g, S, G), 0.0), _k_tile(K, b, g, G, D), PREC)  # [BT, D]
+    dq_at = DQ + ((b * S + t) * H + h)[:, None] * D + d[None, :]
+    tl.store(dq_at, _w_col(W, b, t, h, S, H)[:, None] * e, mask=(t < S)[:, None])
+    tl.store(DW + (b * S + t) * H + h, tl.sum(_q_tile(Q, b, t, h, S, H, D) * e, 1), mask=t < S)
 
 
 @triton.jit
-def _scores_bwd_k(Q, K, W, DS, DK, S, G, H, span, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
+def _scores_bwd_k(Q, W, DS, BITS, DK, S, G, H, NW, span, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
                   PREC: tl.constexpr):
-    """This token split's share of dk[b, g] = sum_{t, h} [dots > 0] ds[t, g] w[t, h] q[t, h]."""
+    """This token split's share of dk[b, g] = sum_{t, h} [dot > 0] ds[t, g] w[t, h] q[t, h]."""
     b = tl.program_id(2).to(tl.int64)
-    g = tl.program_id(0) * BG + tl.arange(0, BG)
+    g0 = tl.program_id(0) * BG
+    g = g0 + tl.arange(0, BG)
     part = tl.program_id(1)
     d = tl.arange(0, D)
-    k = _k_tile(K, b, g, G, D)
     dk = tl.zeros([BG, D], tl.float32)
     for t0 in range(part * span, tl.minimum(part * span + span, S), BT):
         t = t0 + tl.arange(0, BT)
+        ds = _ds_tile(DS, b, t, g, S, G)
         for h in range(H):
-            q = _q_tile(Q, b, t, h, S, H, D)
-            _dots, _ds, dd = _dots_and_grad(q, k, DS, b, t, g, _w_col(W, b, t, h, S, H), S, G, PREC)
-            dk += tl.dot(tl.trans(dd), q, input_precision=PREC)  # [BG, D]
+            at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
+            on = _unpack(tl.load(at, mask=inside, other=0), BT, BG)
+            dd = tl.where(on, ds * _w_col(W, b, t, h, S, H)[:, None], 0.0)  # [BT, BG]
+            dk += _dot(tl.trans(dd), _q_tile(Q, b, t, h, S, H, D), PREC)  # [BG, D]
     tl.store(DK + ((part * tl.num_programs(2) + b) * G + g)[:, None] * D + d[None, :], dk, mask=(g < G)[:, None])
 
 
@@ -173,31 +226,35 @@ class _Scores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         b, s, h, d = q.shape
-        g, t = k.shape[1], SCORE_TILE
+        g, t = k.shape[1], SCORE_TILES["fwd"]
+        nw = triton.cdiv(g, 32)
         q32, k32, w32 = (x.float().contiguous() for x in (q, k, w))
         out = new_output((b, s, g), q32, torch.float32)
+        bits = torch.empty((b, s, h, nw), device=q.device, dtype=torch.int32)  # every word written
         if out.numel():
             _scores_fwd[(triton.cdiv(s, t["BT"]), triton.cdiv(g, t["BG"]), b)](
-                q32, k32, w32, out, s, g, h, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
-        ctx.save_for_backward(q32, k32, w32)
+                q32, k32, w32, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
+                num_warps=t["warps"])
+        ctx.save_for_backward(q32, k32, w32, bits)
         ctx.dtypes = (q.dtype, k.dtype, w.dtype)
         return out
 
     @staticmethod
     def backward(ctx, ds: torch.Tensor):
-        q, k, w = ctx.saved_tensors
+        q, k, w, bits = ctx.saved_tensors
         b, s, h, d = q.shape
-        g, t = k.shape[1], SCORE_TILE
+        g, t, nw = k.shape[1], SCORE_TILES["bwd"], bits.shape[-1]
         ds = ds.float().contiguous()
         dq, dw = new_output(q.shape, q, torch.float32), new_output(w.shape, q, torch.float32)
         span = tile_span(s, t["SPLIT"], t["BT"])
         parts = triton.cdiv(max(s, 1), span)
         dk = new_output((parts, b, g, d), q, torch.float32)
         if s and g:
-            _scores_bwd_q[(triton.cdiv(s, t["BT"]), h, b)](q, k, w, ds, dq, dw, s, g, h, D=d, BT=t["BT"],
+            _scores_bwd_q[(triton.cdiv(s, t["BT"]), h, b)](q, k, w, ds, bits, dq, dw, s, g, h, nw, D=d, BT=t["BT"],
                                                            BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
-            _scores_bwd_k[(triton.cdiv(g, t["BG"]), parts, b)](q, k, w, ds, dk, s, g, h, span, D=d, BT=t["BT"],
-                                                               BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
+            _scores_bwd_k[(triton.cdiv(g, t["BG"]), parts, b)](q, w, ds, bits, dk, s, g, h, nw, span, D=d,
+                                                               BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
+                                                               num_warps=t["warps"])
         else:
             for x in (dq, dw, dk):
                 x.zero_()
@@ -213,4 +270,6 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
         raise ValueError(f"indexer_scores: q {list(q.shape)}, k {list(k.shape)}, w {list(w.shape)} do not fit")
     if d & (d - 1) or d < 16:
         raise ValueError(f"indexer_scores: head dim {d} must be a power of two >= 16")
+    if any(t["BG"] % 32 for t in SCORE_TILES.values()):
+        raise ValueError(f"indexer_scores: entry tiles {SCORE_TILES} must be multiples of 32 (gate words)")
     return _Scores.apply(q, k, w)
