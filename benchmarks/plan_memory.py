@@ -27,7 +27,7 @@ largest peak:
   6 x active parameters x tokens but for h_proj, which runs once per mHC stream), the
   sparse attention core (4 D per query, head and key: its window plus top-k compressed
   entries (CSA) or all visible ones (HCA); x3.5, the backward recomputes the probabilities),
-  the indexer scores of CSA layers (x4: trained by its KL, backward recomputes the dots) and
+  the indexer scores of CSA layers (x3: trained by its KL, one product per gradient) and
   the KL target's attention mass (forward only, dense over all compressed entries).
 
 The ledger holds one entry per tensor autograd keeps until the backward, each storage once
@@ -414,10 +414,11 @@ def _attention(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, r: int, 
                 L.add("Attention", f"Hadamard [{Di}, {Di}] fp32", F32 * Di * Di)
             L.add("Attention", f"index entry rope cos, sin [{B}, {G}, {rd // 2}] fp32", 2 * F32 * B * G * rd // 2)
             _compressor(L, lay, B, G, r, Di, True, new_has_prev=False)
-            # ops.indexer_scores keeps its inputs only (the backward recomputes the dot products)
+            # kernels.indexer.indexer_scores keeps its inputs and the relu gate as bits
             L.add("Attention", f"indexer q [{t}, {Hi}, {Di}] bf16", BF16 * t * Hi * Di)
             L.add("Attention", f"indexer keys [{B}, {G}, {Di}] fp32", F32 * B * G * Di)
             L.add("Attention", f"indexer head weights [{t}, {Hi}] fp32", F32 * t * Hi)
+            L.add("Attention", f"indexer relu gate bits [{t}, {Hi}, {-(-G // 32)}] int32", I32 * t * Hi * -(-G // 32))
             L.add("Attention", f"KL: log_softmax, target [{t}, {G}] fp32, two masks bool", (2 * F32 + 2 * BOOL) * t * G)
             L.add("Attention", f"KL: rows [{t}] bool", BOOL * t)
     # the kernel: q, K = V keys of the rows [B, S + G, D], compacted index [t, W + K], o, lse
@@ -689,9 +690,9 @@ def forward_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, f
 
 # training FLOPs per forward FLOP: matmuls 1 + 2 (input and weight gradients); the attention
 # kernels' backward recomputes the probabilities from lse (QK again, then dP, dQ, dK, dV: 2.5x);
-# the indexer scores' backward recomputes the dot products (3x); recompute runs each block's
-# forward twice
-TRAIN_FACTOR = {"matmul": 3.0, "attention": 3.5, "indexer": 4.0, "kl_mass": 1.0}
+# the indexer scores' backward takes one product per gradient of q and k through the gate the
+# forward kept (1 + 2); recompute runs each block's forward twice
+TRAIN_FACTOR = {"matmul": 3.0, "attention": 3.5, "indexer": 3.0, "kl_mass": 1.0}
 
 
 def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, float]:
@@ -730,17 +731,20 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # 25.404, 26.948 unfused; 31.4, 25.2 fused). 'kept' and the MoE entries of the unfused walks are
 # the walk's less the ledger's difference (0.4221 / 0.8442 / 1.6885 GiB at 2k / 4k / 8k; the
 # ledger equals the saved tensors to the byte on CPU, test_plan_memory), not walked again.
+# The indexer score kernels (2026-11-26) keep the relu gate as bits, t x 16 x G / 32 int32 in each of
+# the 3 CSA layers (0.0059 / 0.0234 / 0.0938 GiB at 2k / 4k / 8k): added to 'kept' and 'Attention'
+# of the unfused walks (derived, not walked again; the ledger test holds the bits to the byte).
 _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementwise off)
-    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.727, "kept": 5.2249, "peak": 29.490,
-     "modules": {"MoE": 1.6826, "Attention": 1.5064, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
+    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.727, "kept": 5.2308, "peak": 29.490,
+     "modules": {"MoE": 1.6826, "Attention": 1.5123, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
                  "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
                  "top-level": 0.0468, "_Column": 0.0261}},
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.721, "kept": 10.4188, "peak": 34.936,
-     "modules": {"MoE": 3.2671, "Attention": 3.0731, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.721, "kept": 10.4422, "peak": 34.936,
+     "modules": {"MoE": 3.2671, "Attention": 3.0965, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
                  "_Row": 0.334, "Compressor": 0.1796, "Linear": 0.1641, "Gate": 0.1204, "MTPBlock": 0.1202,
                  "top-level": 0.0943, "_Column": 0.0527}},
-    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.718, "kept": 20.9630, "peak": 45.542,
-     "modules": {"MoE": 6.4318, "Attention": 6.3833, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
+    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.718, "kept": 21.0568, "peak": 45.542,
+     "modules": {"MoE": 6.4318, "Attention": 6.4771, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
                  "_Row": 0.6678, "Compressor": 0.3595, "Linear": 0.3278, "Gate": 0.2403, "MTPBlock": 0.2399,
                  "top-level": 0.1882, "_Column": 0.1053}},
     {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.403},

@@ -98,22 +98,22 @@ SCORE_TILES = ({"fwd": dict(BT=16, BG=32, warps=4), "bwd": dict(BT=16, BG=64, SP
 
 @triton.jit
 def _q_tile(Q, b, t, h, S, H, D: tl.constexpr):
-    """q[b, t, h, :] [BT, D] of a contiguous [B, S, H, D] tensor (rows past S are 0)."""
+    """q[b, t, h, :] [BT, D] fp32 of a contiguous [B, S, H, D] tensor (rows past S are 0)."""
     d = tl.arange(0, D)
-    return tl.load(Q + ((b * S + t) * H + h)[:, None] * D + d[None, :], mask=(t < S)[:, None], other=0.0)
+    return tl.load(Q + ((b * S + t) * H + h)[:, None] * D + d[None, :], mask=(t < S)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _k_tile(K, b, g, G, D: tl.constexpr):
-    """k[b, g, :] [BG, D] of a contiguous [B, G, D] tensor (rows past G are 0)."""
+    """k[b, g, :] [BG, D] fp32 of a contiguous [B, G, D] tensor (rows past G are 0)."""
     d = tl.arange(0, D)
-    return tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    return tl.load(K + (b * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _w_col(W, b, t, h, S, H):
-    """w[b, t, h] [BT] of a contiguous [B, S, H] tensor."""
-    return tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0)
+    """w[b, t, h] [BT] fp32 of a contiguous [B, S, H] tensor."""
+    return tl.load(W + (b * S + t) * H + h, mask=t < S, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -228,15 +228,14 @@ class _Scores(torch.autograd.Function):
         b, s, h, d = q.shape
         g, t = k.shape[1], SCORE_TILES["fwd"]
         nw = triton.cdiv(g, 32)
-        q32, k32, w32 = (x.float().contiguous() for x in (q, k, w))
-        out = new_output((b, s, g), q32, torch.float32)
+        q, k, w = (x.contiguous() for x in (q, k, w))  # as they come (bf16 q): the kernels load fp32
+        out = new_output((b, s, g), q, torch.float32)
         bits = torch.empty((b, s, h, nw), device=q.device, dtype=torch.int32)  # every word written
         if out.numel():
             _scores_fwd[(triton.cdiv(s, t["BT"]), triton.cdiv(g, t["BG"]), b)](
-                q32, k32, w32, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
+                q, k, w, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
                 num_warps=t["warps"])
-        ctx.save_for_backward(q32, k32, w32, bits)
-        ctx.dtypes = (q.dtype, k.dtype, w.dtype)
+        ctx.save_for_backward(q, k, w, bits)
         return out
 
     @staticmethod
@@ -258,8 +257,7 @@ class _Scores(torch.autograd.Function):
         else:
             for x in (dq, dw, dk):
                 x.zero_()
-        qd, kd, wd = ctx.dtypes
-        return dq.to(qd), dk.sum(0).to(kd), dw.to(wd)
+        return dq.to(q.dtype), dk.sum(0).to(k.dtype), dw.to(w.dtype)
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
