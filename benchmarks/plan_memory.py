@@ -427,9 +427,7 @@ def _attention(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, r: int, 
     L.add("Attention", f"kernel index [{t}, {W + K}] int32 + count [{t}]", I32 * t * (W + K + 1))
     L.add("Attention", f"kernel o [{t}, {H}, {D}] bf16", BF16 * t * H * D)
     L.add("Attention", f"kernel lse [{t}, {H}] fp32", F32 * t * H)
-    if not lay.fused_elementwise:  # the kernel takes the sign as a scalar
-        L.add("Attention", f"inverse rope -sin [{t}, {rd // 2}] fp32", F32 * t * rd // 2)
-    L.add("Attention", f"wo_a input o [{t}, {H}, {D}] bf16", BF16 * t * H * D)
+    # ops.unrope_out_proj keeps the kernel's o and rotates it again in the backward
     og = cfg.o_groups // tp
     L.add("_Row", f"wo_b input [{t}, {og * cfg.o_lora_rank}] bf16", BF16 * t * og * cfg.o_lora_rank)
 
@@ -734,26 +732,31 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # The indexer score kernels (2026-11-26) keep the relu gate as bits, t x 16 x G / 32 int32 in each of
 # the 3 CSA layers (0.0059 / 0.0234 / 0.0938 GiB at 2k / 4k / 8k): added to 'kept' and 'Attention'
 # of the unfused walks (derived, not walked again; the ledger test holds the bits to the byte).
+# ops.unrope_out_proj (2026-11-26) keeps the kernel's o instead of its rotated copy for wo_a and
+# the unfused inverse RoPE's -sin: 9 layers x t x (16 x 512 bf16 + 32 fp32), 0.2835 / 0.5669 /
+# 1.1338 GiB at 2k / 4k / 8k, taken from the same entries (derived the same way). Peaks and
+# states re-measured after it (`--measure`, H100, 2026-11-26; before: 29.490, 34.936, 45.542,
+# 25.403, 26.692 unfused; 30.603, 25.157 fused): the eager peaks fell 0.28 / 0.55 / 1.04 GiB.
 _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementwise off)
-    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.727, "kept": 5.2308, "peak": 29.490,
-     "modules": {"MoE": 1.6826, "Attention": 1.5123, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
+    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.722, "kept": 4.9474, "peak": 29.208,
+     "modules": {"MoE": 1.6826, "Attention": 1.2289, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
                  "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
                  "top-level": 0.0468, "_Column": 0.0261}},
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.721, "kept": 10.4422, "peak": 34.936,
-     "modules": {"MoE": 3.2671, "Attention": 3.0965, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.716, "kept": 9.8753, "peak": 34.384,
+     "modules": {"MoE": 3.2671, "Attention": 2.5296, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
                  "_Row": 0.334, "Compressor": 0.1796, "Linear": 0.1641, "Gate": 0.1204, "MTPBlock": 0.1202,
                  "top-level": 0.0943, "_Column": 0.0527}},
-    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.718, "kept": 21.0568, "peak": 45.542,
-     "modules": {"MoE": 6.4318, "Attention": 6.4771, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
+    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.716, "kept": 19.9230, "peak": 44.498,
+     "modules": {"MoE": 6.4318, "Attention": 5.3433, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
                  "_Row": 0.6678, "Compressor": 0.3595, "Linear": 0.3278, "Gate": 0.2403, "MTPBlock": 0.2399,
                  "top-level": 0.1882, "_Column": 0.1053}},
     {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.403},
-    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.692},
+    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.566},
 ]
 MEASURED_1B = [{**p, "fused_elementwise": False} for p in _UNFUSED_1B] + [
     # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25); the forward's kept tensors and
     # modules not walked on the fused path
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.716, "peak": 30.603, "fused_elementwise": True},
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.723, "peak": 30.055, "fused_elementwise": True},
     {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "peak": 25.157, "fused_elementwise": True},
 ]
 CALIBRATION = Layout(seq=4096, mbs=1, global_batch=2, loss="lm", name="train_gpu.py")

@@ -776,6 +776,21 @@ def test_grouped_out_proj_gradcheck_and_oracle(rng: Rng) -> None:
             rng.tag("gradcheck")
 
 
+def test_unrope_out_proj_matches_the_rotation_then_the_projection(rng: Rng) -> None:
+    """Guards the attention output's way out (inverse RoPE, then the grouped projection) as one
+    function that keeps o and rotates it again in its backward: output and gradients of o and
+    wo_a against the float64 complex-rotation oracle composed with the grouped projection (a
+    backward rotating the wrong way, or using o unrotated for wo_a's gradient, is off by O(1))."""
+    b, s, h, d, rd, groups, r = 2, 3, 4, 6, 4, 2, 5
+    ang = random_angles(rng, b, s, 1, half=rd // 2)  # broadcast over heads
+    cos, sin = ang.cos().float(), ang.sin().float()
+    o = rng.randn(b, s, h, d).requires_grad_()
+    wo_a = rng.randn(groups * r, h * d // groups).requires_grad_()
+    check_against_oracle(rng, lambda a, w: ops.unrope_out_proj(a, cos, sin, w, groups),
+                         lambda a, w: ref_grouped_out_proj(ref_rope(a, ang, inverse=True), w, groups),
+                         [o, wo_a], ["o", "wo_a"])
+
+
 @pytest.mark.parametrize("window", [1, 5, 64])
 def test_window_index_lists_exactly_the_window_mask(rng: Rng, window: int) -> None:
     """Guards the kernels' index form of the sliding window (built without an [S, S] mask):
@@ -921,12 +936,14 @@ def _op_cases(rng: Rng) -> dict[str, tuple[Callable, list[torch.Tensor]]]:
         "sqrtsoftplus": (ops.sqrtsoftplus, [f32(4, 9)]),
         "clamped_swiglu": (lambda g, u: ops.clamped_swiglu(g, u, 10.0), [f32(4, 9) * 8, f32(4, 9) * 8]),
         "grouped_out_proj": (lambda o, w: ops.grouped_out_proj(o, w, 2), [f32(2, 3, 4, 6), f32(10, 12)]),
+        "unrope_out_proj": (lambda o, w: ops.unrope_out_proj(o, cos, sin, w, 2),  # the tables: constants
+                            [f32(2, 3, 2, 12), f32(10, 12)]),
     }
 
 
 OP_NAMES = ["rms_norm", "rms_norm_noweight", "apply_rope", "apply_rope_inverse", "hadamard", "sinkhorn", "hc_pre",
             "hc_post", "hc_head", "compress_pool", "sparse_attention", "indexer_scores", "sqrtsoftplus",
-            "clamped_swiglu", "grouped_out_proj"]
+            "clamped_swiglu", "grouped_out_proj", "unrope_out_proj"]
 
 
 @pytest.mark.parametrize("name", OP_NAMES)

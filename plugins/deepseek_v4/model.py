@@ -306,8 +306,8 @@ class Attention(nn.Module):
         return fn
 
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        o = ops.apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True, fused=use_fused(self.cfg, o))
-        return self.wo_b(ops.grouped_out_proj(o, self.wo_a.weight, self.groups))
+        fused = use_fused(self.cfg, o)
+        return self.wo_b(ops.unrope_out_proj(o, cos[:, :, None], sin[:, :, None], self.wo_a.weight, self.groups, fused))
 
     def forward(self, x: torch.Tensor, fwd: Fwd) -> torch.Tensor:
         """x [B, s, d] (attn_norm applied; s = this rank's query tokens of the S) -> [B, s, d].

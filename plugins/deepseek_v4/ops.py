@@ -507,6 +507,37 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
     return torch.einsum("bsgk,grk->bsgr", og, w.to(og.dtype)).flatten(-2)
 
 
+class _UnropeOutProj(torch.autograd.Function):
+    """apply_rope(o, inverse) then grouped_out_proj, keeping o itself for the backward (the
+    attention core keeps it anyway) instead of its rotated copy, which the backward rebuilds."""
+
+    @staticmethod
+    def forward(ctx, o, wo_a, cos, sin, groups: int, fused: bool):
+        ctx.save_for_backward(o, wo_a, cos, sin)
+        ctx.groups, ctx.fused = groups, fused
+        return grouped_out_proj(apply_rope(o, cos, sin, inverse=True, fused=fused), wo_a, groups)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        o, wo_a, cos, sin = ctx.saved_tensors
+        g = ctx.groups
+        og = apply_rope(o, cos, sin, inverse=True, fused=ctx.fused).reshape(*o.shape[:2], g, -1)  # [B, S, G, HD/G]
+        w = wo_a.view(g, -1, og.shape[-1]).to(og.dtype)  # [G, R, HD/G]
+        dyg = dy.reshape(*dy.shape[:2], g, -1)  # [B, S, G, R]
+        dw = torch.einsum("bsgr,bsgk->grk", dyg, og).reshape(wo_a.shape).to(wo_a.dtype)
+        do = torch.einsum("bsgr,grk->bsgk", dyg, w).reshape(o.shape)
+        # the inverse rotation's adjoint is the forward rotation
+        return apply_rope(do, cos, sin, fused=ctx.fused), dw, None, None, None, None
+
+
+def unrope_out_proj(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,
+                    fused: bool = False) -> torch.Tensor:
+    """grouped_out_proj(apply_rope(o, cos, sin, inverse=True), wo_a, groups), the attention
+    output's way out: o [B, S, H, D] -> [B, S, G*R]. Keeps o, not the rotated copy (one
+    [B, S, H, D] tensor less a layer until the backward, for one more rotation in it)."""
+    return _UnropeOutProj.apply(o, wo_a, cos, sin, groups, fused)
+
+
 # --------------------------------------------------------------------------- index-set form
 def mask_to_index(mask: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Key mask [..., T] -> the attended key indices [..., K] in ascending order (-1 = empty
