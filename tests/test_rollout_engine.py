@@ -3,6 +3,7 @@ seeded sampling, shared prefill, stop conditions, abort, and its HTTP API under 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -181,6 +182,22 @@ def test_bad_requests_get_4xx_and_the_engine_keeps_serving(server):
         assert 400 <= r.status_code < 500, f"{path}: HTTP {r.status_code}"
     assert svc.engine.weight_version == 0
     assert client.get("/health").status_code == 200
+
+
+def test_an_idle_connection_outlives_the_gap_between_rollouts(server):
+    """The router reuses pooled connections to an engine after the seconds a training step
+    takes; a server that closed them after uvicorn's 5 s made the router's next requests fail
+    in a burst that opened its circuit breaker on the engine. One connection, two requests 6 s
+    apart: the second is answered on it."""
+    svc, client = server
+    port = int(str(client.base_url).rsplit(":", 1)[1].strip("/"))
+    req = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for gap in (0.0, 6.0):
+            time.sleep(gap)
+            s.sendall(req)
+            head = s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200"), f"after {gap:.0f} s idle: {head[:80]!r}"
 
 
 def test_http_api_serves_sglang_shapes(server):

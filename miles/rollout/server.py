@@ -230,6 +230,13 @@ def _version(v) -> int | None:
         raise RequestError(f"weight_version must be an integer, got {v!r}") from e
 
 
+# Idle keep-alive connections stay open this long (uvicorn's default: 5 s). The router pools its
+# connections to an engine for up to 50-90 s; a server closing one first races the router's next
+# request on it ("error sending request"), and a rollout's burst of such failures opened the
+# router's circuit breaker on the only engine for 60 s (the demo job, rollout 26, 2026-11-26).
+KEEP_ALIVE_S = 300
+
+
 class HttpServer:
     """uvicorn serving `app` from a daemon thread; `url` once started."""
 
@@ -238,7 +245,8 @@ class HttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.host, self.port = host, sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=2,
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="engine-http",
                                        daemon=True)
         self.thread.start()
