@@ -342,7 +342,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
     """Lightning-indexer scores in fp32: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
     [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g]), computed over chunks of query rows
     that hold at most `chunk_elements` dot products at a time. fused: the Triton kernels
-    (one pass each way, no [S, h, G] dots in memory; tf32x3 dots)."""
+    (no [S, h, G] dots in memory; fp32-accurate tensor-core dots; kernels/indexer.py)."""
     if fused:
         from .kernels.indexer import indexer_scores as kernel
         return kernel(q, k, w)
@@ -501,10 +501,14 @@ class _Combine(torch.autograd.Function):
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
     """Grouped low-rank output projection, first stage. o [B, S, H, D] -> [B, S, G*R]:
     o viewed [B, S, G, H*D/G], group g multiplied by rows g*R..(g+1)*R of wo_a [G*R, H*D/G]."""
-    b, s = o.shape[:2]
-    og = o.reshape(b, s, groups, -1)  # [B, S, G, H*D/G]
-    w = wo_a.view(groups, -1, og.shape[-1])  # [G, R, H*D/G]
-    return torch.einsum("bsgk,grk->bsgr", og, w.to(og.dtype)).flatten(-2)
+    og, w = _grouped(o, wo_a, groups)
+    return torch.einsum("bsgk,grk->bsgr", og, w).flatten(-2)
+
+
+def _grouped(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [B, S, H, D] as [B, S, G, H*D/G] and wo_a [G*R, H*D/G] as [G, R, H*D/G] in o's dtype."""
+    og = o.reshape(*o.shape[:2], groups, -1)
+    return og, wo_a.view(groups, -1, og.shape[-1]).to(og.dtype)
 
 
 class _UnropeOutProj(torch.autograd.Function):
@@ -520,10 +524,8 @@ class _UnropeOutProj(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         o, wo_a, cos, sin = ctx.saved_tensors
-        g = ctx.groups
-        og = apply_rope(o, cos, sin, inverse=True, fused=ctx.fused).reshape(*o.shape[:2], g, -1)  # [B, S, G, HD/G]
-        w = wo_a.view(g, -1, og.shape[-1]).to(og.dtype)  # [G, R, HD/G]
-        dyg = dy.reshape(*dy.shape[:2], g, -1)  # [B, S, G, R]
+        og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=ctx.fused), wo_a, ctx.groups)
+        dyg = dy.reshape(*dy.shape[:2], ctx.groups, -1)  # [B, S, G, R]
         dw = torch.einsum("bsgr,bsgk->grk", dyg, og).reshape(wo_a.shape).to(wo_a.dtype)
         do = torch.einsum("bsgr,grk->bsgk", dyg, w).reshape(o.shape)
         # the inverse rotation's adjoint is the forward rotation

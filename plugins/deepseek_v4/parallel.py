@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
 from .ops import _cuda_matmul_precision, fp32_linear
 
 HEAD_CHUNK_ELEMENTS = 1 << 26  # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB)
@@ -84,8 +83,7 @@ class _HeadLogprobs(torch.autograd.Function):
             for i in range(0, y.shape[0], ctx.rows):
                 sl = slice(i, i + ctx.rows)
                 yc = y[sl].float()
-                z = ops.bf16_products(y[sl], w) if ctx.tf32 else None
-                z = yc @ wf.t() if z is None else z  # [c, V/tp], as in the forward
+                z = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp]: the forward's own call (no graph here)
                 if lse.numel() == 0:  # one rank: cross-entropy's own backward, as the full path runs it
                     with torch.enable_grad():
                         zz = z.requires_grad_()
