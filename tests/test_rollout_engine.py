@@ -196,8 +196,28 @@ def test_an_idle_connection_outlives_the_gap_between_rollouts(server):
         for gap in (0.0, 6.0):
             time.sleep(gap)
             s.sendall(req)
-            head = s.recv(4096)
+            head = _http_response(s)
             assert head.startswith(b"HTTP/1.1 200"), f"after {gap:.0f} s idle: {head[:80]!r}"
+
+
+def _http_response(s: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response from s (its head, then Content-Length bytes of body), so
+    the next read starts at the next response; b"" where the server closed the connection."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(4096)
+        if not chunk:
+            return buf
+        buf += chunk
+    head, body = buf.split(b"\r\n\r\n", 1)
+    length = next((int(v) for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
+                   if k.strip().lower() == b"content-length"), 0)
+    while len(body) < length:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head
 
 
 def test_http_api_serves_sglang_shapes(server):
