@@ -15,8 +15,13 @@ What a graph needs, and where it comes from:
   a graphed and an eager step compute the same thing).
 - Replays in capture order: forwards of blocks 0..N-1, then backwards N-1..0, one micro-batch
   at a time (no pipeline interleaving), all sharing one memory pool.
-- Gradients leave the backward graph in its static buffers: Megatron's DDP hook adds each to
-  `main_grad` and drops it before the next replay writes there again.
+- Parameter gradients never leave the backward graph: it adds each into the parameter's
+  `main_grad` (Megatron DDP's fp32 buffer, at a fixed address) as DDP's hook would, and the
+  bf16 gradient's memory goes back to the pool for the next block's capture. DDP's hook then
+  has nothing to do: the trainer runs DDP without overlapped reduction (its per-bucket
+  readiness would wait for hooks that never fire), reducing the whole buffer after the step.
+- Consecutive main layers share buffers: layer i+1's static input is layer i's static output,
+  and layer i's output gradient is layer i+1's input gradient, so neither is copied.
 Only one process per model replica (TP = EP = CP = PP = 1; data parallelism is outside the
 blocks) and no recompute; `DeepSeekV4ForCausalLM` checks both.
 """
@@ -65,8 +70,8 @@ class _Graphed:
     Not `torch.cuda.make_graphed_callables`: its backward graph differentiates the module's own
     parameters, and Megatron's DDP made their gradient accumulators on the default stream,
     which a capture on another stream may not wait on. Here the graphs run on detached aliases
-    of the parameters (same storage, leaves of the capture stream), and the replay hands their
-    gradients to the real parameters, whose accumulators (and DDP hooks) run eagerly."""
+    of the parameters (same storage, leaves of the capture stream), and the backward graph adds
+    their gradients into the real parameters' `main_grad`."""
 
     def __init__(self, step: _BlockStep, args: tuple[torch.Tensor, ...], stream: torch.cuda.Stream):
         self.step, self.stream = step, stream
@@ -76,6 +81,20 @@ class _Graphed:
             self.inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
             self.alias = [p.detach().requires_grad_(p.requires_grad) for p in self.params]
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.chained = False  # inputs[0] is the previous block's static output
+        self.probe = next((p for p in self.params if p.requires_grad), None)  # its main_grad must stay put
+        self.main_grad_ptr = self.probe.main_grad.data_ptr() if self.probe is not None else None
+
+    def take_input(self, prev_out: torch.Tensor) -> None:
+        """Read the block input from the previous block's static output (before the capture)."""
+        assert prev_out.shape == self.inputs[0].shape and prev_out.dtype == self.inputs[0].dtype
+        self.inputs[0] = prev_out.detach().requires_grad_(self.inputs[0].requires_grad)
+        self.chained = True
+
+    def take_grad_out(self, next_grad_in: torch.Tensor) -> None:
+        """Read the output gradient from the next block's static input gradient."""
+        assert next_grad_in.shape == self.grad_out[0].shape and next_grad_in.dtype == self.grad_out[0].dtype
+        self.grad_out[0] = next_grad_in
 
     def _run(self) -> tuple[torch.Tensor, ...]:
         return torch.func.functional_call(self.step, dict(zip(self.names, self.alias, strict=True)),
@@ -96,20 +115,27 @@ class _Graphed:
     def capture_backward(self, pool) -> None:
         out = [o for o in self.out if o.requires_grad]
         with torch.cuda.graph(self.bwd, pool=pool, stream=self.stream):
-            grads = torch.autograd.grad(out, self._diff(), [g for g in self.grad_out if g is not None],
-                                        allow_unused=True)
-        it = iter(grads)
-        self.grad_in = [next(it) if t.requires_grad else None for t in (*self.inputs, *self.alias)]
+            grads = iter(torch.autograd.grad(out, self._diff(), [g for g in self.grad_out if g is not None],
+                                             allow_unused=True))
+            self.grad_in = [next(grads) if t.requires_grad else None for t in self.inputs]
+            g = None
+            for p, a in zip(self.params, self.alias, strict=True):
+                g = next(grads) if a.requires_grad else None
+                if g is not None:
+                    p.main_grad.add_(g)  # what DDP's hook does with p.grad, here inside the graph
+            del g, grads  # back to the pool: the next capture reuses the memory
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _Replay.apply(self, *args, *self.params)
+        return _Replay.apply(self, *args)
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g: _Graphed, *args_and_params):
-        for static, a in zip(g.inputs, args_and_params[:len(g.inputs)], strict=True):
+    def forward(ctx, g: _Graphed, *args):
+        for k, (static, a) in enumerate(zip(g.inputs, args, strict=True)):
             if static.data_ptr() != a.data_ptr():
+                if k == 0 and g.chained:  # a copy would overwrite the previous block's output
+                    raise RuntimeError("cuda_graphs: a main layer's input is not the previous layer's output")
                 static.copy_(a)
         g.fwd.replay()
         ctx.g = g
@@ -122,6 +148,9 @@ class _Replay(torch.autograd.Function):
         for static, d in zip(g.grad_out, grads, strict=True):
             if static is not None and static.data_ptr() != d.data_ptr():
                 static.copy_(d)
+        if g.probe is not None and g.probe.main_grad.data_ptr() != g.main_grad_ptr:
+            raise RuntimeError("cuda_graphs: the parameters' main_grad buffers moved since the capture (a new "
+                               "DDP wrapper around a graphed model): build the model again")
         g.bwd.replay()
         return (None, *(t.detach() if t is not None else None for t in g.grad_in))
 
@@ -183,10 +212,15 @@ class BlockGraphs:
                 for _ in range(2):
                     g.warm_up()
         torch.cuda.synchronize()
-        for g in graphed:
+        chain = len(m.layers)  # main layer i+1 takes layer i's output as it is
+        for i, g in enumerate(graphed):
+            if 0 < i < chain:
+                g.take_input(graphed[i - 1].out[0])
             g.capture_forward(pool)
-        for g in reversed(graphed):
-            g.capture_backward(pool)
+        for i in reversed(range(len(graphed))):
+            if i + 1 < chain:
+                graphed[i].take_grad_out(graphed[i + 1].grad_in[0])
+            graphed[i].capture_backward(pool)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.no_grad():  # the warm-up's routing counted nothing
             for g, load in zip(gates, loads, strict=True):
