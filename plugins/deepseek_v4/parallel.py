@@ -46,10 +46,11 @@ class VocabHead:
 class _HeadLogprobs(torch.autograd.Function):
     """log p(label) [N] from y [N, d] and vocabulary rows w [V/tp, d], chunk by chunk: the
     forward keeps y, w and each row's log-sum-exp; the backward recomputes a chunk's logits,
-    dz = g * (onehot(label) - softmax(z)), and returns dz @ w and dz^T @ y. One TP rank: the
-    same operations as autograd through F.cross_entropy of the whole logits (one chunk gives
-    the same bits). TP ranks: the log-sum-exp and the label's logit are each one reduction
-    over the ranks per chunk."""
+    dz = g * (onehot(label) - softmax(z)) in place of the logits (one [c, V/tp] fp32 buffer a
+    chunk: autograd through cross-entropy held four), and returns dz @ w and dz^T @ y. One TP
+    rank: the forward is F.cross_entropy of the chunk (one chunk gives the full logits' bits),
+    the backward takes the chunk's log-sum-exp again. TP ranks: the log-sum-exp and the
+    label's logit are each one reduction over the ranks per chunk."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
@@ -83,14 +84,11 @@ class _HeadLogprobs(torch.autograd.Function):
             for i in range(0, y.shape[0], ctx.rows):
                 sl = slice(i, i + ctx.rows)
                 yc = y[sl].float()
-                z = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp]: the forward's own call (no graph here)
-                if lse.numel() == 0:  # one rank: cross-entropy's own backward, as the full path runs it
-                    with torch.enable_grad():
-                        zz = z.requires_grad_()
-                        (dz,) = torch.autograd.grad(-F.cross_entropy(zz, ids[sl], reduction="none"), zz, g[sl])
-                else:
-                    dz = torch.exp(z - lse[sl, None]) * -g[sl, None]
-                    dz.scatter_add_(-1, ids[sl, None], torch.where(mine[sl], g[sl], 0.0)[:, None])
+                dz = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp] logits: the forward's own call
+                lse_c = torch.logsumexp(dz, -1) if lse.numel() == 0 else lse[sl]  # one rank: not kept
+                # dz = -g softmax(z) + g onehot(label), in place: the chunk's only [c, V/tp] buffer
+                dz.sub_(lse_c[:, None]).exp_().mul_(-g[sl, None])
+                dz.scatter_add_(-1, ids[sl, None], torch.where(mine[sl], g[sl], 0.0)[:, None])
                 dy[sl] = dz @ wf
                 dw += dz.t() @ yc
         return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None
