@@ -632,6 +632,27 @@ def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
     assert torch.equal(out[..., :keep].cpu(), x[..., :keep].to(DTYPE))
 
 
+@pytest.mark.parametrize("xs,cs", [c for c in ROPE_CASES if len(c[0]) == 4])  # queries [B, S, H, D]
+def test_norm_rope_on_the_kernels_matches_float64_reference(seed, xs, cs):
+    """ops.norm_rope on the kernels (the norm's forward with rstd, RoPE, the norm's backward from
+    its rotated-back output) against float64 autograd of the weightless norm then the rotation:
+    output (NaN-poisoned first) and the input gradient; rows of different scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*xs, generator=g) * (torch.rand(*xs[:-1], 1, generator=g) * 4 + 0.2)
+    ang = torch.rand(*cs, generator=g) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    cot = torch.randn(*xs, generator=g)
+
+    def ref(a):
+        return ops.apply_rope(a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6), cos.double(), sin.double())
+
+    out, want, [(gx, gx_ref)] = _grads_vs_float64(
+        ref, lambda a: ops.norm_rope(a, cos.to(DEV), sin.to(DEV), 1e-6, fused=True), [x], cot, [DTYPE])
+    assert out.dtype == gx.dtype == DTYPE
+    assert rel(out.float().cpu(), want) < TOL
+    assert rel(gx.float().cpu(), gx_ref) < TOL
+
+
 SWIGLU_CASES = [(300, 768, True), (45, 200, False), (0, 64, True)] if CUDA else [(9, 40, True), (5, 13, False)]
 
 

@@ -791,6 +791,20 @@ def test_unrope_out_proj_matches_the_rotation_then_the_projection(rng: Rng) -> N
                          [o, wo_a], ["o", "wo_a"])
 
 
+def test_norm_rope_matches_the_norm_then_the_rotation(rng: Rng) -> None:
+    """Guards the attention's q way in (weightless RMSNorm, then RoPE) as one function that keeps
+    its output and rstd, not the norm's input: output and the input gradient against the float64
+    norm composed with the complex-rotation oracle (a backward that forgets to rotate the output
+    or the gradient back, or drops the projection onto the sphere's tangent, is off by O(1)).
+    Rows of different scales: rstd differs per row."""
+    b, s, h, d, rd = 2, 3, 4, 12, 8
+    ang = random_angles(rng, b, s, 1, half=rd // 2)  # broadcast over heads
+    cos, sin = ang.cos().float(), ang.sin().float()
+    x = (rng.randn(b, s, h, d) * rng.uniform(b, s, h, 1, lo=0.2, hi=5.0)).requires_grad_()
+    check_against_oracle(rng, lambda a: ops.norm_rope(a, cos, sin, 1e-6),
+                         lambda a: ref_rope(ref_rms_norm(a, None, 1e-6), ang), [x], ["x"])
+
+
 @pytest.mark.parametrize("window", [1, 5, 64])
 def test_window_index_lists_exactly_the_window_mask(rng: Rng, window: int) -> None:
     """Guards the kernels' index form of the sliding window (built without an [S, S] mask):
@@ -938,12 +952,13 @@ def _op_cases(rng: Rng) -> dict[str, tuple[Callable, list[torch.Tensor]]]:
         "grouped_out_proj": (lambda o, w: ops.grouped_out_proj(o, w, 2), [f32(2, 3, 4, 6), f32(10, 12)]),
         "unrope_out_proj": (lambda o, w: ops.unrope_out_proj(o, cos, sin, w, 2),  # the tables: constants
                             [f32(2, 3, 2, 12), f32(10, 12)]),
+        "norm_rope": (lambda x: ops.norm_rope(x, cos, sin, 1e-6), [f32(2, 3, 2, 12)]),
     }
 
 
 OP_NAMES = ["rms_norm", "rms_norm_noweight", "apply_rope", "apply_rope_inverse", "hadamard", "sinkhorn", "hc_pre",
             "hc_post", "hc_head", "compress_pool", "sparse_attention", "indexer_scores", "sqrtsoftplus",
-            "clamped_swiglu", "grouped_out_proj", "unrope_out_proj"]
+            "clamped_swiglu", "grouped_out_proj", "unrope_out_proj", "norm_rope"]
 
 
 @pytest.mark.parametrize("name", OP_NAMES)

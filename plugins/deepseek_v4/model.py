@@ -293,8 +293,7 @@ class Attention(nn.Module):
         fused = use_fused(self.cfg, x)
         c_q = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, D]
-        q = ops.rms_norm(q, None, self.cfg.rms_norm_eps, fused=fused)
-        return c_q, ops.apply_rope(q, cos[:, :, None], sin[:, :, None], fused=fused)
+        return c_q, ops.norm_rope(q, cos[:, :, None], sin[:, :, None], self.cfg.rms_norm_eps, fused=fused)
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin, fused=use_fused(self.cfg, x))  # [B, T, D]

@@ -32,6 +32,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bo
     return y.to(x.dtype)
 
 
+class _NormRope(torch.autograd.Function):
+    """apply_rope(rms_norm(x, None, eps), cos, sin): the attention's q. Keeps its output (the
+    attention core keeps that tensor anyway) and rstd [rows], not the norm's input: the
+    backward rotates the output back to the norm's output y and takes dx = rstd (dy - y
+    mean(dy y)) from it (one [B, S, H, D] tensor less a layer until the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, eps: float, fused: bool):
+        if fused:
+            from .kernels.elementwise import rms_forward
+
+            y, rstd = rms_forward(x, None, eps)
+        else:
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [...]: rms_norm's own expression
+            y = (xf * rstd[..., None]).to(x.dtype)
+            rstd = rstd.reshape(-1)
+        out = apply_rope(y, cos, sin, fused=fused)
+        ctx.save_for_backward(out, rstd, cos, sin)
+        ctx.fused = fused
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out, rstd, cos, sin = ctx.saved_tensors
+        # the rotation is orthogonal: y is the output rotated back, dy the gradient rotated back
+        y, dy = (apply_rope(t, cos, sin, inverse=True, fused=ctx.fused) for t in (out, g))
+        if ctx.fused:
+            from .kernels.elementwise import rms_backward_from_output
+
+            return rms_backward_from_output(y, dy, rstd), None, None, None, None
+        yf, gf = y.float(), dy.float()
+        dx = rstd.reshape(y.shape[:-1])[..., None] * (gf - yf * (gf * yf).mean(-1, keepdim=True))
+        return dx.to(y.dtype), None, None, None, None
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
+    """The weightless RMSNorm of x [..., D] then RoPE of its last dims (cos/sin as apply_rope
+    takes them), keeping only the output and rstd for the backward."""
+    return _NormRope.apply(x, cos, sin, eps, fused)
+
+
 # --------------------------------------------------------------------------- fp32 products
 @contextmanager
 def _cuda_matmul_precision(tf32: bool):

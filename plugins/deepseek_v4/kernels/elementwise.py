@@ -49,9 +49,11 @@ def _rms_fwd(X, W, Y, RSTD, R, D, eps, HAS_W: tl.constexpr, BR: tl.constexpr, DP
 
 
 @triton.jit
-def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr, DP: tl.constexpr):
-    """dx = rstd * (g*w - xh * mean(g*w*xh)), xh = x * rstd; each program also sums g * xh
-    over its row tiles into one row of the weight-gradient partials DWP [programs, D]."""
+def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr, DP: tl.constexpr,
+             X_IS_XH: tl.constexpr = False):
+    """dx = rstd * (g*w - xh * mean(g*w*xh)), xh = x * rstd (X_IS_XH: X holds xh, the
+    weightless norm's output); each program also sums g * xh over its row tiles into one row
+    of the weight-gradient partials DWP [programs, D]."""
     pid = tl.program_id(0)
     c = tl.arange(0, DP)
     w = tl.load(W + c, mask=c < D, other=0.0).to(tl.float32) if HAS_W else tl.full([DP], 1.0, tl.float32)
@@ -63,7 +65,7 @@ def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr
         x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
         g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + r, mask=r < R, other=0.0)
-        xh = x * rstd[:, None]
+        xh = x if X_IS_XH else x * rstd[:, None]
         gw = g * w[None, :]
         dot = tl.sum(gw * xh, 1) / D
         tl.store(DX + offs, (rstd[:, None] * (gw - xh * dot[:, None])).to(DX.dtype.element_ty), mask=m)
@@ -73,18 +75,40 @@ def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr
         tl.store(DWP + pid * D + c, dw, mask=c < D)
 
 
+def rms_forward(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's forward alone (no graph): y [..., D] in x.dtype and rstd [rows] fp32."""
+    d = x.shape[-1]
+    x = x.contiguous()
+    r = x.numel() // d if d else 0
+    dp = triton.next_power_of_2(max(d, 1))
+    y, rstd = new_output(x.shape, x, x.dtype), new_output((r,), x, torch.float32)
+    if r:
+        br = _tile_rows(dp)
+        _rms_fwd[(triton.cdiv(r, br),)](x, w if w is not None else x, y, rstd, r, d, eps,
+                                        HAS_W=w is not None, BR=br, DP=dp)
+    return y, rstd
+
+
+def rms_backward_from_output(y: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The weightless RMSNorm's input gradient from its output y (= x rstd) instead of x:
+    dx = rstd (g - y mean(g y)), in y.dtype."""
+    d = y.shape[-1]
+    r = rstd.numel()
+    dp = triton.next_power_of_2(max(d, 1))
+    br = _tile_rows(dp)
+    dx = new_output(y.shape, y, y.dtype)
+    if r:
+        progs = _programs(triton.cdiv(r, br), y.device)
+        _rms_bwd[(progs,)](y.contiguous(), y, g.contiguous(), rstd, dx, rstd, r, d, HAS_W=False, BR=br, DP=dp,
+                           X_IS_XH=True)
+    return dx
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-        d = x.shape[-1]
         x = x.contiguous()
-        r = x.numel() // d if d else 0
-        dp = triton.next_power_of_2(max(d, 1))
-        y, rstd = new_output(x.shape, x, x.dtype), new_output((r,), x, torch.float32)
-        if r:
-            br = _tile_rows(dp)
-            _rms_fwd[(triton.cdiv(r, br),)](x, w if w is not None else x, y, rstd, r, d, eps,
-                                            HAS_W=w is not None, BR=br, DP=dp)
+        y, rstd = rms_forward(x, w, eps)
         ctx.save_for_backward(x, w, rstd)
         return y
 
