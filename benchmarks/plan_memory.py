@@ -397,7 +397,8 @@ def _attention(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, r: int, 
     L.add("Linear", f"wq_a input [{t}, {d}] bf16 (also wkv's, the compressors' and the indexer's)", BF16 * t * d)
     _rms(L, lay, t, rq)  # q_norm
     L.add("_Column", f"wq_b input c_q [{t}, {rq}] bf16 (also the indexer's wq_b's)", BF16 * t * rq)
-    _rms(L, lay, t * H, D, weight=False, scope="Attention")  # per-head weightless norm of q
+    # the weightless per-head norm of q and its RoPE (ops.norm_rope) keep the output, the kernel's q
+    L.add("Attention", f"q norm rstd [{t * H}] fp32", F32 * t * H)
     _rope_tables(L, dm, rd, "compressed" if r else "swa", seen)
     _rms(L, lay, t, D)  # kv_norm of this rank's tokens (K = V is gathered over CP afterwards)
     G = S // r if r else 0
@@ -572,15 +573,19 @@ def logits_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
 def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     """The loss head at its largest, beside the kept activations. The trainer's heads work in
     chunks of rows (ParallelContext.head_logprobs): at most HEAD_CHUNK_ELEMENTS fp32 logits at
-    a time, with their exponentials and, in the backward, their gradient (3 such buffers); and
-    what the chunked head keeps per head: its input [t, d] (bf16; TP ranks: the fp32 copy
-    copy_to_tp makes) and the rows' log-sum-exp, label ids and shard mask."""
+    a time; the forward holds them and their log-softmax, the backward one buffer (the logits
+    turned into their gradient in place) beside the weight's fp32 copy and gradient [V/tp, d]
+    and the input's fp32 gradient [t, d]; and what the chunked head keeps per head: its input
+    [t, d] (bf16; TP ranks: the fp32 copy copy_to_tp makes) and the rows' log-sum-exp, label
+    ids and shard mask."""
     from plugins.deepseek_v4.parallel import HEAD_CHUNK_ELEMENTS
 
     t = lay.mbs * (lay.seq // lay.cp)
     heads = 1 + (cfg.num_nextn_predict_layers if lay.mtp_loss else 0)
     kept = heads * t * ((BF16 if lay.tp == 1 else F32) * cfg.hidden_size + F32 + I64 + BOOL)
-    return 3 * F32 * min(logits_bytes(cfg, lay) // F32, HEAD_CHUNK_ELEMENTS) + kept
+    chunk = F32 * min(logits_bytes(cfg, lay) // F32, HEAD_CHUNK_ELEMENTS)
+    backward = chunk + F32 * (2 * cfg.vocab_size // lay.tp + t) * cfg.hidden_size
+    return max(2 * chunk, backward) + kept
 
 
 def moe_transient_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
@@ -737,27 +742,33 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 # 1.1338 GiB at 2k / 4k / 8k, taken from the same entries (derived the same way). Peaks and
 # states re-measured after it (`--measure`, H100, 2026-11-26; before: 29.490, 34.936, 45.542,
 # 25.403, 26.692 unfused; 30.603, 25.157 fused): the eager peaks fell 0.28 / 0.55 / 1.04 GiB.
+# ops.norm_rope (2026-11-26, later) keeps q's normalised-and-rotated output (the kernel's q) and
+# rstd, not the norm's input (unfused: its fp32 copy, 9 layers x t x 16 x 512 fp32 = 0.5625 /
+# 1.125 / 2.25 GiB at 2k / 4k / 8k), taken from 'kept' and 'Attention' of the unfused walks
+# (derived the same way). Peaks and states re-measured after it and the loss head's in-place
+# backward (`--measure`, H100, 2026-11-26; before: 29.208, 34.384, 44.498, 25.403, 26.566
+# unfused; 30.055, 25.157 fused).
 _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementwise off)
-    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.722, "kept": 4.9474, "peak": 29.208,
-     "modules": {"MoE": 1.6826, "Attention": 1.2289, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
+    {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.724, "kept": 4.3849, "peak": 28.149,
+     "modules": {"MoE": 1.6826, "Attention": 0.6664, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
                  "_Row": 0.1665, "Compressor": 0.0894, "Linear": 0.0824, "Gate": 0.0594, "MTPBlock": 0.0598,
                  "top-level": 0.0468, "_Column": 0.0261}},
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.716, "kept": 9.8753, "peak": 34.384,
-     "modules": {"MoE": 3.2671, "Attention": 2.5296, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.717, "kept": 8.7503, "peak": 32.511,
+     "modules": {"MoE": 3.2671, "Attention": 1.4046, "RMSNorm": 1.5243, "Block": 0.9614, "Expert": 0.5273,
                  "_Row": 0.334, "Compressor": 0.1796, "Linear": 0.1641, "Gate": 0.1204, "MTPBlock": 0.1202,
                  "top-level": 0.0943, "_Column": 0.0527}},
-    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.716, "kept": 19.9230, "peak": 44.498,
-     "modules": {"MoE": 6.4318, "Attention": 5.3433, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
+    {"seq": 8192, "recompute": False, "params": 2.52, "states": 22.714, "kept": 17.6730, "peak": 41.497,
+     "modules": {"MoE": 6.4318, "Attention": 3.0933, "RMSNorm": 3.0469, "Block": 1.9192, "Expert": 1.053,
                  "_Row": 0.6678, "Compressor": 0.3595, "Linear": 0.3278, "Gate": 0.2403, "MTPBlock": 0.2399,
                  "top-level": 0.1882, "_Column": 0.1053}},
-    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 25.403},
-    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.566},
+    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "kept": 0.880, "peak": 24.654},
+    {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.316},
 ]
 MEASURED_1B = [{**p, "fused_elementwise": False} for p in _UNFUSED_1B] + [
     # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25); the forward's kept tensors and
     # modules not walked on the fused path
-    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.723, "peak": 30.055, "fused_elementwise": True},
-    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "peak": 25.157, "fused_elementwise": True},
+    {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.724, "peak": 28.744, "fused_elementwise": True},
+    {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "peak": 24.407, "fused_elementwise": True},
 ]
 CALIBRATION = Layout(seq=4096, mbs=1, global_batch=2, loss="lm", name="train_gpu.py")
 # accepted band of estimate / measured for the calibration rows (tests/test_plan_memory.py)

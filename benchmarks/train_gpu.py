@@ -11,6 +11,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --products  # bf16-product vs TF32 projections, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --indexer   # the indexer score kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
 MFU = 6 x active non-embedding parameters x tokens/s / peak bf16 FLOP/s (attention
@@ -361,6 +362,93 @@ def profile_step(w, mbs, shapes: bool = False) -> None:
           f"{base / 2**30:.2f} GiB; peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 
 
+def memory_sites(w, mbs, graphs: bool) -> None:
+    """What sets the step's peak: the allocator's history (python stacks) from the build on,
+    then the live blocks between steps and at the steady step's peak, summed by the innermost
+    frame of this repository; with graphs, also the graph pool's segments and each graphed
+    block's static buffers (inputs, output gradients, parameter gradients)."""
+    root = str(Path(__file__).resolve().parents[1])
+
+    def site(frames) -> str:
+        for f in frames:
+            fn = f["filename"]
+            if fn.startswith(root) and "/.venv/" not in fn and not fn.endswith("train_gpu.py"):
+                return f"{fn[len(root) + 1:]}:{f['line']} {f['name']}"
+        return "(outside the repository)"
+
+    def table(title: str, sizes: dict[str, int], total: int) -> None:
+        print(f"\n{title}: {total / 2**30:.2f} GiB")
+        for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:18]:
+            print(f"  {v / 2**30:7.3f} GiB  {k}")
+
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+    w.train_step(mbs)  # captures (graphs) or warms up
+    first_peak = torch.cuda.max_memory_allocated()
+    w.train_step(mbs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    dev = torch.cuda.current_device()
+    n0 = len(torch.cuda.memory._snapshot()["device_traces"][dev])
+    w.train_step(mbs)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    steady_peak = torch.cuda.max_memory_allocated()
+    print(f"\npeak of the first step {first_peak / 2**30:.2f} GiB, of a later step {steady_peak / 2**30:.2f} GiB; "
+          f"allocated between steps {base / 2**30:.2f} GiB; reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB, "
+          f"its peak {torch.cuda.max_memory_reserved() / 2**30:.2f}")
+    pools: dict[str, list[int]] = {}
+    for seg in snap["segments"]:
+        key = "graph pool" if seg.get("segment_pool_id", (0, 0)) != (0, 0) else "default pool"
+        a = pools.setdefault(key, [0, 0])
+        a[0] += seg["total_size"]
+        a[1] += seg["allocated_size"]
+    for k, (tot, alloc) in pools.items():
+        print(f"{k}: segments {tot / 2**30:.2f} GiB, allocated in them {alloc / 2**30:.2f} GiB")
+    # replay the step's events from the between-steps state to its peak
+    trace = snap["device_traces"][dev][n0:]
+    cur, peak, peak_i = base, base, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            cur += e["size"]
+        elif e["action"] == "free_completed":
+            cur -= e["size"]
+        if cur > peak:
+            peak, peak_i = cur, i
+    at_peak: dict[str, int] = {}
+    alive = {}
+    for e in trace[:peak_i + 1]:
+        if e["action"] == "alloc":
+            alive[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            alive.pop(e["addr"], None)
+    for e in alive.values():
+        k = site(e["frames"])
+        at_peak[k] = at_peak.get(k, 0) + e["size"]
+    table("allocated within the step at its peak (event " + str(peak_i) + ")", at_peak, sum(at_peak.values()))
+    between: dict[str, int] = {}
+    for seg in snap["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                pool = "[graph pool] " if seg.get("segment_pool_id", (0, 0)) != (0, 0) else ""
+                k = pool + site(b.get("frames", []))
+                between[k] = between.get(k, 0) + b["size"]
+    table("live after the step, by where it was allocated", between, sum(between.values()))
+    gs = getattr(w.model, "_graphs", None) or getattr(w.model, "graphs", None)
+    if graphs and gs is not None:
+        n = {"inputs": 0, "out": 0, "grad_out": 0, "grad_in (inputs)": 0, "grad_in (parameters)": 0}
+        for steps in gs._sets.values():
+            for g in steps.values():
+                n["inputs"] += sum(t.numel() * t.element_size() for t in g.inputs)
+                n["out"] += sum(t.numel() * t.element_size() for t in g.out)
+                n["grad_out"] += sum(t.numel() * t.element_size() for t in g.grad_out if t is not None)
+                k = len(g.inputs)
+                n["grad_in (inputs)"] += sum(t.numel() * t.element_size() for t in g.grad_in[:k] if t is not None)
+                n["grad_in (parameters)"] += sum(t.numel() * t.element_size() for t in g.grad_in[k:] if t is not None)
+        print("graphed blocks' static buffers: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in n.items()))
+
+
 def sync_sites(w, mbs) -> None:
     """Where one step makes the host wait for the GPU (torch's sync debug mode: .item(),
     pageable host-to-device copies, nonzero, ...), counted by the innermost frame of this
@@ -406,6 +494,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--profile", action="store_true", help="print where one V4 step's time and memory go")
+    ap.add_argument("--memory", action="store_true", help="what sets the step's peak memory (allocator history)")
     ap.add_argument("--syncs", action="store_true", help="print where one step synchronizes with the GPU")
     ap.add_argument("--ab", action="store_true", help="the step with each speed change undone, in one process")
     ap.add_argument("--graphs", action="store_true", help="with --profile or --syncs: CUDA graphs on")
@@ -446,6 +535,10 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
+    if a.memory:
+        build("triton", graphs=a.graphs)
+        memory_sites(w, mbs, a.graphs)
+        return
     if a.profile or a.syncs:
         build("triton", graphs=a.graphs)
         sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes)
@@ -470,7 +563,7 @@ def main() -> None:
         if a.stacking:
             stacking_ab(w, build, release, mbs, a.steps, tokens)
         return
-    runs = []  # (name, total params, active params, step times or None (OOM), peak GiB)
+    runs = []  # (name, total params, active params, step times or None (OOM), peak GiB, peak reserved GiB)
     # kernels off first: its dense-masked attention is the one near the memory limit
     for kernels, graphs, name in (("torch", False, "DeepSeek-V4, kernels off"),
                                   ("triton", False, "DeepSeek-V4, kernels on"),
@@ -480,7 +573,8 @@ def main() -> None:
             ts = timed(lambda: w.train_step(mbs), a.steps)
         except torch.OutOfMemoryError:
             ts = None
-        runs.append((name, total, active_params(cfg, total), ts, torch.cuda.max_memory_allocated() / 2**30))
+        runs.append((name, total, active_params(cfg, total), ts, torch.cuda.max_memory_allocated() / 2**30,
+                     torch.cuda.max_memory_reserved() / 2**30))
         release()
 
     dense = DenseBaseline(cfg).cuda().to(torch.bfloat16)
@@ -497,19 +591,22 @@ def main() -> None:
     dn = timed(dense_step, a.steps)
     n_dense = sum(p.numel() for p in dense.parameters()) - cfg.vocab_size * cfg.hidden_size
     runs.append(("dense attention (SDPA, AdamW)", n_dense + cfg.vocab_size * cfg.hidden_size, n_dense, dn,
-                 torch.cuda.max_memory_allocated() / 2**30))
+                 torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30))
 
     peak = a.peak_tflops * 1e12
     print(f"\n{torch.cuda.get_device_name()}  seq={a.seq}  batch={a.batch}  steps={a.steps} (median)")
-    print(f"{'model':34s} {'params':>8s} {'active':>8s} {'step ms':>9s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s}")
-    for name, tot, act, ts, mem in runs:
+    # peak: the allocator's most allocated; reserved: its most held, which with CUDA graphs is the
+    # figure to read (a graph pool's activations replay in its free blocks, counted as reserved only)
+    print(f"{'model':34s} {'params':>8s} {'active':>8s} {'step ms':>9s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s} "
+          f"{'reserved':>9s}")
+    for name, tot, act, ts, mem, res in runs:
         if ts is None:
             print(f"{name:34s} {tot / 1e9:7.2f}B {act / 1e9:7.2f}B {'OOM':>9s}")
             continue
         med = statistics.median(ts)
         tps = tokens / med
         print(f"{name:34s} {tot / 1e9:7.2f}B {act / 1e9:7.2f}B {med * 1e3:9.1f} {tps:9,.0f} "
-              f"{6 * act * tps / peak:6.1%} {mem:9.1f}")
+              f"{6 * act * tps / peak:6.1%} {mem:9.1f} {res:9.1f}")
     off, on = runs[0][3], runs[2][3] or runs[1][3]
     if on and off:
         print(f"V4 kernels on / off tokens/s: {statistics.median(off) / statistics.median(on):.2f}x")
