@@ -71,6 +71,12 @@ def randomize(model: DeepSeekV4ForCausalLM, seed: int, scale: float = 0.3) -> De
     return model
 
 
+# The tiny preset with one main block of each attention kind (CSA, HCA, SWA; hash routing in the
+# first two, learned in the third) and its MTP block: tests that run the Triton interpreter on
+# CPU pay for every block's kernels.
+TINY_EACH_ONCE = dict(num_hidden_layers=3, compress_ratios=[4, 16, 0, 0])
+
+
 def tiny_model(seed: int, dtype: torch.dtype = torch.float32, **overrides) -> DeepSeekV4ForCausalLM:
     cfg = DeepSeekV4Config.tiny(**overrides)
     return randomize(DeepSeekV4ForCausalLM(cfg, dtype=dtype, seed=seed), seed + 1)

@@ -700,20 +700,21 @@ def test_model_training_step_with_kernels_matches_reference(seed, dtype):
     as rounding differences flip discrete MoE/indexer top-k choices for a few tokens)."""
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("bf16 model parity runs on CUDA")
-    from conftest import random_ids, tiny_model
+    from conftest import TINY_EACH_ONCE, random_ids, tiny_model
 
     from miles.train import losses
     from miles.train.batching import MicroBatch
     from plugins.deepseek_v4.model import IGNORE_INDEX
 
     # CPU (Triton's interpreter, the suite's slowest test): one row of 36 still crosses two
-    # HCA blocks and the sliding window; CUDA takes two rows of 40.
+    # HCA blocks and the sliding window, through one block of each attention kind; CUDA takes
+    # two rows of 40 through the whole tiny preset.
     ids = random_ids(seed, *((2, 40) if CUDA else (1, 36))).to(DEV)
     lab = torch.roll(ids, -1, 1)
     lab[:, -1] = IGNORE_INDEX
     runs = {}
     for backend in ("torch", "triton"):
-        model = tiny_model(seed, dtype=dtype, kernels=backend).to(DEV).train()
+        model = tiny_model(seed, dtype=dtype, kernels=backend, **({} if CUDA else TINY_EACH_ONCE)).to(DEV).train()
         _, res = losses.compute(model, MicroBatch.lm(ids, lab))
         res.loss.backward()
         runs[backend] = (res.metrics, {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
