@@ -573,9 +573,10 @@ def logits_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
 def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     """The loss head at its largest, beside the kept activations. The trainer's heads work in
     chunks of rows (ParallelContext.head_logprobs): at most HEAD_CHUNK_ELEMENTS fp32 logits at
-    a time; the forward holds them and their log-softmax, the backward one buffer (the logits
-    turned into their gradient in place) beside the weight's fp32 copy and gradient [V/tp, d]
-    and the input's fp32 gradient [t, d]; and what the chunked head keeps per head: its input
+    a time; the forward holds them and (one TP rank) cross-entropy's log-softmax, the backward
+    one buffer (the logits turned into their gradient in place) beside the weight's fp32 copy
+    and gradient [V/tp, d] and the input's fp32 gradient [t, d]; and what the chunked head
+    keeps per head: its input
     [t, d] (bf16; TP ranks: the fp32 copy copy_to_tp makes) and the rows' log-sum-exp, label
     ids and shard mask."""
     from plugins.deepseek_v4.parallel import HEAD_CHUNK_ELEMENTS
@@ -585,7 +586,7 @@ def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     kept = heads * t * ((BF16 if lay.tp == 1 else F32) * cfg.hidden_size + F32 + I64 + BOOL)
     chunk = F32 * min(logits_bytes(cfg, lay) // F32, HEAD_CHUNK_ELEMENTS)
     backward = chunk + F32 * (2 * cfg.vocab_size // lay.tp + t) * cfg.hidden_size
-    return max(2 * chunk, backward) + kept
+    return max((2 if lay.tp == 1 else 1) * chunk, backward) + kept
 
 
 def moe_transient_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:

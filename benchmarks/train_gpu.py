@@ -390,6 +390,7 @@ def memory_sites(w, mbs, graphs: bool) -> None:
     base = torch.cuda.memory_allocated()
     dev = torch.cuda.current_device()
     n0 = len(torch.cuda.memory._snapshot()["device_traces"][dev])
+    assert n0 < 3_000_000, "the history's ring buffer would wrap during the step: raise max_entries"
     w.train_step(mbs)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
@@ -435,18 +436,19 @@ def memory_sites(w, mbs, graphs: bool) -> None:
                 k = pool + site(b.get("frames", []))
                 between[k] = between.get(k, 0) + b["size"]
     table("live after the step, by where it was allocated", between, sum(between.values()))
-    gs = getattr(w.model, "_graphs", None) or getattr(w.model, "graphs", None)
+    gs = getattr(w.model, "_graphs", None)
     if graphs and gs is not None:
-        n = {"inputs": 0, "out": 0, "grad_out": 0, "grad_in (inputs)": 0, "grad_in (parameters)": 0}
+        n, seen = {"inputs": 0, "outputs": 0, "output gradients": 0, "input gradients": 0}, set()
         for steps in gs._sets.values():
             for g in steps.values():
-                n["inputs"] += sum(t.numel() * t.element_size() for t in g.inputs)
-                n["out"] += sum(t.numel() * t.element_size() for t in g.out)
-                n["grad_out"] += sum(t.numel() * t.element_size() for t in g.grad_out if t is not None)
-                k = len(g.inputs)
-                n["grad_in (inputs)"] += sum(t.numel() * t.element_size() for t in g.grad_in[:k] if t is not None)
-                n["grad_in (parameters)"] += sum(t.numel() * t.element_size() for t in g.grad_in[k:] if t is not None)
-        print("graphed blocks' static buffers: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in n.items()))
+                for kind, ts in (("inputs", g.inputs), ("outputs", g.out), ("output gradients", g.grad_out),
+                                 ("input gradients", g.grad_in)):
+                    for t in ts:
+                        if t is not None and t.data_ptr() not in seen:  # chained layers share buffers
+                            seen.add(t.data_ptr())
+                            n[kind] += t.numel() * t.element_size()
+        print("graphed blocks' static buffers (each once): " +
+              ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in n.items()))
 
 
 def sync_sites(w, mbs) -> None:

@@ -193,10 +193,9 @@ class BlockGraphs:
 
         m = self.model
         blocks = [*m.layers, *m.mtp]  # the order they run in
-        if not all(hasattr(p, "main_grad") for b in blocks for p in b.parameters()):
-            raise RuntimeError("cuda_graphs: train under Megatron's DDP (miles.train.worker.TrainWorker): a "
-                               "graph's parameter gradients leave it in static buffers that the next replay "
-                               "overwrites, so each must be added to its main_grad before then")
+        if not all(hasattr(p, "main_grad") for b in blocks for p in b.parameters() if p.requires_grad):
+            raise RuntimeError("cuda_graphs: train under Megatron's DDP (miles.train.worker.TrainWorker): the "
+                               "backward graph adds each parameter's gradient into its main_grad")
         inv = {"swa": m.inv_freq_swa, "compressed": m.inv_freq_compressed}
         steps = [_BlockStep(b, inv, aux) for b in blocks]
         gates = [g for g in m.modules() if isinstance(g, Gate) and not g.is_hash]
@@ -218,7 +217,7 @@ class BlockGraphs:
                 g.take_input(graphed[i - 1].out[0])
             g.capture_forward(pool)
         for i in reversed(range(len(graphed))):
-            if i + 1 < chain:
+            if i + 1 < chain and graphed[i + 1].grad_in[0] is not None and graphed[i].grad_out[0] is not None:
                 graphed[i].take_grad_out(graphed[i + 1].grad_in[0])
             graphed[i].capture_backward(pool)
         torch.cuda.current_stream().wait_stream(stream)

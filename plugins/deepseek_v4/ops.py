@@ -58,7 +58,8 @@ class _NormRope(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         out, rstd, cos, sin = ctx.saved_tensors
         # the rotation is orthogonal: y is the output rotated back, dy the gradient rotated back
-        y, dy = (apply_rope(t, cos, sin, inverse=True, fused=ctx.fused) for t in (out, g))
+        # (the torch path rotates y in fp32; the kernel reads y in the output's dtype)
+        y, dy = (apply_rope(t, cos, sin, inverse=True, fused=ctx.fused) for t in (out if ctx.fused else out.float(), g))
         if ctx.fused:
             from .kernels.elementwise import rms_backward_from_output
 

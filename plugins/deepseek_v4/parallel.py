@@ -49,8 +49,9 @@ class _HeadLogprobs(torch.autograd.Function):
     dz = g * (onehot(label) - softmax(z)) in place of the logits (one [c, V/tp] fp32 buffer a
     chunk: autograd through cross-entropy held four), and returns dz @ w and dz^T @ y. One TP
     rank: the forward is F.cross_entropy of the chunk (one chunk gives the full logits' bits),
-    the backward takes the chunk's log-sum-exp again. TP ranks: the log-sum-exp and the
-    label's logit are each one reduction over the ranks per chunk."""
+    the backward normalises the exponentials by their row sum again. TP ranks: the log-sum-exp
+    and the label's logit are each one reduction over the ranks per chunk, the exponentials
+    taken in place of the logits."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
@@ -65,14 +66,14 @@ class _HeadLogprobs(torch.autograd.Function):
             if pc.tp_size == 1:
                 out.append(-F.cross_entropy(z, ids[i:i + rows], reduction="none"))
                 continue
-            m = pc.max_over_tp(z.amax(-1))  # any shift works; the max avoids overflow
-            lse = m + torch.log(pc.sum_over_tp(torch.exp(z - m[:, None]).sum(-1)))
             picked = torch.where(mine[i:i + rows], z.gather(-1, ids[i:i + rows, None])[:, 0], 0.0)
+            m = pc.max_over_tp(z.amax(-1))  # any shift works; the max avoids overflow
+            lse = m + torch.log(pc.sum_over_tp(z.sub_(m[:, None]).exp_().sum(-1)))  # z spent: in place
             out.append(pc.sum_over_tp(picked) - lse)
             lses.append(lse)
         lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)  # empty on one rank
         ctx.save_for_backward(y, w, ids, mine, lse)
-        ctx.tf32, ctx.rows = tf32, rows
+        ctx.tf32, ctx.rows, ctx.one_rank = tf32, rows, pc.tp_size == 1
         return torch.cat(out) if out else y.new_zeros(0, dtype=torch.float32)
 
     @staticmethod
@@ -85,12 +86,17 @@ class _HeadLogprobs(torch.autograd.Function):
                 sl = slice(i, i + ctx.rows)
                 yc = y[sl].float()
                 dz = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp] logits: the forward's own call
-                lse_c = torch.logsumexp(dz, -1) if lse.numel() == 0 else lse[sl]  # one rank: not kept
-                # dz = -g softmax(z) + g onehot(label), in place: the chunk's only [c, V/tp] buffer
-                dz.sub_(lse_c[:, None]).exp_().mul_(-g[sl, None])
-                dz.scatter_add_(-1, ids[sl, None], torch.where(mine[sl], g[sl], 0.0)[:, None])
-                dy[sl] = dz @ wf
-                dw += dz.t() @ yc
+                # dz = g onehot(label) - g softmax(z), in place: the chunk's only [c, V/tp] buffer
+                if ctx.one_rank:  # no log-sum-exp kept: softmax by the row's max and sum
+                    dz.sub_(dz.amax(-1, keepdim=True)).exp_()
+                    dz.mul_(-g[sl, None] / dz.sum(-1, keepdim=True))
+                    hit = g[sl]  # cross-entropy read every row's (clamped) label
+                else:
+                    dz.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])
+                    hit = torch.where(mine[sl], g[sl], 0.0)
+                dz.scatter_add_(-1, ids[sl, None], hit[:, None])
+                torch.mm(dz, wf, out=dy[sl])
+                dw.addmm_(dz.t(), yc)
         return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None
 
 
