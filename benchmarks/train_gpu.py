@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, ROOT)
 
 from benchmarks.model_cpu import DenseBaseline  # noqa: E402
 from plugins.deepseek_v4 import DeepSeekV4Config  # noqa: E402
@@ -59,6 +60,14 @@ def active_params(cfg: DeepSeekV4Config, total: int) -> int:
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert * cfg.num_layers_total
     return total - idle - cfg.vocab_size * cfg.hidden_size
+
+
+def repo_site(filename: str, line: int, name: str) -> str | None:
+    """'path:line function' for a frame of this repository's code (not its .venv, not this
+    script), else None: where the memory and sync reports attribute what they count."""
+    if filename.startswith(ROOT) and "/.venv/" not in filename and not filename.endswith("train_gpu.py"):
+        return f"{filename[len(ROOT) + 1:]}:{line} {name}"
+    return None
 
 
 def timed(fn, steps: int) -> list[float]:
@@ -366,15 +375,11 @@ def memory_sites(w, mbs, graphs: bool) -> None:
     """What sets the step's peak: the allocator's history (python stacks) from the build on,
     then the live blocks between steps and at the steady step's peak, summed by the innermost
     frame of this repository; with graphs, also the graph pool's segments and each graphed
-    block's static buffers (inputs, output gradients, parameter gradients)."""
-    root = str(Path(__file__).resolve().parents[1])
+    block's static buffers (inputs, outputs and their gradients, each buffer once)."""
 
-    def site(frames) -> str:
-        for f in frames:
-            fn = f["filename"]
-            if fn.startswith(root) and "/.venv/" not in fn and not fn.endswith("train_gpu.py"):
-                return f"{fn[len(root) + 1:]}:{f['line']} {f['name']}"
-        return "(outside the repository)"
+    def site(frames) -> str:  # the allocator's frames, innermost first
+        return next((s for f in frames if (s := repo_site(f["filename"], f["line"], f["name"]))),
+                    "(outside the repository)")
 
     def table(title: str, sizes: dict[str, int], total: int) -> None:
         print(f"\n{title}: {total / 2**30:.2f} GiB")
@@ -458,17 +463,15 @@ def sync_sites(w, mbs) -> None:
     import traceback
     import warnings
 
-    root = str(Path(__file__).resolve().parents[1])
     sites: dict[str, int] = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):  # other warnings of the step (Megatron's deprecations)
             return
-        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)
-                  and "/.venv/" not in f.filename and not f.filename.endswith("train_gpu.py")]
-        inner = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")][-1]
-        where = (f"{frames[-1].filename[len(root) + 1:]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?") + \
-            f"  (in {inner.filename.rsplit('/', 2)[-1]}:{inner.lineno} {inner.name})"
+        stack = traceback.extract_stack()[:-1]  # outermost first
+        mine = next((s for f in reversed(stack) if (s := repo_site(f.filename, f.lineno, f.name))), "?")
+        inner = [f for f in stack if not f.filename.endswith("warnings.py")][-1]
+        where = f"{mine}  (in {inner.filename.rsplit('/', 2)[-1]}:{inner.lineno} {inner.name})"
         sites[where] = sites.get(where, 0) + 1
 
     w.train_step(mbs)

@@ -26,10 +26,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bo
 
         return kernel(x, weight, eps)
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * _rstd(xf, eps)
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
+
+
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS over the last dim of fp32 x, [..., 1]."""
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class _NormRope(torch.autograd.Function):
@@ -46,9 +51,8 @@ class _NormRope(torch.autograd.Function):
             y, rstd = rms_forward(x, None, eps)
         else:
             xf = x.float()
-            rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [...]: rms_norm's own expression
-            y = (xf * rstd[..., None]).to(x.dtype)
-            rstd = rstd.reshape(-1)
+            rstd = _rstd(xf, eps)  # [..., 1]: rms_norm's own
+            y, rstd = (xf * rstd).to(x.dtype), rstd.reshape(-1)
         out = apply_rope(y, cos, sin, fused=fused)
         ctx.save_for_backward(out, rstd, cos, sin)
         ctx.fused = fused
@@ -59,7 +63,8 @@ class _NormRope(torch.autograd.Function):
         out, rstd, cos, sin = ctx.saved_tensors
         # the rotation is orthogonal: y is the output rotated back, dy the gradient rotated back
         # (the torch path rotates y in fp32; the kernel reads y in the output's dtype)
-        y, dy = (apply_rope(t, cos, sin, inverse=True, fused=ctx.fused) for t in (out if ctx.fused else out.float(), g))
+        y = apply_rope(out if ctx.fused else out.float(), cos, sin, inverse=True, fused=ctx.fused)
+        dy = apply_rope(g, cos, sin, inverse=True, fused=ctx.fused)
         if ctx.fused:
             from .kernels.elementwise import rms_backward_from_output
 
