@@ -10,6 +10,8 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --mixes     # the mHC mixes kernel vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --products  # bf16-product vs TF32 projections, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --indexer   # the indexer score kernels vs torch, CUDA graphs on
+    python3 benchmarks/train_gpu.py --ab --head      # the head's log-softmax kernels vs torch, CUDA graphs on
+    python3 benchmarks/train_gpu.py --ab --norm-rope # q's norm and RoPE in one kernel vs two, CUDA graphs on
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -272,6 +274,32 @@ def indexer_arms():
             ("CUDA graphs, indexer score kernels (default)", lambda on: None)]
 
 
+def head_arms():
+    """The LM/MTP heads' chunk log-softmax and its gradient through torch against
+    `kernels.cross_entropy` (one read forward, one pass backward)."""
+    from plugins.deepseek_v4 import model
+    from plugins.deepseek_v4.parallel import VocabHead
+
+    def torch_head(y, w, ctx, tf32, fused):
+        return VocabHead(y, w, ctx, tf32, False)
+
+    return [("CUDA graphs, head log-softmax through torch", _patch(model, "VocabHead", torch_head)),
+            ("CUDA graphs, head log-softmax kernels (default)", lambda on: None)]
+
+
+def norm_rope_arms():
+    """q's weightless norm then RoPE as two kernels each way (RMSNorm keeping its input, then
+    the rotation) against `ops.norm_rope`'s one kernel each way."""
+    from plugins.deepseek_v4 import ops
+    from plugins.deepseek_v4.kernels import elementwise as ew
+
+    def two_kernels(x, cos, sin, eps, fused=False):
+        return ew.apply_rope(ew.rms_norm(x, None, eps), cos, sin)
+
+    return [("CUDA graphs, q norm then RoPE (two kernels)", _patch(ops, "norm_rope", two_kernels)),
+            ("CUDA graphs, q norm with RoPE (one kernel, default)", lambda on: None)]
+
+
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
     from plugins.deepseek_v4 import ops
 
@@ -330,7 +358,7 @@ def profile_step(w, mbs, shapes: bool = False) -> None:
     print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     if shapes:
         print(prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_device_time_total", row_limit=70, max_name_column_width=40, max_shapes_column_width=90))
+            sort_by="self_device_time_total", row_limit=110, max_name_column_width=40, max_shapes_column_width=90))
 
     # saved tensors of one micro-batch's forward, by the innermost module that saved them
     stack, saved = ["(top)"], {}
@@ -508,6 +536,8 @@ def main() -> None:
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
+    ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
+    ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -552,7 +582,7 @@ def main() -> None:
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
-    if a.ab and (a.mixes or a.products or a.indexer):
+    if a.ab and (a.mixes or a.products or a.indexer or a.head or a.norm_rope):
         build("triton", graphs=True)
         if a.mixes:
             graphed_ab(w, mbs, a.steps, tokens, "mHC mixes", mixes_arms())
@@ -560,6 +590,10 @@ def main() -> None:
             graphed_ab(w, mbs, a.steps, tokens, "fp32 projections", products_arms())
         if a.indexer:
             graphed_ab(w, mbs, a.steps, tokens, "indexer scores", indexer_arms())
+        if a.head:
+            graphed_ab(w, mbs, a.steps, tokens, "head log-softmax", head_arms())
+        if a.norm_rope:
+            graphed_ab(w, mbs, a.steps, tokens, "q norm and RoPE", norm_rope_arms())
         return
     if a.ab:
         build("triton")

@@ -887,14 +887,54 @@ def test_bf16_model_with_tf32_projections_is_as_close_to_fp32_as_without(seed):
     print(f"bf16 vs fp32 gradient error: IEEE projections {e_ieee:.3e}, TF32 {e_tf32:.3e}")
 
 
+# (rows, vocabulary): several tiles with a ragged last one, one tile
+HEAD_CASES = [(300, 32768 + 5), (37, 1000)] if CUDA else [(9, 3 * 64 + 7), (4, 40)]
+
+
+@pytest.mark.parametrize("r,v", HEAD_CASES)
+def test_head_softmax_kernels_match_float64_reference(seed, r, v):
+    """kernels.cross_entropy against float64: each row's max (exact), sum of exponentials and
+    log-sum-exp, the label's logit (exact) from one read of fp32 logits (NaN-poisoned outputs),
+    rows of very different scales and offsets (the running max must rescale the sum); the
+    in-place gradient -g softmax(z) + hit onehot(label), hit = 0 on some rows (labels on
+    another TP rank's shard)."""
+    from plugins.deepseek_v4.kernels import cross_entropy as ce
+
+    g = torch.Generator().manual_seed(seed)
+    scale, shift = torch.rand(r, 1, generator=g) * 20 + 0.1, torch.randn(r, 1, generator=g) * 50
+    z = torch.randn(r, v, generator=g) * scale + shift
+    z[0, -1] += 80  # one row's maximum in its last, ragged tile
+    ids = torch.randint(0, v, (r,), generator=g)
+    ids[1] = v - 1
+    gr = torch.randn(r, generator=g)
+    hit = torch.where(torch.rand(r, generator=g) < 0.7, gr, torch.zeros(r))
+    m, s, pick = ce.row_stats(z.to(DEV), ids.to(DEV))
+    assert_finite(m, s, pick)
+    zd = z.double()
+    lse_ref = torch.logsumexp(zd, -1)
+    assert torch.equal(m.cpu(), z.amax(-1)) and torch.equal(pick.cpu(), z.gather(-1, ids[:, None])[:, 0])
+    lse = m + torch.log(s)
+    assert ((lse.double().cpu() - lse_ref).abs() / lse_ref.abs().clamp_min(1)).max() < 1e-6
+    dz = z.to(DEV)
+    ce.softmax_grad_(dz, lse, ids.to(DEV), gr.to(DEV), hit.to(DEV))
+    ref = -gr.double()[:, None] * torch.softmax(zd, -1)
+    ref[torch.arange(r), ids] += hit.double()
+    assert rel(dz.cpu(), ref) < 1e-5
+    assert (dz.cpu().double() - ref).abs().max() < 1e-5 * gr.abs().max()
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("tf32", [False, True])
-def test_chunked_head_logprobs_match_the_full_logits(seed, tf32, monkeypatch):
+def test_chunked_head_logprobs_match_the_full_logits(seed, tf32, fused, monkeypatch):
     """The trainer's LM/MTP head (ctx.head_logprobs: logits built and dropped chunk by chunk,
-    recomputed in the backward) against log-softmax of the whole fp32 logits, on the device
-    with the model dtype's operands: log-probabilities, entropy and both gradients."""
+    recomputed in the backward; fused: the log-softmax kernels) against log-softmax of the
+    whole fp32 logits, on the device with the model dtype's operands: log-probabilities,
+    entropy and both gradients."""
     from plugins.deepseek_v4 import parallel
     from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
 
+    if tf32 and fused and not CUDA:
+        pytest.skip("without CUDA tf32 changes nothing: the fused run is the tf32=False one")
     n, d, v = 300, 256, 1000
     monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", 64 * v)  # 5 chunks, the last ragged
     g = torch.Generator().manual_seed(seed)
@@ -905,7 +945,7 @@ def test_chunked_head_logprobs_match_the_full_logits(seed, tf32, monkeypatch):
     ctx, runs = ParallelContext(), []
     for chunked in (False, True):
         y, w = y0.to(DEV, copy=True).requires_grad_(), w0.to(DEV, copy=True).requires_grad_()
-        head = VocabHead(y, w, ctx, tf32 and CUDA)
+        head = VocabHead(y, w, ctx, tf32 and CUDA, fused and chunked)
         lp = ctx.head_logprobs(head, labels) if chunked else ctx.token_logprobs(head.logits(), labels)
         ent = ctx.head_entropy(head) if chunked else ctx.token_entropy(head.logits())
         (lp * cot).sum().backward()

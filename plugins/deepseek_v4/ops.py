@@ -41,37 +41,36 @@ class _NormRope(torch.autograd.Function):
     """apply_rope(rms_norm(x, None, eps), cos, sin): the attention's q. Keeps its output (the
     attention core keeps that tensor anyway) and rstd [rows], not the norm's input: the
     backward rotates the output back to the norm's output y and takes dx = rstd (dy - y
-    mean(dy y)) from it (one [B, S, H, D] tensor less a layer until the backward)."""
+    mean(dy y)) from it (one [B, S, H, D] tensor less a layer until the backward). fused: one
+    kernel each way, the rotations in its registers."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, eps: float, fused: bool):
-        if fused:
-            from .kernels.elementwise import rms_forward
-
-            y, rstd = rms_forward(x, None, eps)
-        else:
-            xf = x.float()
-            rstd = _rstd(xf, eps)  # [..., 1]: rms_norm's own
-            y, rstd = (xf * rstd).to(x.dtype), rstd.reshape(-1)
-        out = apply_rope(y, cos, sin, fused=fused)
-        ctx.save_for_backward(out, rstd, cos, sin)
         ctx.fused = fused
+        if fused:
+            from .kernels.elementwise import norm_rope_forward
+
+            out, rstd, cos_t, sin_t, ctx.heads = norm_rope_forward(x, cos, sin, eps)
+            ctx.save_for_backward(out, rstd, cos_t, sin_t)
+            return out
+        xf = x.float()
+        rstd = _rstd(xf, eps)  # [..., 1]: rms_norm's own
+        out = apply_rope((xf * rstd).to(x.dtype), cos, sin)
+        ctx.save_for_backward(out, rstd.reshape(-1), cos, sin)
         return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         out, rstd, cos, sin = ctx.saved_tensors
-        # the rotation is orthogonal: y is the output rotated back, dy the gradient rotated back
-        # (the torch path rotates y in fp32; the kernel reads y in the output's dtype)
-        y = apply_rope(out if ctx.fused else out.float(), cos, sin, inverse=True, fused=ctx.fused)
-        dy = apply_rope(g, cos, sin, inverse=True, fused=ctx.fused)
         if ctx.fused:
-            from .kernels.elementwise import rms_backward_from_output
+            from .kernels.elementwise import norm_rope_backward
 
-            return rms_backward_from_output(y, dy, rstd), None, None, None, None
-        yf, gf = y.float(), dy.float()
-        dx = rstd.reshape(y.shape[:-1])[..., None] * (gf - yf * (gf * yf).mean(-1, keepdim=True))
-        return dx.to(y.dtype), None, None, None, None
+            return norm_rope_backward(out, g, rstd, cos, sin, ctx.heads), None, None, None, None
+        # the rotation is orthogonal: y is the output rotated back, dy the gradient rotated back
+        yf = apply_rope(out.float(), cos, sin, inverse=True)
+        gf = apply_rope(g, cos, sin, inverse=True).float()
+        dx = rstd.reshape(yf.shape[:-1])[..., None] * (gf - yf * (gf * yf).mean(-1, keepdim=True))
+        return dx.to(out.dtype), None, None, None, None
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:

@@ -38,6 +38,7 @@ class VocabHead:
     weight: torch.Tensor
     ctx: ParallelContext
     tf32: bool = False
+    fused: bool = False  # the log-softmax kernels (kernels.cross_entropy) for the chunks
 
     def logits(self) -> torch.Tensor:
         return self.ctx.vocab_logits(self.y, self.weight, self.tf32)
@@ -51,11 +52,12 @@ class _HeadLogprobs(torch.autograd.Function):
     rank: the forward is F.cross_entropy of the chunk (one chunk gives the full logits' bits),
     the backward normalises the exponentials by their row sum again. TP ranks: the log-sum-exp
     and the label's logit are each one reduction over the ranks per chunk, the exponentials
-    taken in place of the logits."""
+    taken in place of the logits. fused: the chunk's row statistics in one read and its gradient
+    in one pass (kernels.cross_entropy), from the log-sum-exp kept on one rank too."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
-                rows: int) -> torch.Tensor:
+                rows: int, fused: bool) -> torch.Tensor:
         v = w.shape[0]
         ids = labels - pc.tp_rank * v
         mine = (ids >= 0) & (ids < v)
@@ -63,6 +65,19 @@ class _HeadLogprobs(torch.autograd.Function):
         out, lses = [], []
         for i in range(0, y.shape[0], rows):
             z = fp32_linear(y[i:i + rows], w, tf32)  # [c, V/tp]
+            if fused:
+                from .kernels.cross_entropy import row_stats
+
+                m, s, picked = row_stats(z, ids[i:i + rows])  # [c] each
+                if pc.tp_size == 1:
+                    lse = m + torch.log(s)
+                else:
+                    top = pc.max_over_tp(m)
+                    lse = top + torch.log(pc.sum_over_tp(s * torch.exp(m - top)))
+                    picked = pc.sum_over_tp(torch.where(mine[i:i + rows], picked, 0.0))
+                out.append(picked - lse)
+                lses.append(lse)
+                continue
             if pc.tp_size == 1:
                 out.append(-F.cross_entropy(z, ids[i:i + rows], reduction="none"))
                 continue
@@ -71,9 +86,9 @@ class _HeadLogprobs(torch.autograd.Function):
             lse = m + torch.log(pc.sum_over_tp(z.sub_(m[:, None]).exp_().sum(-1)))  # z spent: in place
             out.append(pc.sum_over_tp(picked) - lse)
             lses.append(lse)
-        lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)  # empty on one rank
+        lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)  # empty: one rank, torch
         ctx.save_for_backward(y, w, ids, mine, lse)
-        ctx.tf32, ctx.rows, ctx.one_rank = tf32, rows, pc.tp_size == 1
+        ctx.tf32, ctx.rows, ctx.one_rank, ctx.fused = tf32, rows, pc.tp_size == 1, fused
         return torch.cat(out) if out else y.new_zeros(0, dtype=torch.float32)
 
     @staticmethod
@@ -87,17 +102,22 @@ class _HeadLogprobs(torch.autograd.Function):
                 yc = y[sl].float()
                 dz = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp] logits: the forward's own call
                 # dz = g onehot(label) - g softmax(z), in place: the chunk's only [c, V/tp] buffer
-                if ctx.one_rank:  # no log-sum-exp kept: softmax by the row's max and sum
+                # (one rank: every row's clamped label, as cross-entropy read it)
+                hit = g[sl] if ctx.one_rank else torch.where(mine[sl], g[sl], 0.0)
+                if ctx.fused:
+                    from .kernels.cross_entropy import softmax_grad_
+
+                    softmax_grad_(dz, lse[sl], ids[sl], g[sl], hit)
+                elif ctx.one_rank:  # no log-sum-exp kept: softmax by the row's max and sum
                     dz.sub_(dz.amax(-1, keepdim=True)).exp_()
                     dz.mul_(-g[sl, None] / dz.sum(-1, keepdim=True))
-                    hit = g[sl]  # cross-entropy read every row's (clamped) label
                 else:
                     dz.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])
-                    hit = torch.where(mine[sl], g[sl], 0.0)
-                dz.scatter_add_(-1, ids[sl, None], hit[:, None])
+                if not ctx.fused:
+                    dz.scatter_add_(-1, ids[sl, None], hit[:, None])
                 torch.mm(dz, wf, out=dy[sl])
                 dw.addmm_(dz.t(), yc)
-        return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None
+        return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None, None
 
 
 def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -209,7 +229,8 @@ class ParallelContext:
         finite value."""
         y = self.head_input(head.y)
         rows = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-        lp = _HeadLogprobs.apply(y.reshape(-1, y.shape[-1]), head.weight, labels.reshape(-1), self, head.tf32, rows)
+        lp = _HeadLogprobs.apply(y.reshape(-1, y.shape[-1]), head.weight, labels.reshape(-1), self, head.tf32, rows,
+                                 head.fused)
         return lp.view(labels.shape)
 
     @torch.no_grad()

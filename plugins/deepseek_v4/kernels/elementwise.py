@@ -49,11 +49,9 @@ def _rms_fwd(X, W, Y, RSTD, R, D, eps, HAS_W: tl.constexpr, BR: tl.constexpr, DP
 
 
 @triton.jit
-def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr, DP: tl.constexpr,
-             X_IS_XH: tl.constexpr = False):
-    """dx = rstd * (g*w - xh * mean(g*w*xh)), xh = x * rstd (X_IS_XH: X holds xh, the
-    weightless norm's output); each program also sums g * xh over its row tiles into one row
-    of the weight-gradient partials DWP [programs, D]."""
+def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr, DP: tl.constexpr):
+    """dx = rstd * (g*w - xh * mean(g*w*xh)), xh = x * rstd; each program also sums g * xh
+    over its row tiles into one row of the weight-gradient partials DWP [programs, D]."""
     pid = tl.program_id(0)
     c = tl.arange(0, DP)
     w = tl.load(W + c, mask=c < D, other=0.0).to(tl.float32) if HAS_W else tl.full([DP], 1.0, tl.float32)
@@ -65,7 +63,7 @@ def _rms_bwd(X, W, G, RSTD, DX, DWP, R, D, HAS_W: tl.constexpr, BR: tl.constexpr
         x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
         g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + r, mask=r < R, other=0.0)
-        xh = x if X_IS_XH else x * rstd[:, None]
+        xh = x * rstd[:, None]
         gw = g * w[None, :]
         dot = tl.sum(gw * xh, 1) / D
         tl.store(DX + offs, (rstd[:, None] * (gw - xh * dot[:, None])).to(DX.dtype.element_ty), mask=m)
@@ -87,21 +85,6 @@ def rms_forward(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> tuple[to
         _rms_fwd[(triton.cdiv(r, br),)](x, w if w is not None else x, y, rstd, r, d, eps,
                                         HAS_W=w is not None, BR=br, DP=dp)
     return y, rstd
-
-
-def rms_backward_from_output(y: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """The weightless RMSNorm's input gradient from its output y (= x rstd) instead of x:
-    dx = rstd (g - y mean(g y)), in y.dtype."""
-    d = y.shape[-1]
-    r = rstd.numel()
-    dp = triton.next_power_of_2(max(d, 1))
-    br = _tile_rows(dp)
-    dx = new_output(y.shape, y, y.dtype)
-    if r:
-        progs = _programs(triton.cdiv(r, br), y.device)
-        _rms_bwd[(progs,)](y.contiguous(), y, g.contiguous(), rstd, dx, rstd, r, d, HAS_W=False, BR=br, DP=dp,
-                           X_IS_XH=True)
-    return dx
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -135,27 +118,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 # --------------------------------------------------------------------------- RoPE
+# A row [D] is its first D - 2*HALF columns, copied (or only normalised), then HALF pairs
+# (even column a, odd column b) rotated: (a c - b s, a s + b c). The kernels move the whole row
+# as one tile and the pairs as two strided [rows, HALF] tiles, so no register holds a column's
+# partner or its cos/sin where nothing rotates (the first version loaded both for all D columns:
+# the norm's fused backward ran at half the bandwidth).
 @triton.jit
-def _rope(X, COS, SIN, Y, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr):
-    """Rows r of X [R, D]; row r takes cos/sin row r // H. The last 2*HALF columns rotate in
-    interleaved pairs (even column a, odd column b: a*c - b*s, a*s + b*c, s = sign*sin);
-    the others are copied. One tile load of the row and one of the pair partners (column ^ 1)."""
+def _pair_tiles(X, row, start, j, mj):
+    """The rotated pairs of rows `row` (offsets [BR, 1]) as fp32 [BR, HP] tiles a, b."""
+    a = tl.load(X + row + start + 2 * j[None, :], mask=mj, other=0.0).to(tl.float32)
+    b = tl.load(X + row + start + 2 * j[None, :] + 1, mask=mj, other=0.0).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _store_pairs(Y, row, start, j, mj, a, b):
+    tl.store(Y + row + start + 2 * j[None, :], a.to(Y.dtype.element_ty), mask=mj)
+    tl.store(Y + row + start + 2 * j[None, :] + 1, b.to(Y.dtype.element_ty), mask=mj)
+
+
+@triton.jit
+def _rotation(COS, SIN, r, R, H, HALF, sign, HP: tl.constexpr):
+    """Pair indices j [HP], their mask [BR, HP], cos and sign*sin [BR, HP] (row r takes table
+    row r // H of COS, SIN [R / H, HALF])."""
+    j = tl.arange(0, HP)
+    mj = (r < R)[:, None] & (j < HALF)[None, :]
+    crow = (r // H).to(tl.int64)[:, None] * HALF + j[None, :]
+    return j, mj, tl.load(COS + crow, mask=mj, other=1.0), tl.load(SIN + crow, mask=mj, other=0.0) * sign
+
+
+@triton.jit
+def _rope(X, COS, SIN, Y, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr):
+    """Y = X with its last 2*HALF columns rotated (the others copied)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.arange(0, DP)
-    start = D - 2 * HALF  # even: pairs are (even, odd) columns
-    rot = (c >= start) & (c < D)
-    m = (r < R)[:, None] & (c < D)[None, :]
-    mr = m & rot[None, :]
+    start = D - 2 * HALF
     row = r.to(tl.int64)[:, None] * D
-    x = tl.load(X + row + c[None, :], mask=m, other=0.0).to(tl.float32)
-    partner = tl.load(X + row + (c ^ 1)[None, :], mask=mr, other=0.0).to(tl.float32)
-    j = tl.where(rot, (c - start) // 2, 0)
-    crow = (r // H).to(tl.int64)[:, None] * HALF + j[None, :]
-    cs = tl.load(COS + crow, mask=mr, other=1.0)
-    sn = tl.load(SIN + crow, mask=mr, other=0.0) * sign
-    even = (c % 2 == 0)[None, :]
-    out = tl.where(rot[None, :], tl.where(even, x * cs - partner * sn, partner * sn + x * cs), x)
-    tl.store(Y + row + c[None, :], out.to(Y.dtype.element_ty), mask=m)
+    keep = (r < R)[:, None] & (c < start)[None, :]
+    tl.store(Y + row + c[None, :], tl.load(X + row + c[None, :], mask=keep), mask=keep)
+    j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, sign, HP)
+    a, b = _pair_tiles(X, row, start, j, mj)
+    _store_pairs(Y, row, start, j, mj, a * cs - b * sn, a * sn + b * cs)
 
 
 def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, sign: float) -> torch.Tensor:
@@ -165,7 +168,8 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     if r:
         dp = triton.next_power_of_2(d)
         br = _tile_rows(dp)
-        _rope[(triton.cdiv(r, br),)](x, cos, sin, y, r, heads, d, half, sign, BR=br, DP=dp)
+        _rope[(triton.cdiv(r, br),)](x, cos, sin, y, r, heads, d, half, sign, BR=br, DP=dp,
+                                     HP=triton.next_power_of_2(max(half, 1)))
     return y
 
 
@@ -182,10 +186,10 @@ class _Rope(torch.autograd.Function):
         return _rope_launch(g.contiguous(), cos, sin, ctx.heads, -ctx.sign), None, None, None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Same contract as `ops.apply_rope` (x [..., D]; cos, sin [..., rd/2] fp32 broadcast
-    against x[..., :rd/2]), for cos/sin that vary over leading dims of x only (tokens) and
-    broadcast over the trailing ones (heads). cos and sin carry no gradient."""
+def rope_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cos, sin [..., rd/2] (broadcast against x[..., :rd/2], varying over leading dims of x
+    only) as the kernels' tables [rows, rd/2] fp32, and `heads`: the rows of x [rows*heads, D]
+    that share one table row."""
     d, half = x.shape[-1], cos.shape[-1]
     if 2 * half > d or (d - 2 * half) % 2:
         raise ValueError(f"rope kernel: {2 * half} rotated dims do not fit an even split of {d}")
@@ -201,7 +205,93 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     def table(t: torch.Tensor) -> torch.Tensor:  # [prod(rows), rd/2] fp32
         return t.float().reshape(lead[:k] + (half,)).expand(rows + (half,)).reshape(-1, half).contiguous()
 
-    return _Rope.apply(x, table(cos), table(sin), heads, -1.0 if inverse else 1.0)
+    return table(cos), table(sin), heads
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Same contract as `ops.apply_rope` (x [..., D]; cos, sin [..., rd/2] fp32 broadcast
+    against x[..., :rd/2]), for cos/sin that vary over leading dims of x only (tokens) and
+    broadcast over the trailing ones (heads). cos and sin carry no gradient."""
+    cos_t, sin_t, heads = rope_tables(x, cos, sin)
+    return _Rope.apply(x, cos_t, sin_t, heads, -1.0 if inverse else 1.0)
+
+
+# --------------------------------------------------------------------------- RMSNorm then RoPE
+@triton.jit
+def _norm_rope_fwd(X, COS, SIN, OUT, RSTD, R, H, D, HALF, eps, BR: tl.constexpr, DP: tl.constexpr,
+                   HP: tl.constexpr):
+    """OUT = rotate(x rstd), RSTD = 1 / rms(x), one read of each row (rotated in fp32)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, DP)
+    start = D - 2 * HALF
+    row = r.to(tl.int64)[:, None] * D
+    m = (r < R)[:, None] & (c < D)[None, :]
+    x = tl.load(X + row + c[None, :], mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)  # [BR]
+    keep = m & (c < start)[None, :]
+    tl.store(OUT + row + c[None, :], (x * rstd[:, None]).to(OUT.dtype.element_ty), mask=keep)
+    tl.store(RSTD + r, rstd, mask=r < R)
+    j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, 1.0, HP)
+    a, b = _pair_tiles(X, row, start, j, mj)
+    a, b = a * rstd[:, None], b * rstd[:, None]
+    _store_pairs(OUT, row, start, j, mj, a * cs - b * sn, a * sn + b * cs)
+
+
+@triton.jit
+def _norm_rope_bwd(OUT, G, COS, SIN, RSTD, DX, R, H, D, HALF, BR: tl.constexpr, DP: tl.constexpr,
+                   HP: tl.constexpr):
+    """dx = rotate^-1(t), t = rstd (g - out mean(g out)): the norm's backward from its output
+    y = rotate^-1(out) and gradient dy = rotate^-1(g) is rstd (dy - y mean(dy y)), and the
+    rotation is orthogonal (mean(dy y) = mean(g out), and it commutes with the rest)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, DP)
+    start = D - 2 * HALF
+    row = r.to(tl.int64)[:, None] * D
+    m = (r < R)[:, None] & (c < D)[None, :]
+    o = tl.load(OUT + row + c[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + row + c[None, :], mask=m, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + r, mask=r < R, other=0.0)
+    dot = tl.sum(g * o, 1) / D
+    keep = m & (c < start)[None, :]
+    tl.store(DX + row + c[None, :], (rstd[:, None] * (g - o * dot[:, None])).to(DX.dtype.element_ty), mask=keep)
+    j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, -1.0, HP)
+    oa, ob = _pair_tiles(OUT, row, start, j, mj)
+    ga, gb = _pair_tiles(G, row, start, j, mj)
+    a = rstd[:, None] * (ga - oa * dot[:, None])
+    b = rstd[:, None] * (gb - ob * dot[:, None])
+    _store_pairs(DX, row, start, j, mj, a * cs - b * sn, a * sn + b * cs)
+
+
+def norm_rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """apply_rope(weightless rms_norm(x)) as one pass (no graph): out [..., D] in x.dtype,
+    rstd [rows] fp32, and the tables and heads the backward takes."""
+    cos_t, sin_t, heads = rope_tables(x, cos, sin)
+    x = x.contiguous()
+    d = x.shape[-1]
+    r = x.numel() // d if d else 0
+    out, rstd = new_output(x.shape, x, x.dtype), new_output((r,), x, torch.float32)
+    if r:
+        dp = triton.next_power_of_2(d)
+        br = _tile_rows(dp)
+        half = cos_t.shape[-1]
+        _norm_rope_fwd[(triton.cdiv(r, br),)](x, cos_t, sin_t, out, rstd, r, heads, d, half, eps, BR=br, DP=dp,
+                                              HP=triton.next_power_of_2(max(half, 1)))
+    return out, rstd, cos_t, sin_t, heads
+
+
+def norm_rope_backward(out: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor, cos_t: torch.Tensor,
+                       sin_t: torch.Tensor, heads: int) -> torch.Tensor:
+    """The input gradient of norm_rope_forward from its output and rstd, in out.dtype."""
+    d = out.shape[-1]
+    r = rstd.numel()
+    dx = new_output(out.shape, out, out.dtype)
+    if r:
+        dp = triton.next_power_of_2(d)
+        br = _tile_rows(dp)
+        half = cos_t.shape[-1]
+        _norm_rope_bwd[(triton.cdiv(r, br),)](out, g.contiguous(), cos_t, sin_t, rstd, dx, r, heads, d, half,
+                                              BR=br, DP=dp, HP=triton.next_power_of_2(max(half, 1)))
+    return dx
 
 
 # --------------------------------------------------------------------------- clamped SwiGLU

@@ -1,0 +1,108 @@
+"""The fused elementwise kernels at the ~1B trainer's shapes, each against the bytes it must
+move: GPU microseconds a call (each captured in a CUDA graph, the median replay) and the
+bandwidth that makes.
+
+    PYTHONPATH=. python3 benchmarks/elementwise_gpu.py [--tokens 4096]
+
+Rows: RoPE of q [t, 16, 512] (the output path's rotation), q's weightless norm with RoPE
+forward and backward (`ops.norm_rope`: one kernel each way) against the norm and the rotation
+as two kernels each way, and the LM head's log-softmax pieces on a [2048, 32768] fp32 chunk
+(`kernels.cross_entropy`) against torch's log_softmax and in-place softmax gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from plugins.deepseek_v4 import ops
+from plugins.deepseek_v4.kernels import cross_entropy as ce
+from plugins.deepseek_v4.kernels import elementwise as ew
+
+
+def timed_us(fn, iters: int) -> float:
+    """GPU time of one call: fn captured in a CUDA graph, each replay timed (no host time)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # autotuning, lazy allocations
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ts = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            ts.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=50)
+    a = ap.parse_args()
+    dev, t = "cuda", a.tokens
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, t, 16, 512, device=dev, generator=g).to(torch.bfloat16)
+    dq = torch.randn(1, t, 16, 512, device=dev, generator=g).to(torch.bfloat16)
+    ang = torch.rand(1, t, 1, 32, device=dev, generator=g) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    qb = q.numel() * q.element_size()
+    out, rstd, cos_t, sin_t, heads = ew.norm_rope_forward(q, cos, sin, 1e-6)
+
+    def two_kernels_fwd():
+        ew.apply_rope(ew.rms_norm(q, None, 1e-6), cos, sin)
+
+    def two_kernels_bwd_setup():
+        x = q.detach().requires_grad_()
+        y = ew.apply_rope(ew.rms_norm(x, None, 1e-6), cos, sin)
+        return lambda: torch.autograd.grad(y, x, dq, retain_graph=True)
+
+    rows = [("RoPE [t, 16, 512]", lambda: ew.apply_rope(q, cos, sin), 2 * qb),
+            ("norm+RoPE forward, one kernel", lambda: ew.norm_rope_forward(q, cos, sin, 1e-6), 2 * qb),
+            ("norm then RoPE forward, two kernels", two_kernels_fwd, 2 * qb),
+            ("norm+RoPE backward, one kernel",
+             lambda: ew.norm_rope_backward(out, dq, rstd, cos_t, sin_t, heads), 3 * qb),
+            ("norm then RoPE backward, two kernels", two_kernels_bwd_setup(), 3 * qb)]
+    z = torch.randn(2048, 32768, device=dev, generator=g) * 3
+    ids = torch.randint(0, 32768, (2048,), device=dev, generator=g)
+    gr = torch.randn(2048, device=dev, generator=g)
+    lse = torch.logsumexp(z, -1)
+    zb = z.numel() * 4
+
+    def torch_grad():
+        w = z.clone()
+        w.sub_(w.amax(-1, keepdim=True)).exp_()
+        w.mul_(-gr[:, None] / w.sum(-1, keepdim=True))
+        w.scatter_add_(-1, ids[:, None], gr[:, None])
+
+    def kernel_grad():
+        w = z.clone()
+        ce.softmax_grad_(w, lse, ids, gr, gr)
+
+    rows += [("clone of the head chunk (reference)", lambda: z.clone(), 2 * zb),
+             ("head chunk log-probs, torch cross-entropy", lambda: F.cross_entropy(z, ids, reduction="none"), zb),
+             ("head chunk row stats, kernel", lambda: ce.row_stats(z, ids), zb),
+             ("clone + head chunk gradient, torch (4 passes)", torch_grad, 2 * zb),
+             ("clone + head chunk gradient, kernel (in place)", kernel_grad, 2 * zb)]
+    assert torch.isfinite(ops.norm_rope(q, cos, sin, 1e-6, fused=True).float()).all()
+    print(f"{torch.cuda.get_device_name()}  {t} tokens, median of {a.iters}; GB/s from the bytes each must move"
+          f" (the clone rows: the clone's own bytes not counted)")
+    print(f"{'kernel':50s} {'us':>8s} {'GB/s':>8s}")
+    for name, fn, nbytes in rows:
+        us = timed_us(fn, a.iters)
+        print(f"{name:50s} {us:8.1f} {nbytes / us / 1e3:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
