@@ -12,6 +12,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --indexer   # the indexer score kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --head      # the head's log-softmax kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --norm-rope # q's norm and RoPE in one kernel vs two, CUDA graphs on
+    python3 benchmarks/train_gpu.py --ab --moves     # the MoE's row-move kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -300,6 +301,21 @@ def norm_rope_arms():
             ("CUDA graphs, q norm with RoPE (one kernel, default)", lambda on: None)]
 
 
+def moves_arms():
+    """The MoE's token <-> expert-row moves through torch (take_rows: a zero row appended by a
+    copy, index_select, a [N, k, d] sum, casts) against `kernels.moe` (one pass each)."""
+    from plugins.deepseek_v4 import ops
+
+    rows_of, sum_slots = ops._rows_of, ops._sum_slots
+
+    def torch_rows(on: bool) -> None:
+        ops._rows_of = (lambda x, idx, dtype, fused: rows_of(x, idx, dtype, False)) if on else rows_of
+        ops._sum_slots = (lambda y, rop, k, dtype, fused: sum_slots(y, rop, k, dtype, False)) if on else sum_slots
+
+    return [("CUDA graphs, MoE row moves through torch", torch_rows),
+            ("CUDA graphs, MoE row-move kernels (default)", lambda on: None)]
+
+
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
     from plugins.deepseek_v4 import ops
 
@@ -538,6 +554,7 @@ def main() -> None:
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
+    ap.add_argument("--moves", action="store_true", help="with --ab: only the MoE's row-move kernels vs torch")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -582,7 +599,7 @@ def main() -> None:
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
-    if a.ab and (a.mixes or a.products or a.indexer or a.head or a.norm_rope):
+    if a.ab and (a.mixes or a.products or a.indexer or a.head or a.norm_rope or a.moves):
         build("triton", graphs=True)
         if a.mixes:
             graphed_ab(w, mbs, a.steps, tokens, "mHC mixes", mixes_arms())
@@ -594,6 +611,8 @@ def main() -> None:
             graphed_ab(w, mbs, a.steps, tokens, "head log-softmax", head_arms())
         if a.norm_rope:
             graphed_ab(w, mbs, a.steps, tokens, "q norm and RoPE", norm_rope_arms())
+        if a.moves:
+            graphed_ab(w, mbs, a.steps, tokens, "MoE row moves", moves_arms())
         return
     if a.ab:
         build("triton")

@@ -461,11 +461,39 @@ def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     assert within_terms(ins[3].grad, ref_in[3].grad, scale_terms(mm.grad, mm.detach(), n, scale)) < TOL, "scale"
 
 
+@pytest.mark.parametrize("n,d,k", [(300, 1536 + 40, 6), (37, 64, 2)] if CUDA else [(9, 40, 3), (5, 8, 1)])
+def test_moe_row_moves_match_the_reference(seed, n, d, k):
+    """kernels.moe against ops.take_rows and float64 sums: rows gathered bit for bit (zeros at
+    -1, into another dtype too), each token's k slots summed in fp32 (-1 slots add nothing;
+    a token with none gives zeros); NaN-poisoned outputs, d not a multiple of the tile."""
+    from plugins.deepseek_v4.kernels import moe
+
+    g = torch.Generator().manual_seed(seed)
+    m = n * k + 3
+    y = torch.randn(m, d, generator=g).to(DEV, DTYPE)
+    idx = torch.randint(-1, n, (m,), generator=g).to(DEV)
+    x = torch.randn(n, d, generator=g).to(DEV, DTYPE)
+    got = moe.gather_rows(x, idx)
+    assert_finite(got)
+    assert torch.equal(got, ops.take_rows(x, idx)) and not got[idx < 0].any()
+    assert torch.equal(moe.gather_rows(x, idx, torch.float32), ops.take_rows(x, idx).float())
+    rows = torch.randperm(m, generator=g)[:n * k].to(DEV)
+    rows[torch.rand(n * k, generator=g).to(DEV) < 0.3] = -1
+    rows[:k] = -1  # token 0 has no slot here
+    for dtype in (torch.float32, DTYPE):
+        s = moe.sum_rows(y, rows, k, dtype)
+        assert s.dtype == dtype
+        want = ops.take_rows(y.double(), rows).view(n, k, d).sum(1)
+        assert rel(s.cpu(), want.cpu()) < (1e-6 if dtype == torch.float32 else TOL)
+        assert not s[0].any()
+
+
 @pytest.mark.parametrize("n,k,n_experts", [(300, 4, 8), (37, 2, 5)])
 def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
-    """The fused routed-expert path (bf16 grouped GEMMs over padded expert groups) against
-    float64 autograd of the per-expert formula: output and the gradients of x, routing
-    weights and all three weight stacks; one expert gets no token (its gradient is 0)."""
+    """The fused routed-expert path (bf16 grouped GEMMs over padded expert groups, the SwiGLU
+    and row-move kernels) against float64 autograd of the per-expert formula: output and the
+    gradients of x, routing weights and all three weight stacks; one expert gets no token
+    (its gradient is 0)."""
     d, inter, limit = 64, 96, 10.0  # V4's limit: few values sit near the clamp kinks, whose bf16
     # rounding could flip a clamp (an exact O(1) gradient difference, not a kernel error)
     g = torch.Generator().manual_seed(seed)
@@ -485,7 +513,7 @@ def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
     (ref * cot.double()).sum().backward()
     ins = [t.to(DEV, torch.bfloat16).requires_grad_() for t in (x, w1, w3, w2)]
     wk = wt.to(DEV).requires_grad_()
-    out = ops.routed_experts(ins[0], idx.to(DEV), wk, *ins[1:], 0, limit, fused=True)
+    out = ops.routed_experts(ins[0], idx.to(DEV), wk, *ins[1:], 0, limit, fused=True, fused_elementwise=True)
     assert out.dtype == torch.float32
     (out * cot.to(DEV)).sum().backward()
     assert rel(out.cpu(), ref) < 2e-2

@@ -602,7 +602,7 @@ class MoE(nn.Module):
         e = self.experts
         out = ops.routed_experts(self.ctx.to_tp_region(xs), idxs, ws, e.w1, e.w3, e.w2, e.first,
                                  self.cfg.swiglu_limit, fused=use_kernels(self.cfg, xs) and xs.dtype == torch.bfloat16,
-                                 fused_swiglu=use_fused(self.cfg, xs))
+                                 fused_elementwise=use_fused(self.cfg, xs))
         out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, their k slots summed
         out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
         if self.shared_experts is not None:

@@ -483,25 +483,26 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts:
 
 def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                    w2: torch.Tensor, first: int, limit: float, all_local: bool = True,
-                   fused: bool = False, fused_swiglu: bool = False) -> torch.Tensor:
+                   fused: bool = False, fused_elementwise: bool = False) -> torch.Tensor:
     """The routed experts of one MoE layer, all groups at once.
 
     x [N, d]; idx [N, k] global expert ids; weight [N, k] fp32 routing weights; w1, w3
     [E, I, d] and w2 [E, d, I] the stacked weights of local experts first..first+E-1.
     Returns [N, d] fp32: for each token, the sum over its slots routed here of
-    w2 (weight * clamped_swiglu(w1 x, w3 x)) (the weight scales before w2, in fp32)."""
+    w2 (weight * clamped_swiglu(w1 x, w3 x)) (the weight scales before w2, in fp32).
+    fused: the grouped GEMMs; fused_elementwise: the SwiGLU and the row moves as kernels."""
     n, k = idx.shape
     align = GROUP_ALIGN if fused else 1
     pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
     pair_of_row = torch.full((m,), -1, dtype=torch.long, device=idx.device).index_copy_(0, rows, pairs)  # [M]
     row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=idx.device).index_copy_(0, pairs, rows)
     token_of_row = torch.where(pair_of_row >= 0, pair_of_row // k, -1)  # [M], -1: a padding row
-    xg = _Dispatch.apply(x, token_of_row, row_of_pair, k)  # [M, d]
+    xg = _Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)  # [M, d]
     wg = take_rows(weight.flatten().float(), pair_of_row)  # [M]
     h = swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
-               limit, wg, x.dtype, fused_swiglu)  # [M, I]
+               limit, wg, x.dtype, fused_elementwise)  # [M, I]
     y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
-    return _Combine.apply(y, row_of_pair, token_of_row, k)  # [N, d] fp32; n may be 0 (an EP rank)
+    return _Combine.apply(y, row_of_pair, token_of_row, k, fused_elementwise)  # [N, d] fp32; n may be 0 (EP)
 
 
 def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -510,39 +511,58 @@ def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return pad.index_select(0, torch.where(idx >= 0, idx, x.shape[0]))
 
 
+def _sum_slots(y: torch.Tensor, row_of_pair: torch.Tensor, k: int, dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    """[N, d] in dtype: token t's fp32 sum of y's rows of its k slots (row_of_pair [N*k], -1: none)."""
+    if fused:
+        from .kernels.moe import sum_rows
+
+        return sum_rows(y, row_of_pair, k, dtype)
+    n, d = row_of_pair.numel() // k, y.shape[1]
+    return take_rows(y, row_of_pair).view(n, k, d).sum(1, dtype=torch.float32).to(dtype)
+
+
+def _rows_of(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    """take_rows(x, idx) in dtype."""
+    if fused:
+        from .kernels.moe import gather_rows
+
+        return gather_rows(x, idx, dtype)
+    return take_rows(x, idx).to(dtype)
+
+
 class _Dispatch(torch.autograd.Function):
     """Tokens -> grouped rows: out[r] = x[token_of_row[r]]. Backward: each token's gradient is
     the fp32 sum of its k rows' (row_of_pair: the row of pair token * k + slot, -1 if none).
-    Keeps the two int maps only (an index_copy kept its [P, d] source for the backward)."""
+    Keeps the two int maps only (an index_copy kept its [P, d] source for the backward).
+    fused: kernels.moe, one pass each way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, row_of_pair: torch.Tensor, k: int):
+    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, row_of_pair: torch.Tensor, k: int, fused: bool):
         ctx.save_for_backward(row_of_pair)
-        ctx.k = k
-        return take_rows(x, token_of_row)
+        ctx.k, ctx.fused = k, fused
+        return _rows_of(x, token_of_row, x.dtype, fused)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (row_of_pair,) = ctx.saved_tensors
-        n, d = row_of_pair.numel() // ctx.k, g.shape[1]
-        return take_rows(g, row_of_pair).view(n, ctx.k, d).sum(1, dtype=torch.float32).to(g.dtype), None, None, None
+        return _sum_slots(g, row_of_pair, ctx.k, g.dtype, ctx.fused), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """Grouped rows -> tokens: out[t] = sum over its k slots of y[row_of_pair[t * k + slot]]
-    (fp32, in slot order). Backward: each row gets its token's gradient (token_of_row)."""
+    (fp32, in slot order). Backward: each row gets its token's gradient (token_of_row).
+    fused: kernels.moe, one pass each way."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, row_of_pair: torch.Tensor, token_of_row: torch.Tensor, k: int):
+    def forward(ctx, y: torch.Tensor, row_of_pair: torch.Tensor, token_of_row: torch.Tensor, k: int, fused: bool):
         ctx.save_for_backward(token_of_row)
-        ctx.dtype = y.dtype
-        n, d = row_of_pair.numel() // k, y.shape[1]
-        return take_rows(y, row_of_pair).view(n, k, d).sum(1, dtype=torch.float32)
+        ctx.dtype, ctx.fused = y.dtype, fused
+        return _sum_slots(y, row_of_pair, k, torch.float32, fused)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (token_of_row,) = ctx.saved_tensors
-        return take_rows(g, token_of_row).to(ctx.dtype), None, None, None
+        return _rows_of(g, token_of_row, ctx.dtype, ctx.fused), None, None, None, None
 
 
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
