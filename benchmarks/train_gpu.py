@@ -13,6 +13,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --head      # the head's log-softmax kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --norm-rope # q's norm and RoPE in one kernel vs two, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --moves     # the MoE's row-move kernels vs torch, CUDA graphs on
+    python3 benchmarks/train_gpu.py --ab --pre       # mHC's pre kernels as one autograd node vs three
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -207,16 +208,29 @@ def stacking_ab(w, build, release, mbs, steps: int, tokens: int) -> None:
         print(f"{name:30s} {n:7d} {med * 1e3:8.1f} {tokens / med:8,.0f} {mem:8.1f}")
 
 
-def _torch_mixes_gates(x, fn, base, scale, norm_eps, hc_eps, iters):
-    """The gates' inputs as they were before `mhc.stream_mixes`: a TF32 projection of an fp32
-    copy of the streams and torch's norm (its backward an autograd chain over [R, n d])."""
+def _torch_mixes_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
+    """hc_pre's kernels path as it was before `mhc.stream_mixes`: a TF32 projection of an fp32
+    copy of the streams and torch's norm (its backward an autograd chain over [R, n d]), then
+    the gates and the stream sum kernels."""
     from plugins.deepseek_v4 import ops
-    from plugins.deepseek_v4.kernels.mhc import hc_gates
+    from plugins.deepseek_v4.kernels.mhc import hc_gates, weighted_sum
 
     flat = x.flatten(-2)
     nrm = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32)
-    return hc_gates(ops.fp32_linear(flat, fn, True), nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps,
-                    flat.shape[-1])
+    pre, post, comb = hc_gates(ops.fp32_linear(flat, fn, True), nrm, base, scale, x.shape[-2], iters, hc_eps,
+                               norm_eps, flat.shape[-1])
+    return weighted_sum(pre, x), post, comb
+
+
+def _three_node_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
+    """hc_pre's kernels as three autograd nodes (the mixes, the gates, the stream sum), as they
+    were before `mhc.pre_streams`: autograd adds the two gradients of the streams."""
+    from plugins.deepseek_v4.kernels.mhc import hc_gates, stream_mixes, weighted_sum
+
+    flat = x.flatten(-2)
+    mm, nrm = stream_mixes(flat, fn)
+    pre, post, comb = hc_gates(mm, nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps, flat.shape[-1])
+    return weighted_sum(pre, x), post, comb
 
 
 def graphed_ab(w, mbs, steps: int, tokens: int, title: str, arms) -> None:
@@ -253,7 +267,7 @@ def mixes_arms():
     """mHC's gate inputs through torch's projection and norm against `mhc.stream_mixes`."""
     from plugins.deepseek_v4 import ops
 
-    return [("CUDA graphs, mixes through torch", _patch(ops, "_hc_gates_fused", _torch_mixes_gates)),
+    return [("CUDA graphs, mixes through torch", _patch(ops, "_hc_pre_kernels", _torch_mixes_pre)),
             ("CUDA graphs, one-pass mixes kernel (default)", lambda on: None)]
 
 
@@ -314,6 +328,15 @@ def moves_arms():
 
     return [("CUDA graphs, MoE row moves through torch", torch_rows),
             ("CUDA graphs, MoE row-move kernels (default)", lambda on: None)]
+
+
+def pre_arms():
+    """mHC's pre-sublayer kernels as three autograd nodes against one (`mhc.pre_streams`: the
+    streams' gradient written once)."""
+    from plugins.deepseek_v4 import ops
+
+    return [("CUDA graphs, mHC pre as three autograd nodes", _patch(ops, "_hc_pre_kernels", _three_node_pre)),
+            ("CUDA graphs, mHC pre as one node (default)", lambda on: None)]
 
 
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
@@ -555,6 +578,7 @@ def main() -> None:
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
     ap.add_argument("--moves", action="store_true", help="with --ab: only the MoE's row-move kernels vs torch")
+    ap.add_argument("--pre", action="store_true", help="with --ab: only mHC's pre as one autograd node vs three")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -599,7 +623,7 @@ def main() -> None:
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
-    if a.ab and (a.mixes or a.products or a.indexer or a.head or a.norm_rope or a.moves):
+    if a.ab and (a.mixes or a.products or a.indexer or a.head or a.norm_rope or a.moves or a.pre):
         build("triton", graphs=True)
         if a.mixes:
             graphed_ab(w, mbs, a.steps, tokens, "mHC mixes", mixes_arms())
@@ -613,6 +637,8 @@ def main() -> None:
             graphed_ab(w, mbs, a.steps, tokens, "q norm and RoPE", norm_rope_arms())
         if a.moves:
             graphed_ab(w, mbs, a.steps, tokens, "MoE row moves", moves_arms())
+        if a.pre:
+            graphed_ab(w, mbs, a.steps, tokens, "mHC pre", pre_arms())
         return
     if a.ab:
         build("triton")

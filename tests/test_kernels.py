@@ -428,8 +428,9 @@ def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m):
 
 @pytest.mark.parametrize("full", [True, False])
 def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
-    """ops.hc_pre / ops.hc_head on the gates kernel (with the projection, the norm and the
-    stream sum around it) against float64 autograd of the unfused formula, all gradients."""
+    """ops.hc_pre / ops.hc_head on the kernels (kernels.mhc.pre_streams: the projection and
+    norm, the gates, the stream sum as one autograd node whose x gradient takes both uses of
+    x) against float64 autograd of the unfused formula, all gradients."""
     from plugins.deepseek_v4.ops import hc_head, hc_pre
 
     n, d = 4, (1536 if CUDA else 40)

@@ -255,15 +255,14 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, tf32: bool = Fa
     return fp32_linear(flat, fn, tf32) * torch.rsqrt(ms + norm_eps)
 
 
-def _hc_gates_fused(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                    hc_eps: float, iters: int):
-    """The Triton gates kernel on the mixes' raw projection and the streams' norm (both from
-    one kernel pass over the streams, the projection in exact fp32)."""
-    from .kernels.mhc import hc_gates, stream_mixes
+def _hc_pre_kernels(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, post, comb) from the kernels: the mixes' projection and the streams' norm from one
+    pass, the gates, the stream sum, one autograd node (kernels.mhc.pre_streams). Callers look
+    it up on this module at call time (the A/B swaps it)."""
+    from .kernels.mhc import pre_streams
 
-    flat = x.flatten(-2)  # [B, S, n*d]
-    mm, nrm = stream_mixes(flat, fn)  # [B, S, m], [B, S]
-    return hc_gates(mm, nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps, flat.shape[-1])
+    return pre_streams(x, fn, base, scale, iters, hc_eps, norm_eps)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -272,12 +271,9 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
     Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32).
     fused: the Triton Sinkhorn and stream sum (one launch each way) instead of this file's
-    reference; gates (with fused): the normalisation, sigmoids and Sinkhorn in one kernel."""
+    reference; gates (with fused): the mixes, gates and stream sum as kernels, one autograd node."""
     if fused and gates:
-        from .kernels.mhc import weighted_sum
-
-        pre, post, comb = _hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, iters)
-        return weighted_sum(pre, x), post, comb
+        return _hc_pre_kernels(x, fn, base, scale, norm_eps, hc_eps, iters)
     if fused:
         from .kernels.mhc import sinkhorn as sinkhorn_fn
         from .kernels.mhc import weighted_sum
@@ -310,9 +306,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """Collapse the n streams for the LM head: y = sum_i sigmoid(mix_i * scale + base_i) + eps) X_i.
     fused / gates: as hc_pre's."""
     if fused and gates:
-        from .kernels.mhc import weighted_sum
-
-        return weighted_sum(_hc_gates_fused(x, fn, base, scale, norm_eps, hc_eps, 1)[0], x)
+        return _hc_pre_kernels(x, fn, base, scale, norm_eps, hc_eps, 1)[0]
     pre = torch.sigmoid(hc_mixes(x, fn, norm_eps, tf32) * scale.float()[0] + base.float()) + hc_eps
     if fused:
         from .kernels.mhc import weighted_sum

@@ -253,42 +253,51 @@ def _gates_bwd(MM, NRM, BASE, SCALE, DPRE, DPOST, DCOMB, DMM, DNRM, DBASE, DSCAL
     tl.store(DNRM + r, -drs * rs * rs * rs * nrm / K, mask=r < R)
 
 
+def _gates_forward(mm, nrm, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float, width: int):
+    """(pre, post, comb) fp32 and what the backward keeps (tensors, then the arguments)."""
+    *lead, m = mm.shape
+    full = m != n
+    mm2, nrm2 = mm.float().reshape(-1, m).contiguous(), nrm.float().reshape(-1).contiguous()
+    base, scale = base.float().contiguous(), scale.float().contiguous()
+    r = nrm2.numel()
+    pre = new_output((*lead, n), mm2, torch.float32)
+    post = new_output((*lead, n if full else 0), mm2, torch.float32)
+    comb = new_output((*lead, n if full else 0, n if full else 0), mm2, torch.float32)
+    if r:
+        _gates_fwd[(triton.cdiv(r, BLOCK_R),)](mm2, nrm2, base, scale, pre, post, comb, r, n, m, float(width),
+                                               iters, hc_eps, norm_eps, NP=triton.next_power_of_2(n),
+                                               BLOCK=BLOCK_R, FULL=full)
+    return pre, post, comb, (mm2, nrm2, base, scale), (n, iters, hc_eps, norm_eps, width, full, mm.shape, nrm.shape)
+
+
+def _gates_backward(kept, args, dpre, dpost, dcomb):
+    """(dmm, dnrm, dbase, dscale) from the forward's kept tensors and arguments."""
+    mm2, nrm2, base, scale = kept
+    n, iters, hc_eps, norm_eps, width, full, mm_shape, nrm_shape = args
+    r, m = mm2.shape
+    progs, np_ = triton.cdiv(r, BLOCK_R), triton.next_power_of_2(n)
+    dmm, dnrm = new_output(mm2.shape, mm2, torch.float32), new_output(nrm2.shape, mm2, torch.float32)
+    dbase = new_output((progs, m), mm2, torch.float32)
+    dscale = new_output((progs, scale.numel()), mm2, torch.float32)
+    if r:
+        buf = torch.empty(r if full else 1, 2 * iters - 1 if full else 1, np_, np_, device=mm2.device,
+                          dtype=torch.float32)
+        _gates_bwd[(progs,)](mm2, nrm2, base, scale, dpre.float().contiguous(), dpost.float().contiguous(),
+                             dcomb.float().contiguous(), dmm, dnrm, dbase, dscale, buf, r, n, m, float(width),
+                             iters, hc_eps, norm_eps, NP=np_, BLOCK=BLOCK_R, FULL=full)
+    return dmm.view(mm_shape), dnrm.view(nrm_shape), dbase.sum(0), dscale.sum(0)
+
+
 class _Gates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mm, nrm, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float, width: int):
-        *lead, m = mm.shape
-        full = m != n
-        mm2, nrm2 = mm.float().reshape(-1, m).contiguous(), nrm.float().reshape(-1).contiguous()
-        base, scale = base.float().contiguous(), scale.float().contiguous()
-        r = nrm2.numel()
-        pre = new_output((*lead, n), mm2, torch.float32)
-        post = new_output((*lead, n if full else 0), mm2, torch.float32)
-        comb = new_output((*lead, n if full else 0, n if full else 0), mm2, torch.float32)
-        if r:
-            _gates_fwd[(triton.cdiv(r, BLOCK_R),)](mm2, nrm2, base, scale, pre, post, comb, r, n, m, float(width),
-                                                   iters, hc_eps, norm_eps, NP=triton.next_power_of_2(n),
-                                                   BLOCK=BLOCK_R, FULL=full)
-        ctx.save_for_backward(mm2, nrm2, base, scale)
-        ctx.args = (n, iters, hc_eps, norm_eps, width, full, mm.shape, nrm.shape)
+        pre, post, comb, kept, ctx.args = _gates_forward(mm, nrm, base, scale, n, iters, hc_eps, norm_eps, width)
+        ctx.save_for_backward(*kept)
         return pre, post, comb
 
     @staticmethod
     def backward(ctx, dpre, dpost, dcomb):
-        mm2, nrm2, base, scale = ctx.saved_tensors
-        n, iters, hc_eps, norm_eps, width, full, mm_shape, nrm_shape = ctx.args
-        r, m = mm2.shape
-        progs, np_ = triton.cdiv(r, BLOCK_R), triton.next_power_of_2(n)
-        dmm, dnrm = new_output(mm2.shape, mm2, torch.float32), new_output(nrm2.shape, mm2, torch.float32)
-        dbase = new_output((progs, m), mm2, torch.float32)
-        dscale = new_output((progs, scale.numel()), mm2, torch.float32)
-        if r:
-            buf = torch.empty(r if full else 1, 2 * iters - 1 if full else 1, np_, np_, device=mm2.device,
-                              dtype=torch.float32)
-            _gates_bwd[(progs,)](mm2, nrm2, base, scale, dpre.float().contiguous(), dpost.float().contiguous(),
-                                 dcomb.float().contiguous(), dmm, dnrm, dbase, dscale, buf, r, n, m, float(width),
-                                 iters, hc_eps, norm_eps, NP=np_, BLOCK=BLOCK_R, FULL=full)
-        return (dmm.view(mm_shape), dnrm.view(nrm_shape), dbase.sum(0), dscale.sum(0), None, None, None, None,
-                None)
+        return (*_gates_backward(ctx.saved_tensors, ctx.args, dpre, dpost, dcomb), None, None, None, None, None)
 
 
 def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
@@ -348,9 +357,11 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
 
 
 @triton.jit
-def _mixes_bwd(X, FN, DMM, C, DX, DFN, R, K, m, span, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr):
-    """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient."""
+def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
+               BK: tl.constexpr, PREC: tl.constexpr, ADD_WDU: tl.constexpr):
+    """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
+    ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
+    n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre."""
     c = tl.program_id(0) * BK + tl.arange(0, BK)
     grp = tl.program_id(1)
     j = tl.arange(0, MP)
@@ -366,50 +377,71 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, R, K, m, span, MP: tl.constexpr, BS: tl.c
         g = tl.load(DMM + r[:, None] * m + j[None, :], mask=rows[:, None] & (j < m)[None, :], other=0.0)
         s = tl.load(C + r, mask=rows, other=0.0)
         dx = tl.dot(g, w, input_precision=PREC) + s[:, None] * x  # [BS, BK]
+        if ADD_WDU:
+            wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)
+            du = tl.load(DU + r.to(tl.int64)[:, None] * d + (c % d)[None, :], mask=mask, other=0.0)
+            dx += wi * du.to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
     tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
 
 
+def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
+    """(mm [..., m], nrm [...]) fp32 of flat streams x [..., K], and what the backward keeps."""
+    *lead, k = x.shape
+    m = fn.shape[0]
+    x2, fn32 = x.reshape(-1, k).contiguous(), fn.float().contiguous()
+    r, t = x2.shape[0], MIX_FWD
+    kspan = tile_span(k, t["SPLIT"], t["BK"])
+    parts = triton.cdiv(max(k, 1), kspan)
+    mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
+    if r:
+        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
+                                                     MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
+                                                     BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
+    mm, nrm = (mm[0], sq[0].sqrt()) if parts == 1 else (mm.sum(0), sq.sum(0).sqrt())
+    return mm.view(*lead, m), nrm.view(lead), (x2, fn32, nrm)
+
+
+def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | None = None,
+                    du: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [R, K] in x's dtype, dfn [m, K]) from the forward's `kept`; with w [R, n] and du
+    [R, d] (K = n d), dx also takes w[r, i] du[r, :] in stream i (the stream sum's gradient)."""
+    x2, fn32, nrm = kept
+    (r, k), m, t = x2.shape, fn32.shape[0], MIX_BWD
+    dmm = torch.zeros(r, m, device=x2.device) if dmm is None else dmm.float().reshape(r, m).contiguous()
+    # d|x| / dx = x / |x| (0 at x = 0, as torch's norm backward)
+    c = (torch.zeros_like(nrm) if dnrm is None
+         else torch.where(nrm > 0, dnrm.float().reshape(r) / nrm, 0.0).contiguous())
+    span = tile_span(r, t["GROUPS"], t["BS"])
+    groups = triton.cdiv(max(r, 1), span)
+    dx = new_output((r, k), x2, x2.dtype)
+    dfn = new_output((groups, m, k), x2, torch.float32)
+    add = w is not None
+    n = w.shape[-1] if add else 1
+    if r:
+        _mixes_bwd[(triton.cdiv(k, t["BK"]), groups)](x2, fn32, dmm, c, dx, dfn, w if add else c,
+                                                      du.contiguous() if add else c, r, k, m, span, n, k // n,
+                                                      MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
+                                                      BK=t["BK"], PREC=MIX_PREC, ADD_WDU=add, num_warps=t["warps"])
+    else:
+        dfn.zero_()
+    return dx, dfn.sum(0).to(fn_dtype)
+
+
 class _Mixes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fn: torch.Tensor):
-        *lead, k = x.shape
-        m = fn.shape[0]
-        x2, fn32 = x.reshape(-1, k).contiguous(), fn.float().contiguous()
-        r, t = x2.shape[0], MIX_FWD
-        kspan = tile_span(k, t["SPLIT"], t["BK"])
-        parts = triton.cdiv(max(k, 1), kspan)
-        mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
-        if r:
-            _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
-                                                         MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                         BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
-        mm, nrm = (mm[0], sq[0].sqrt()) if parts == 1 else (mm.sum(0), sq.sum(0).sqrt())
-        ctx.save_for_backward(x2, fn32, nrm)
+        mm, nrm, kept = _mixes_forward(x, fn)
+        ctx.save_for_backward(*kept)
         ctx.shapes = (x.shape, fn.dtype)
-        return mm.view(*lead, m), nrm.view(lead)
+        return mm, nrm
 
     @staticmethod
     def backward(ctx, dmm, dnrm):
-        x2, fn32, nrm = ctx.saved_tensors
         x_shape, fn_dtype = ctx.shapes
-        (r, k), m, t = x2.shape, fn32.shape[0], MIX_BWD
-        dmm = torch.zeros(r, m, device=x2.device) if dmm is None else dmm.float().reshape(r, m).contiguous()
-        # d|x| / dx = x / |x| (0 at x = 0, as torch's norm backward)
-        c = (torch.zeros_like(nrm) if dnrm is None
-             else torch.where(nrm > 0, dnrm.float().reshape(r) / nrm, 0.0).contiguous())
-        span = tile_span(r, t["GROUPS"], t["BS"])
-        groups = triton.cdiv(max(r, 1), span)
-        dx = new_output((r, k), x2, x2.dtype)
-        dfn = new_output((groups, m, k), x2, torch.float32)
-        if r:
-            _mixes_bwd[(triton.cdiv(k, t["BK"]), groups)](x2, fn32, dmm, c, dx, dfn, r, k, m, span,
-                                                          MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                          BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
-        else:
-            dfn.zero_()
-        return dx.view(x_shape), dfn.sum(0).to(fn_dtype)
+        dx, dfn = _mixes_backward(ctx.saved_tensors, dmm, dnrm, fn_dtype)
+        return dx.view(x_shape), dfn
 
 
 def stream_mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,7 +484,7 @@ def _wsum_fwd(W, X, U, n, d, NP: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _wsum_bwd(W, X, DU, DW, DX, n, d, NP: tl.constexpr, BD: tl.constexpr):
+def _wsum_bwd(W, X, DU, DW, DX, n, d, NP: tl.constexpr, BD: tl.constexpr, WRITE_DX: tl.constexpr = True):
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     w = tl.load(W + r * n + i, mask=i < n, other=0.0)
@@ -462,7 +494,8 @@ def _wsum_bwd(W, X, DU, DW, DX, n, d, NP: tl.constexpr, BD: tl.constexpr):
         c = d0 + tl.arange(0, BD)
         du = tl.load(DU + r * d + c, mask=c < d, other=0.0).to(tl.float32)
         x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(DX + offs, (w[:, None] * du[None, :]).to(DX.dtype.element_ty), mask=m)
+        if WRITE_DX:  # else the caller adds w du into X's gradient itself
+            tl.store(DX + offs, (w[:, None] * du[None, :]).to(DX.dtype.element_ty), mask=m)
         dw += tl.sum(x * du[None, :], 1)
     tl.store(DW + r * n + i, dw, mask=i < n)
 
@@ -505,39 +538,81 @@ def _post_bwd(F, X, P, C, DO, DF, DX, DP, DC, n, d, NP: tl.constexpr, BD: tl.con
     tl.store(DC + r * n * n + i[:, None] * n + i[None, :], dcomb, mask=nn)
 
 
-def _mix(kernel, grid, *args) -> None:
+def _mix(kernel, grid, *args, **flags) -> None:
     """Launch a stream-mixing kernel; args end with (n, d)."""
-    kernel[grid](*args, NP=triton.next_power_of_2(args[-2]), BD=BLOCK_D, num_warps=MIX_WARPS)
+    kernel[grid](*args, NP=triton.next_power_of_2(args[-2]), BD=BLOCK_D, num_warps=MIX_WARPS, **flags)
 
 
 def _grid_rows(r: int, d: int) -> tuple[int, int]:
     return (r, triton.cdiv(d, BLOCK_D))
 
 
+def _wsum_forward(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """u [..., d] = sum_i w[..., i] x[..., i, :] (w fp32 contiguous, x contiguous)."""
+    *lead, n, d = x.shape
+    r = x.numel() // (n * d) if n * d else 0
+    u = new_output((*lead, d), x, x.dtype)
+    if r and d:
+        _mix(_wsum_fwd, _grid_rows(r, d), w, x, u, n, d)
+    return u
+
+
+def _wsum_backward(w: torch.Tensor, x: torch.Tensor, du: torch.Tensor, write_dx: bool = True):
+    """(dw fp32, dx or None): dx = w du per stream, left to the caller when not write_dx."""
+    n, d = x.shape[-2:]
+    r = x.numel() // (n * d) if n * d else 0
+    dw = new_output(w.shape, x, torch.float32)
+    dx = new_output(x.shape, x, x.dtype) if write_dx else None
+    if r and d:
+        _mix(_wsum_bwd, (r,), w, x, du.contiguous(), dw, dx if write_dx else dw, n, d, WRITE_DX=write_dx)
+    else:
+        for t in (dw, dx):
+            if t is not None:
+                t.zero_()
+    return dw, dx
+
+
 class _WeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        *lead, n, d = x.shape
         x, w = x.contiguous(), w.float().contiguous()
-        r = x.numel() // (n * d) if n * d else 0
-        u = new_output((*lead, d), x, x.dtype)
-        if r and d:
-            _mix(_wsum_fwd, _grid_rows(r, d), w, x, u, n, d)
         ctx.save_for_backward(w, x)
-        return u
+        return _wsum_forward(w, x)
 
     @staticmethod
     def backward(ctx, du: torch.Tensor):
-        w, x = ctx.saved_tensors
-        n, d = x.shape[-2:]
-        r = x.numel() // (n * d) if n * d else 0
-        dw, dx = new_output(w.shape, x, torch.float32), new_output(x.shape, x, x.dtype)
-        if r and d:
-            _mix(_wsum_bwd, (r,), w, x, du.contiguous(), dw, dx, n, d)
-        else:
-            dw.zero_()
-            dx.zero_()
-        return dw, dx
+        return _wsum_backward(*ctx.saved_tensors, du)
+
+
+class _PreStreams(torch.autograd.Function):
+    """mHC before a sublayer on the kernels as one autograd node: (mm, nrm) = the mixes of the
+    streams X, (pre, post, comb) = the gates of them, u = sum_i pre_i X_i. X's gradient is
+    written once: the mixes' backward adds the stream sum's pre_i du to its own (as separate
+    nodes, autograd added two [R, n, d] gradients in another pass)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float):
+        x = x.contiguous()
+        flat = x.flatten(-2)  # [..., n d]
+        mm, nrm, kept_m = _mixes_forward(flat, fn)
+        pre, post, comb, kept_g, ctx.args = _gates_forward(mm, nrm, base, scale, n, iters, hc_eps, norm_eps,
+                                                           flat.shape[-1])
+        ctx.save_for_backward(*kept_m, *kept_g, pre)
+        ctx.shapes = (x.shape, fn.dtype)
+        return _wsum_forward(pre, x), post, comb
+
+    @staticmethod
+    def backward(ctx, du, dpost, dcomb):
+        *kept, pre = ctx.saved_tensors
+        kept_m, kept_g = kept[:3], kept[3:]
+        x_shape, fn_dtype = ctx.shapes
+        x = kept_m[0].view(x_shape)  # the streams the mixes kept (flat, contiguous)
+        dpre, _ = _wsum_backward(pre, x, du, write_dx=False)
+        dmm, dnrm, dbase, dscale = _gates_backward(kept_g, ctx.args, dpre, dpost, dcomb)
+        n = x_shape[-2]
+        dx, dfn = _mixes_backward(kept_m, dmm, dnrm, fn_dtype, w=pre.reshape(-1, n),
+                                  du=du.reshape(-1, x_shape[-1]))
+        return dx.view(x_shape), dfn, dbase, dscale, None, None, None, None
 
 
 class _Post(torch.autograd.Function):
@@ -566,6 +641,21 @@ class _Post(torch.autograd.Function):
             for t in (df, dx, dp, dc):
                 t.zero_()
         return df, dx, dp, dc
+
+
+def pre_streams(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ops.hc_pre` on the kernels: streams x [..., n, d], fn [m, n d], base [m], scale [3]
+    (m = n (n + 2)) -> u [..., d] in x.dtype, post [..., n], comb [..., n, n] fp32; m = n is
+    hc_head's collapse (u only; post and comb come back empty)."""
+    n, d = x.shape[-2:]
+    if fn.dim() != 2 or fn.shape[1] != n * d or fn.shape[0] not in (n, n * (n + 2)):
+        raise ValueError(f"pre_streams: fn {list(fn.shape)} does not fit streams {list(x.shape)} "
+                         f"(expected [n or n(n + 2), n d])")
+    if base.numel() != fn.shape[0] or scale.numel() != (3 if fn.shape[0] != n else 1) or iters < 1:
+        raise ValueError(f"pre_streams: base {list(base.shape)}, scale {list(scale.shape)}, iters {iters} do not "
+                         f"fit fn {list(fn.shape)}")
+    return _PreStreams.apply(x, fn, base, scale, n, iters, hc_eps, norm_eps)
 
 
 def weighted_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
