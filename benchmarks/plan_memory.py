@@ -573,7 +573,8 @@ def logits_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
 def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     """The loss head at its largest, beside the kept activations. The trainer's heads work in
     chunks of rows (ParallelContext.head_logprobs): at most HEAD_CHUNK_ELEMENTS fp32 logits at
-    a time; the forward holds them and (one TP rank) cross-entropy's log-softmax, the backward
+    a time; the forward holds them (and, one TP rank without the fused kernels, cross-entropy's
+    log-softmax; kernels.cross_entropy reads the logits for [c] row statistics), the backward
     one buffer (the logits turned into their gradient in place) beside the weight's fp32 copy
     and gradient [V/tp, d] and the input's fp32 gradient [t, d]; and what the chunked head
     keeps per head: its input
@@ -586,18 +587,20 @@ def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     kept = heads * t * ((BF16 if lay.tp == 1 else F32) * cfg.hidden_size + F32 + I64 + BOOL)
     chunk = F32 * min(logits_bytes(cfg, lay) // F32, HEAD_CHUNK_ELEMENTS)
     backward = chunk + F32 * (2 * cfg.vocab_size // lay.tp + t) * cfg.hidden_size
-    return max((2 if lay.tp == 1 else 1) * chunk, backward) + kept
+    return max((2 if lay.tp == 1 and not lay.fused_elementwise else 1) * chunk, backward) + kept
 
 
 def moe_transient_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     """One MoE layer's forward temporaries beside what it keeps: the rows entering the experts
     in fp32 and bf16 (to_tp_region's copies), the grouped output [M, d] bf16, the per-pair
-    outputs and their fp32 sum."""
+    outputs (the torch path's take_rows; kernels.moe sums the slots in registers) and their
+    fp32 sum."""
     t = lay.mbs * (lay.seq // lay.cp)
     d, k = cfg.hidden_size, cfg.num_experts_per_tok
     rows = t * k if lay.ep > 1 else t
     M = t * k + GROUP_ALIGN * cfg.n_routed_experts // lay.ep
-    return (F32 + BF16) * rows * d + BF16 * M * d + BF16 * t * k * d + F32 * t * d
+    pairs = 0 if lay.fused_elementwise else BF16 * t * k * d
+    return (F32 + BF16) * rows * d + BF16 * M * d + pairs + F32 * t * d
 
 
 @dataclass
@@ -767,7 +770,8 @@ _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementw
 ]
 MEASURED_1B = [{**p, "fused_elementwise": False} for p in _UNFUSED_1B] + [
     # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25); the forward's kept tensors and
-    # modules not walked on the fused path
+    # modules not walked on the fused path. Measured before the row-move and log-softmax kernels
+    # (2026-11-26, fourth session), which drop transients off this peak (the head's backward)
     {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.724, "peak": 28.744, "fused_elementwise": True},
     {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "peak": 24.407, "fused_elementwise": True},
 ]
