@@ -13,7 +13,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --head      # the head's log-softmax kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --norm-rope # q's norm and RoPE in one kernel vs two, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --moves     # the MoE's row-move kernels vs torch, CUDA graphs on
-    python3 benchmarks/train_gpu.py --ab --pre       # mHC's pre kernels as one autograd node vs three
+    python3 benchmarks/train_gpu.py --ab --pre       # mHC's pre kernels as one autograd node vs three, graphs on
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -133,7 +133,7 @@ def ab_table(w, mbs, steps: int, tokens: int, cfg, peak_tflops: float) -> None:
         ("+ multi-tensor grad norm and scale", False, True, False, False, False, False, False),
         ("+ fused AdamW", False, True, True, False, False, False, False),
         ("+ TF32 fp32 projections", True, True, True, False, False, False, False),
-        ("+ fused norm/RoPE/SwiGLU", True, True, True, True, False, False, False),
+        ("+ fused elementwise (norms, RoPE, SwiGLU, moves, head)", True, True, True, True, False, False, False),
         ("+ fused mHC gates (defaults)", True, True, True, True, True, False, False),
         ("+ CUDA graphs", True, True, True, True, True, True, False),
         ("defaults + recompute (memory)", True, True, True, True, True, False, True),
@@ -264,11 +264,12 @@ def _patch(module, attr: str, value):
 
 
 def mixes_arms():
-    """mHC's gate inputs through torch's projection and norm against `mhc.stream_mixes`."""
+    """mHC's gate inputs through torch's projection and norm against the mixes kernel, both
+    as separate autograd nodes (the one-node pre is `--pre`'s change)."""
     from plugins.deepseek_v4 import ops
 
     return [("CUDA graphs, mixes through torch", _patch(ops, "_hc_pre_kernels", _torch_mixes_pre)),
-            ("CUDA graphs, one-pass mixes kernel (default)", lambda on: None)]
+            ("CUDA graphs, one-pass mixes kernel", _patch(ops, "_hc_pre_kernels", _three_node_pre))]
 
 
 def products_arms():
@@ -304,7 +305,9 @@ def head_arms():
 
 def norm_rope_arms():
     """q's weightless norm then RoPE as two kernels each way (RMSNorm keeping its input, then
-    the rotation) against `ops.norm_rope`'s one kernel each way."""
+    the rotation) against `ops.norm_rope`'s one kernel each way. (The code it replaced ran
+    the same two forward and three backward: both rotations back, then the norm's backward
+    from its output.)"""
     from plugins.deepseek_v4 import ops
     from plugins.deepseek_v4.kernels import elementwise as ew
 

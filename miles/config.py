@@ -75,7 +75,7 @@ class ModelConfig(Section):
     sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agrees; 4-14% faster alone, fast mode)
     overlap_chunks: Bool = False  # CUDA: the attention backward's chunks on two streams
     tf32_projections: Bool = True  # bf16 on CUDA: fp32 projections on tensor cores (TF32 or bf16 GEMMs, fp32 sums)
-    fused_elementwise: Bool = True  # GPU kernels on: RMSNorm, RoPE, SwiGLU fused (off: PyTorch ops)
+    fused_elementwise: Bool = True  # GPU kernels on: norms, RoPE, SwiGLU, MoE row moves, head log-softmax fused
     recompute: Bool = False  # keep block inputs only, run each block again in the backward (memory for compute)
     cuda_graphs: Bool = False  # CUDA training: each block's forward and backward as one CUDA graph each
     _arch: DeepSeekV4Config = PrivateAttr()

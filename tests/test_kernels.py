@@ -632,11 +632,12 @@ def test_rms_norm_kernel_matches_float64_reference(seed, lead, d, weighted):
 
 
 # RoPE (x shape, cos shape): queries [B, S, H, D] with cos [B, S, 1, rd/2]; keys [B, S, D];
-# an all-rotated row (D = rd); decoding's [B, 1, H, D] with cos [B, 1, 1, rd/2]
+# an all-rotated row (D = rd); decoding's [B, 1, H, D] with cos [B, 1, 1, rd/2]; 3 pairs (the
+# kernels' pair tile is a power of two wider)
 ROPE_CASES = ([((2, 300, 16, 512), (2, 300, 1, 32)), ((2, 77, 512), (2, 77, 32)), ((3, 40, 64), (3, 40, 32)),
-               ((5, 1, 16, 512), (5, 1, 1, 32))]
+               ((5, 1, 16, 512), (5, 1, 1, 32)), ((2, 33, 3, 70), (2, 33, 1, 3))]
               if CUDA else [((2, 7, 3, 24), (2, 7, 1, 4)), ((2, 9, 16), (2, 9, 4)), ((3, 5, 8), (3, 5, 4)),
-                            ((4, 1, 2, 12), (4, 1, 1, 2))])
+                            ((4, 1, 2, 12), (4, 1, 1, 2)), ((2, 5, 3, 10), (2, 5, 1, 3))])
 
 
 @pytest.mark.parametrize("xs,cs", ROPE_CASES)
@@ -663,9 +664,10 @@ def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
 
 @pytest.mark.parametrize("xs,cs", [c for c in ROPE_CASES if len(c[0]) == 4])  # queries [B, S, H, D]
 def test_norm_rope_on_the_kernels_matches_float64_reference(seed, xs, cs):
-    """ops.norm_rope on the kernels (the norm's forward with rstd, RoPE, the norm's backward from
-    its rotated-back output) against float64 autograd of the weightless norm then the rotation:
-    output (NaN-poisoned first) and the input gradient; rows of different scales."""
+    """ops.norm_rope on the kernels (one kernel each way: the norm and the rotation in
+    registers, the backward from the kept output and rstd) against float64 autograd of the
+    weightless norm then the rotation: output (NaN-poisoned first) and the input gradient; rows
+    of different scales."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*xs, generator=g) * (torch.rand(*xs[:-1], 1, generator=g) * 4 + 0.2)
     ang = torch.rand(*cs, generator=g) * 6.3
@@ -950,6 +952,35 @@ def test_head_softmax_kernels_match_float64_reference(seed, r, v):
     ref[torch.arange(r), ids] += hit.double()
     assert rel(dz.cpu(), ref) < 1e-5
     assert (dz.cpu().double() - ref).abs().max() < 1e-5 * gr.abs().max()
+
+
+@pytest.mark.parametrize("tp_rank", [None, 0, 1])
+def test_fused_head_matches_the_torch_head_on_one_and_tp_ranks(seed, tp_rank, monkeypatch):
+    """The chunked head with the log-softmax kernels against its own torch path in one process:
+    one rank (labels -100 and past V clamped, as cross-entropy reads them) and a TP rank's
+    arithmetic (ParallelContext(tp_size=2, tp_rank): its sums over ranks are identities here,
+    so both paths work on this shard alone), labels on this shard, on the other one and
+    ignored; log-probabilities and the gradients of y and w over 3 chunks."""
+    from plugins.deepseek_v4 import parallel
+    from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
+
+    n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
+    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
+    g = torch.Generator().manual_seed(seed)
+    y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
+    labels = torch.randint(0, 2 * v, (n,), generator=g)
+    labels[::7] = -100
+    cot = torch.randn(n, generator=g)
+    ctx = ParallelContext() if tp_rank is None else ParallelContext(tp_size=2, tp_rank=tp_rank)
+    runs = []
+    for fused in (False, True):
+        y, w = y0.to(DEV, copy=True).requires_grad_(), w0.to(DEV, copy=True).requires_grad_()
+        lp = ctx.head_logprobs(VocabHead(y, w, ctx, False, fused), labels.to(DEV))
+        (lp * cot.to(DEV)).sum().backward()
+        runs.append([t.detach().double().cpu() for t in (lp, y.grad, w.grad)])
+    for name, a, b in zip(("logprobs", "d y", "d w"), runs[1], runs[0], strict=True):
+        assert rel(a, b) < (TOL if name != "logprobs" else 1e-5), name
+    assert runs[0][2].abs().sum() > 0
 
 
 @pytest.mark.parametrize("fused", [False, True])

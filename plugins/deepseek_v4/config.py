@@ -88,8 +88,9 @@ class DeepSeekV4Config:
     # tensor cores: TF32, and a bf16 x bf16 forward as a bf16 GEMM with fp32 output; exact
     # products of bf16 operands, fp32 sums (ops.fp32_linear)
     tf32_projections: bool = True
-    # With the GPU kernels: RMSNorm, RoPE and the experts' clamped SwiGLU as fused Triton
-    # kernels, one launch each way (off: the PyTorch ops, for A/B runs)
+    # With the GPU kernels: the elementwise glue as fused Triton kernels, one launch each way
+    # (RMSNorm, RoPE, q's norm with RoPE, the experts' clamped SwiGLU, the MoE's row moves, the
+    # LM/MTP heads' log-softmax, the mHC gates; off: the PyTorch ops, for A/B runs)
     fused_elementwise: bool = True
     # Training: keep each block's input only and run its forward again in the backward
     # (activation memory of one block instead of all, for about a third more compute)

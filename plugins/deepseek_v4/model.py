@@ -42,8 +42,9 @@ def use_kernels(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
 
 
 def use_fused(cfg: DeepSeekV4Config, t: torch.Tensor) -> bool:
-    """The fused elementwise kernels (RMSNorm, RoPE, SwiGLU) for work on tensor t: with the
-    GPU kernels, unless config.fused_elementwise is off (the PyTorch ops, for A/B runs)."""
+    """The fused elementwise kernels (norms, RoPE, SwiGLU, the MoE's row moves, the heads'
+    log-softmax, the mHC gates) for work on tensor t: with the GPU kernels, unless
+    config.fused_elementwise is off (the PyTorch ops, for A/B runs)."""
     return cfg.fused_elementwise and use_kernels(cfg, t)
 
 

@@ -648,6 +648,8 @@ def pre_streams(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     """`ops.hc_pre` on the kernels: streams x [..., n, d], fn [m, n d], base [m], scale [3]
     (m = n (n + 2)) -> u [..., d] in x.dtype, post [..., n], comb [..., n, n] fp32; m = n is
     hc_head's collapse (u only; post and comb come back empty)."""
+    if x.dim() < 2:
+        raise ValueError(f"pre_streams: streams must be [..., n, d], got {list(x.shape)}")
     n, d = x.shape[-2:]
     if fn.dim() != 2 or fn.shape[1] != n * d or fn.shape[0] not in (n, n * (n + 2)):
         raise ValueError(f"pre_streams: fn {list(fn.shape)} does not fit streams {list(x.shape)} "
