@@ -626,22 +626,16 @@ def main() -> None:
         build("triton")
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
-    if a.ab and (a.mixes or a.products or a.indexer or a.head or a.norm_rope or a.moves or a.pre):
+    graphed = {"mixes": ("mHC mixes", mixes_arms), "products": ("fp32 projections", products_arms),
+               "indexer": ("indexer scores", indexer_arms), "head": ("head log-softmax", head_arms),
+               "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
+               "pre": ("mHC pre", pre_arms)}  # --ab --FLAG: that change's arms, CUDA graphs on
+    chosen = [flag for flag in graphed if getattr(a, flag)]
+    if a.ab and chosen:
         build("triton", graphs=True)
-        if a.mixes:
-            graphed_ab(w, mbs, a.steps, tokens, "mHC mixes", mixes_arms())
-        if a.products:
-            graphed_ab(w, mbs, a.steps, tokens, "fp32 projections", products_arms())
-        if a.indexer:
-            graphed_ab(w, mbs, a.steps, tokens, "indexer scores", indexer_arms())
-        if a.head:
-            graphed_ab(w, mbs, a.steps, tokens, "head log-softmax", head_arms())
-        if a.norm_rope:
-            graphed_ab(w, mbs, a.steps, tokens, "q norm and RoPE", norm_rope_arms())
-        if a.moves:
-            graphed_ab(w, mbs, a.steps, tokens, "MoE row moves", moves_arms())
-        if a.pre:
-            graphed_ab(w, mbs, a.steps, tokens, "mHC pre", pre_arms())
+        for flag in chosen:
+            title, arms = graphed[flag]
+            graphed_ab(w, mbs, a.steps, tokens, title, arms())
         return
     if a.ab:
         build("triton")

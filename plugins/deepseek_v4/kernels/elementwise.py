@@ -132,9 +132,19 @@ def _pair_tiles(X, row, start, j, mj):
 
 
 @triton.jit
-def _store_pairs(Y, row, start, j, mj, a, b):
-    tl.store(Y + row + start + 2 * j[None, :], a.to(Y.dtype.element_ty), mask=mj)
-    tl.store(Y + row + start + 2 * j[None, :] + 1, b.to(Y.dtype.element_ty), mask=mj)
+def _store_rotated(Y, row, start, j, mj, a, b, cs, sn):
+    """Pairs (a, b) rotated, (a c - b s, a s + b c), stored at their columns of rows `row`."""
+    tl.store(Y + row + start + 2 * j[None, :], (a * cs - b * sn).to(Y.dtype.element_ty), mask=mj)
+    tl.store(Y + row + start + 2 * j[None, :] + 1, (a * sn + b * cs).to(Y.dtype.element_ty), mask=mj)
+
+
+@triton.jit
+def _row_tile(R, D, HALF, BR: tl.constexpr, DP: tl.constexpr):
+    """This program's rows r [BR], columns c [DP], the first rotated column, the rows' offsets
+    [BR, 1] and the tile's mask [BR, DP] in an [R, D] tensor."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, DP)
+    return r, c, D - 2 * HALF, r.to(tl.int64)[:, None] * D, (r < R)[:, None] & (c < D)[None, :]
 
 
 @triton.jit
@@ -150,15 +160,12 @@ def _rotation(COS, SIN, r, R, H, HALF, sign, HP: tl.constexpr):
 @triton.jit
 def _rope(X, COS, SIN, Y, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr):
     """Y = X with its last 2*HALF columns rotated (the others copied)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.arange(0, DP)
-    start = D - 2 * HALF
-    row = r.to(tl.int64)[:, None] * D
-    keep = (r < R)[:, None] & (c < start)[None, :]
+    r, c, start, row, m = _row_tile(R, D, HALF, BR, DP)
+    keep = m & (c < start)[None, :]
     tl.store(Y + row + c[None, :], tl.load(X + row + c[None, :], mask=keep), mask=keep)
     j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, sign, HP)
     a, b = _pair_tiles(X, row, start, j, mj)
-    _store_pairs(Y, row, start, j, mj, a * cs - b * sn, a * sn + b * cs)
+    _store_rotated(Y, row, start, j, mj, a, b, cs, sn)
 
 
 def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, sign: float) -> torch.Tensor:
@@ -221,11 +228,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 def _norm_rope_fwd(X, COS, SIN, OUT, RSTD, R, H, D, HALF, eps, BR: tl.constexpr, DP: tl.constexpr,
                    HP: tl.constexpr):
     """OUT = rotate(x rstd), RSTD = 1 / rms(x), one read of each row (rotated in fp32)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.arange(0, DP)
-    start = D - 2 * HALF
-    row = r.to(tl.int64)[:, None] * D
-    m = (r < R)[:, None] & (c < D)[None, :]
+    r, c, start, row, m = _row_tile(R, D, HALF, BR, DP)
     x = tl.load(X + row + c[None, :], mask=m, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)  # [BR]
     keep = m & (c < start)[None, :]
@@ -233,8 +236,7 @@ def _norm_rope_fwd(X, COS, SIN, OUT, RSTD, R, H, D, HALF, eps, BR: tl.constexpr,
     tl.store(RSTD + r, rstd, mask=r < R)
     j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, 1.0, HP)
     a, b = _pair_tiles(X, row, start, j, mj)
-    a, b = a * rstd[:, None], b * rstd[:, None]
-    _store_pairs(OUT, row, start, j, mj, a * cs - b * sn, a * sn + b * cs)
+    _store_rotated(OUT, row, start, j, mj, a * rstd[:, None], b * rstd[:, None], cs, sn)
 
 
 @triton.jit
@@ -243,11 +245,7 @@ def _norm_rope_bwd(OUT, G, COS, SIN, RSTD, DX, R, H, D, HALF, BR: tl.constexpr, 
     """dx = rotate^-1(t), t = rstd (g - out mean(g out)): the norm's backward from its output
     y = rotate^-1(out) and gradient dy = rotate^-1(g) is rstd (dy - y mean(dy y)), and the
     rotation is orthogonal (mean(dy y) = mean(g out), and it commutes with the rest)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.arange(0, DP)
-    start = D - 2 * HALF
-    row = r.to(tl.int64)[:, None] * D
-    m = (r < R)[:, None] & (c < D)[None, :]
+    r, c, start, row, m = _row_tile(R, D, HALF, BR, DP)
     o = tl.load(OUT + row + c[None, :], mask=m, other=0.0).to(tl.float32)
     g = tl.load(G + row + c[None, :], mask=m, other=0.0).to(tl.float32)
     rstd = tl.load(RSTD + r, mask=r < R, other=0.0)
@@ -257,9 +255,8 @@ def _norm_rope_bwd(OUT, G, COS, SIN, RSTD, DX, R, H, D, HALF, BR: tl.constexpr, 
     j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, -1.0, HP)
     oa, ob = _pair_tiles(OUT, row, start, j, mj)
     ga, gb = _pair_tiles(G, row, start, j, mj)
-    a = rstd[:, None] * (ga - oa * dot[:, None])
-    b = rstd[:, None] * (gb - ob * dot[:, None])
-    _store_pairs(DX, row, start, j, mj, a * cs - b * sn, a * sn + b * cs)
+    _store_rotated(DX, row, start, j, mj, rstd[:, None] * (ga - oa * dot[:, None]),
+                   rstd[:, None] * (gb - ob * dot[:, None]), cs, sn)
 
 
 def norm_rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):

@@ -61,6 +61,4 @@ def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype) ->
     if n and d:
         _sum_rows[(triton.cdiv(n, BR), triton.cdiv(d, BD))](y.contiguous(), rows.contiguous(), out, n, d, K=k,
                                                            BR=BR, BD=BD)
-    elif n:
-        out.zero_()
     return out
