@@ -252,10 +252,15 @@ def test_bf16_dtype_preserved(seed):
     assert out.logits.dtype == torch.float32
     assert model.layers[0].attn.attn_sink.dtype == torch.float32, "sink must stay fp32"
     assert_finite(out.logits, ref_out.logits)
-    # bf16 rounding (2^-8) through 6 blocks plus occasional top-k routing flips measured
-    # 0.013-0.025 relative norm error over random seeds; 0.06 is a dtype bug's floor, not noise.
-    err = (out.logits - ref_out.logits).norm() / ref_out.logits.norm()
-    assert err < 0.06, f"bf16 relative error {err:.3f}"
+    # Per position: bf16 rounding (2^-8) through the blocks gives a typical relative error of
+    # 0.010-0.013 (86 random seeds); a discrete top-k flip (routing, indexer) moves one
+    # position's logits by up to ~0.55 and is legitimate bf16 behaviour, so the whole-tensor
+    # norm (one flip measured 0.068) is the wrong statistic. The median is the rounding's; a
+    # planted dtype bug moves it: sink not loaded 0.055, weights through fp8 0.13.
+    pos_err = ((out.logits - ref_out.logits).norm(dim=-1) / ref_out.logits.norm(dim=-1)).flatten()
+    assert pos_err.median() < 0.03, f"bf16 typical relative error {pos_err.median():.3f}"
+    # Flips stay rare: at most 9% of positions measured beyond 0.05.
+    assert (pos_err > 0.05).float().mean() < 0.25, pos_err
 
 
 def test_anomaly_mode_forward_backward(seed):

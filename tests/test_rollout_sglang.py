@@ -50,7 +50,7 @@ def test_miles_serve_answers_curl(tmp_path):
         while True:
             try:
                 r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30,
-                               json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+                               json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
                 break
             except httpx.HTTPError:
                 assert time.monotonic() < deadline
