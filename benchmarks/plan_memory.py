@@ -368,8 +368,7 @@ def _compressor(L: Ledger, lay: Layout, B: int, G: int, r: int, width: int, over
     the gather indices of the current (and, CSA, previous) block, the pooled window's C and
     softmax(Z) [B, G, coff r, width] fp32, and the rms_norm of the entries."""
     slots = 2 * r if overlap else r
-    L.add("Compressor", f"block row index [{B}, 1, 1] int64", I64 * B)
-    L.add("Compressor", f"block token index [{B}, {G}, {r}] int64", I64 * B * G * r * (2 if overlap else 1))
+    L.add("Compressor", f"block token rows [{B} * {G} * {r}] int64", I64 * B * G * r * (2 if overlap else 1))
     if overlap and new_has_prev:
         L.add("Compressor", f"has_prev [{B}, {G}] bool", BOOL * B * G)
     L.add("Compressor", f"pool C and softmax(Z) [{B}, {G}, {slots}, {width}] fp32 x2", 2 * F32 * B * G * slots * width)

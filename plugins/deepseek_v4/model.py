@@ -155,6 +155,19 @@ class PrefillCapture:
 
 
 # =========================================================================== attention parts
+def token_rows(index: torch.Tensor, seq: int) -> torch.Tensor:
+    """Token positions index [B, ...] of a [B, seq, .] tensor -> its rows in the [B*seq, .]
+    flattening [B*...], for `gather_tokens`."""
+    b = index.shape[0]
+    return (index + torch.arange(b, device=index.device).view(b, *[1] * (index.dim() - 1)) * seq).flatten()
+
+
+def gather_tokens(t: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """t [B, S, C] -> t[b, index[b]] [*shape, C] (rows = token_rows(index, S)). One
+    index_select: its backward is index_add_, ~4x faster on CPU than advanced indexing's."""
+    return t.flatten(0, 1).index_select(0, rows).view(*shape, t.shape[-1])
+
+
 class Compressor(nn.Module):
     """Pools each complete block of `ratio` tokens into one entry of width `dim` (all fp32).
     CSA (ratio 4) overlaps: the previous block's tokens feed the first channel half, the
@@ -198,10 +211,10 @@ class Compressor(nn.Module):
         c, z = self.project(x)
         if gather is not None:
             c, z = gather(c), gather(z)
-        rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
-        cur = blocks.token_index(0)  # [B, G, r]
-        prev = blocks.token_index(-1)
-        return self.pool(c[rows, cur], z[rows, cur], c[rows, prev], z[rows, prev], blocks.has_prev), (c, z)
+        shape = blocks.start.shape + (blocks.ratio,)  # [B, G, r]
+        cur, prev = (token_rows(blocks.token_index(o), c.shape[1]) for o in (0, -1))
+        cur_c, cur_z, prev_c, prev_z = (gather_tokens(t, i, shape) for i in (cur, prev) for t in (c, z))
+        return self.pool(cur_c, cur_z, prev_c, prev_z, blocks.has_prev), (c, z)
 
     # ---- incremental decoding
     def new_cache(self, slots: int, entries: torch.Tensor | None, max_len: int, device) -> CompressorCache:

@@ -212,31 +212,46 @@ class _Sinkhorn(torch.autograd.Function):
     """The reference's own backward: each normalisation y = x / (sum(x) + eps) sends back
     dx = (dy - sum(dy * y)) / (sum(x) + eps), and the softmax dl = p * (dm - sum(dm * p)).
     Autograd's generic graph of the same loop is ~3x the operations: at toy widths it was a
-    quarter of a CPU training step."""
+    quarter of a CPU training step. Both ways run on [n(row), n(col), N] (the token axis
+    innermost): a sum over a matrix axis is then n contiguous vectors added, ~8x faster on
+    CPU than reducing [N, n, n]'s size-n inner axes."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        p = torch.softmax(logits.float(), dim=-1)
+        p = torch.softmax(_matrix_major(logits.float()), dim=1)  # [n, n, N]
         m, saved = p + eps, [p]
         for axis in _sinkhorn_axes(iters):
             den = m.sum(axis, keepdim=True) + eps
             m = m / den
             saved += [m, den]
         ctx.save_for_backward(*saved)
-        ctx.iters, ctx.dtype = iters, logits.dtype
-        return m
+        ctx.iters, ctx.dtype, ctx.shape = iters, logits.dtype, logits.shape
+        return _token_major(m, logits.shape)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         p, *saved = ctx.saved_tensors
+        g = _matrix_major(g.float())
         for axis, y, den in reversed(list(zip(_sinkhorn_axes(ctx.iters), saved[::2], saved[1::2], strict=True))):
             g = (g - (g * y).sum(axis, keepdim=True)) / den
-        return (p * (g - (g * p).sum(-1, keepdim=True))).to(ctx.dtype), None, None
+        return _token_major(p * (g - (g * p).sum(1, keepdim=True)), ctx.shape).to(ctx.dtype), None, None
+
+
+def _matrix_major(x: torch.Tensor) -> torch.Tensor:
+    """[..., n, n] -> [n, n, N] contiguous (N = the leading dims' product)."""
+    n = x.shape[-1]
+    return x.reshape(-1, n, n).permute(1, 2, 0).contiguous()
+
+
+def _token_major(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[n, n, N] -> [..., n, n] contiguous."""
+    return x.permute(2, 0, 1).reshape(shape).contiguous()
 
 
 def _sinkhorn_axes(iters: int) -> list[int]:
-    """The normalised axis of each step: columns, then (iters - 1) x (rows, columns)."""
-    return [-2] + [-1, -2] * (iters - 1)
+    """The normalised axis of each step on [n(row), n(col), N]: columns (sum over rows, axis
+    0), then (iters - 1) x (rows (axis 1), columns)."""
+    return [0] + [1, 0] * (iters - 1)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -624,7 +639,9 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     O(T*K*D): the model's path off the GPU kernels, and the kernels' oracle.
     """
     valid = idx >= 0
-    keys = kv.float()[idx.clamp_min(0).long()]  # [T, K, D]
+    # index_select, not kv[idx]: its backward is index_add_ (~4x faster on CPU than the
+    # accumulating index_put that advanced indexing sends back; deterministic on CUDA too)
+    keys = kv.float().index_select(0, idx.clamp_min(0).long().flatten()).view(*idx.shape, -1)  # [T, K, D]
     s = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     logits = torch.cat((s, sink.float()[None, :, None].expand(s.shape[0], -1, 1)), -1)
