@@ -49,8 +49,8 @@ def test_miles_serve_answers_curl(tmp_path):
         deadline = time.monotonic() + 30
         while True:
             try:
-                r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30,
-                               json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+                body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+                r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30, json=body)
                 break
             except httpx.HTTPError:
                 assert time.monotonic() < deadline
