@@ -149,3 +149,52 @@ def test_sequence_weights_sum_to_the_aggregations():
     assert seq[0, 0].item() == pytest.approx(1 / 6) and seq[1, 0].item() == pytest.approx(1 / 2)
     dr = aggregation_weights(mask, "seq_mean_token_sum_norm", norm_len=8)
     assert dr[0, 0].item() == pytest.approx(1 / 16) and dr[2].abs().sum() == 0
+
+
+def test_remote_reward_server_is_asked_each_item_retried_and_refusals_named():
+    """algo.reward_url: every item POSTed to a real HTTP server ({"reward": r} back, in the
+    items' order); a 503 is retried; a 400 and a server that never answers 200 fail with the
+    URL and the status named."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from miles.algo.rewards import score
+
+    seen: list[str] = []
+    flaky = {"left": 2}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            item = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            seen.append(item["response"])
+            if item["response"] == "bad":
+                code, body = 400, b"no"
+            elif item["response"] == "down" or (item["response"] == "flaky" and flaky["left"] > 0):
+                flaky["left"] -= item["response"] == "flaky"
+                code, body = 503, b"later"
+            else:
+                code, body = 200, json.dumps({"reward": len(item["response"]) + float(item["label"])}).encode()
+            self.send_response(code)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/reward"
+    try:
+        items = [{"response": "x" * i, "label": str(i), "prompt": []} for i in range(1, 40)]
+        items.append({"response": "flaky", "label": "0.5", "prompt": []})
+        assert score(items, url=url, concurrency=8) == [2.0 * i for i in range(1, 40)] + [5.5]
+        assert seen.count("flaky") == 3  # two 503s, then the answer
+        with pytest.raises(RuntimeError, match=rf"reward server {url}: HTTP 400: no"):
+            score([{"response": "bad", "label": "1", "prompt": []}], url=url)
+        with pytest.raises(RuntimeError, match="HTTP 503: later"):
+            score([{"response": "down", "label": "1", "prompt": []}], url=url)
+        assert seen.count("bad") == 1 and seen.count("down") == 3
+    finally:
+        server.shutdown()

@@ -126,3 +126,16 @@ def test_multi_turn_transcripts_are_the_generated_tokens(manager):
         assert_close(torch.tensor(t.logprobs[1:])[on], want[on], atol=1e-5, what=f"{s['id']} log-probs")
     with pytest.raises(ValueError, match="expected 'package.module:function'"):
         manager.generate_transcripts(samples, "no_colon")
+
+
+def test_a_refused_request_fails_its_rollout_at_once_naming_the_sample(manager):
+    """A request the engines refuse (a 4xx: prompt + max_new_tokens past max_len) is the
+    request's fault: the rollout fails with the sample's id and the engine's reason, no retry."""
+    from miles.rollout.manager import RolloutError
+
+    retries = manager.stats["retries"]
+    reqs = _requests("ok")[:4] + [{"id": "too-long", "input_ids": [5] * 200,
+                                   "sampling_params": {"max_new_tokens": 100}}]
+    with pytest.raises(RolloutError, match=r"sample too-long: the engine refused it: HTTP 400: .*context length 256"):
+        manager.generate(reqs)
+    assert manager.stats["retries"] == retries

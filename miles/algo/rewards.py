@@ -62,20 +62,22 @@ def load_reward(spec: str):
 async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 3) -> float:
     import asyncio
 
-    import httpx
+    import aiohttp
 
     last = ""
     for attempt in range(attempts):
         if attempt:
             await asyncio.sleep(0.5 * 2 ** attempt)
         try:
-            r = await client.post(url, json=item, timeout=timeout)
-            if r.status_code == 200:
-                return float(r.json()["reward"])
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
-            if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
-                break
-        except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+            async with client.post(url, json=item, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status == 200:
+                    return float((await r.json(content_type=None))["reward"])
+                last = f"HTTP {r.status}: {(await r.text())[:200]}"
+                if 400 <= r.status < 500 and r.status not in (408, 429):
+                    break
+        except TimeoutError:
+            last = f"timed out after {timeout:.0f} s"
+        except (aiohttp.ClientError, KeyError, TypeError, ValueError) as e:
             last = f"{type(e).__name__}: {e}"
     raise RuntimeError(f"reward server {url}: {last}")
 
@@ -83,17 +85,20 @@ async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 
 def score(items: list[dict], spec: str = "dapo", url: str | None = None, timeout: float = 30.0,
           concurrency: int = 64) -> list[float]:
     """Rewards of items {"response", "label", "prompt"}: through `url` (POSTed each item,
-    answering {"reward": r}; timeouts and 3 tries) or the reward function `spec`."""
+    answering {"reward": r}; timeouts and 3 tries) or the reward function `spec`. The HTTP
+    client is aiohttp, as the rollout manager's (httpx's pool is quadratic in connections)."""
     import asyncio
+    import contextlib
     import inspect
 
     fn = None if url else load_reward(spec)
 
     async def run() -> list[float]:
-        import httpx
+        import aiohttp
 
         sem = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient() as client:
+        async with (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) if url
+                    else contextlib.nullcontext()) as client:
             async def one(item: dict) -> float:
                 async with sem:
                     if url:

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 import ray
 
@@ -185,12 +186,15 @@ class RolloutManager:
             raise RolloutError("sample ids must be unique within one generate call")
 
     async def _each(self, items: list[dict], one) -> list:
-        """Run `one(post, item)` for every item; results recorded once per item id."""
+        """Run `one(post, item)` for every item; results recorded once per item id. aiohttp, not
+        httpx: httpx's connection pool scans every connection for every request it places
+        (192 requests cost the driver 0.8 s of CPU at 256 connections; aiohttp 0.06 s)."""
         c = self.cfg
         done: dict[str, object] = {}
         sem = asyncio.Semaphore(c.concurrency)
-        limits = httpx.Limits(max_connections=c.concurrency, max_keepalive_connections=c.concurrency)
-        async with httpx.AsyncClient(base_url=self.router.url, timeout=c.request_timeout, limits=limits) as client:
+        timeout = aiohttp.ClientTimeout(total=c.request_timeout)
+        async with aiohttp.ClientSession(self.router.url, timeout=timeout,
+                                         connector=aiohttp.TCPConnector(limit=c.concurrency)) as client:
             async def post(body: dict, sample_id: str) -> dict:
                 return await self._post(client, sem, body, sample_id)
 
@@ -198,10 +202,18 @@ class RolloutManager:
                 res = await one(post, item)
                 done.setdefault(item["id"], res)  # exactly once, whatever retried underneath
 
-            await asyncio.gather(*(run(x) for x in items))
+            tasks = [asyncio.ensure_future(run(x)) for x in items]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:  # one sample failed the rollout: the others stop now, not retry
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
         return [done[x["id"]] for x in items]
 
-    async def _post(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, body: dict, sample_id: str) -> dict:
+    async def _post(self, client: aiohttp.ClientSession, sem: asyncio.Semaphore, body: dict,
+                    sample_id: str) -> dict:
         """One /generate through the router with a timeout; failures and timeouts retried
         (a 4xx other than 408/429 is the request's fault and is not)."""
         c = self.cfg
@@ -215,19 +227,18 @@ class RolloutManager:
                 self.stats["retries"] += 1
                 await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
             try:
-                async with sem:
-                    r = await client.post("/generate", json=body)
-            except httpx.TimeoutException:
+                async with sem, client.post("/generate", json=body) as r:
+                    if r.status == 200:
+                        return await r.json(content_type=None)
+                    last = f"HTTP {r.status}: {(await r.text())[:300]}"
+            except TimeoutError:
                 self.stats["timeouts"] += 1
                 last = f"timed out after {c.request_timeout:.0f} s"
                 continue
-            except httpx.HTTPError as e:
+            except aiohttp.ClientError as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
-            if r.status_code == 200:
-                return r.json()
-            last = f"HTTP {r.status_code}: {r.text[:300]}"
-            if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+            if 400 <= r.status < 500 and r.status not in (408, 429):
                 raise RolloutError(f"sample {sample_id}: the engine refused it: {last}")
         raise RolloutError(f"sample {sample_id}: {c.max_attempts} attempts failed, the last: {last}")
 
