@@ -259,8 +259,9 @@ def test_bf16_dtype_preserved(seed):
     # planted dtype bug moves it: sink not loaded 0.055, weights through fp8 0.13.
     pos_err = ((out.logits - ref_out.logits).norm(dim=-1) / ref_out.logits.norm(dim=-1)).flatten()
     assert pos_err.median() < 0.03, f"bf16 typical relative error {pos_err.median():.3f}"
-    # Flips stay rare: at most 9% of positions measured beyond 0.05.
-    assert (pos_err > 0.05).float().mean() < 0.25, pos_err
+    # Flips stay rare (at most 9% of positions measured beyond 0.05) and bounded (the worst
+    # measured 0.55; a position at 1 has logits unrelated to the fp32 model's).
+    assert (pos_err > 0.05).float().mean() < 0.25 and pos_err.max() < 1.0, pos_err
 
 
 def test_anomaly_mode_forward_backward(seed):

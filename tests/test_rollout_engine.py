@@ -51,12 +51,19 @@ def _logprobs(r: dict) -> torch.Tensor:
     return torch.tensor([x[0] for x in r["meta_info"]["output_token_logprobs"]])
 
 
-def _run(engine: Engine, prompts, params, stagger: float = 0.0, prefix: str = "") -> dict[str, dict]:
+def _run(engine: Engine, prompts, params, stagger: float = 0.0, prefix: str = "",
+         together: bool = False) -> dict[str, dict]:
+    """together: every request is queued before the scheduler may admit any (else it can
+    wake after the first submit and admit it alone)."""
     col = Collector()
+    if together:
+        engine.pause()
     for i, p in enumerate(prompts):
         engine.submit(p, params[i] if isinstance(params, list) else params, col, True, rid=f"{prefix}{i}")
         if stagger:
             time.sleep(stagger * (i % 4))  # requests join a batch that is already decoding
+    if together:
+        engine.resume()
     col.wait(len(prompts))
     return col.results
 
@@ -96,11 +103,12 @@ def test_samples_of_one_prompt_share_its_prefill(seed):
     engine = _engine(seed, max_running=16)
     prompt = _prompts(seed, 1)[0] + [5, 6, 7]
     try:
-        res = _run(engine, [prompt] * 8, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+        res = _run(engine, [prompt] * 8, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True),
+                   together=True)
         assert engine.counters["prefill_tokens"] == len(prompt)
         assert len({tuple(r["output_ids"]) for r in res.values()}) == 1
         res = _run(engine, [prompt] * 8, [SamplingParams(max_new_tokens=12, seed=i, ignore_eos=True)
-                                          for i in range(8)])
+                                          for i in range(8)], together=True)
         assert engine.counters["prefill_tokens"] == 2 * len(prompt)
         assert len({tuple(r["output_ids"]) for r in res.values()}) > 1
     finally:

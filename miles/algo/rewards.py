@@ -72,7 +72,7 @@ async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 
             async with client.post(url, json=item, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status == 200:
                     return float((await r.json(content_type=None))["reward"])
-                last = f"HTTP {r.status}: {(await r.text())[:200]}"
+                last = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
                 if 400 <= r.status < 500 and r.status not in (408, 429):
                     break
         except TimeoutError:
@@ -86,7 +86,8 @@ def score(items: list[dict], spec: str = "dapo", url: str | None = None, timeout
           concurrency: int = 64) -> list[float]:
     """Rewards of items {"response", "label", "prompt"}: through `url` (POSTed each item,
     answering {"reward": r}; timeouts and 3 tries) or the reward function `spec`. The HTTP
-    client is aiohttp, as the rollout manager's (httpx's pool is quadratic in connections)."""
+    client is aiohttp, as the rollout manager's (httpx's pool is quadratic in connections);
+    trust_env: HTTP(S)_PROXY / NO_PROXY apply, as they did with httpx."""
     import asyncio
     import contextlib
     import inspect
@@ -97,7 +98,7 @@ def score(items: list[dict], spec: str = "dapo", url: str | None = None, timeout
         import aiohttp
 
         sem = asyncio.Semaphore(concurrency)
-        async with (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) if url
+        async with (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), trust_env=True) if url
                     else contextlib.nullcontext()) as client:
             async def one(item: dict) -> float:
                 async with sem:

@@ -230,7 +230,7 @@ class RolloutManager:
                 async with sem, client.post("/generate", json=body) as r:
                     if r.status == 200:
                         return await r.json(content_type=None)
-                    last = f"HTTP {r.status}: {(await r.text())[:300]}"
+                    last = f"HTTP {r.status}: {(await r.text(errors='replace'))[:300]}"
             except TimeoutError:
                 self.stats["timeouts"] += 1
                 last = f"timed out after {c.request_timeout:.0f} s"

@@ -640,8 +640,9 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     """
     valid = idx >= 0
     # index_select, not kv[idx]: its backward is index_add_ (~4x faster on CPU than the
-    # accumulating index_put that advanced indexing sends back; deterministic on CUDA too)
-    keys = kv.float().index_select(0, idx.clamp_min(0).long().flatten()).view(*idx.shape, -1)  # [T, K, D]
+    # accumulating index_put that advanced indexing sends back; on CUDA it is atomic, and
+    # deterministic under torch.use_deterministic_algorithms as the job's deterministic mode sets)
+    keys = kv.float().index_select(0, idx.clamp_min(0).long().flatten()).view(*idx.shape, kv.shape[-1])  # [T, K, D]
     s = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     logits = torch.cat((s, sink.float()[None, :, None].expand(s.shape[0], -1, 1)), -1)
