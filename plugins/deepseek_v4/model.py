@@ -213,9 +213,14 @@ class Compressor(nn.Module):
         if gather is not None:
             c, z = gather(c), gather(z)
         shape = blocks.start.shape + (blocks.ratio,)  # [B, G, r]
-        cur, prev = (token_rows(blocks.token_index(o), c.shape[1]) for o in (0, -1))
-        cur_c, cur_z, prev_c, prev_z = (gather_tokens(t, i, shape) for i in (cur, prev) for t in (c, z))
-        return self.pool(cur_c, cur_z, prev_c, prev_z, blocks.has_prev), (c, z)
+
+        def block_tokens(offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """(C, Z) of each block shifted by `offset` blocks, [B, G, r, coff*D] each."""
+            rows = token_rows(blocks.token_index(offset), c.shape[1])
+            return gather_tokens(c, rows, shape), gather_tokens(z, rows, shape)
+
+        prev = block_tokens(-1) if self.overlap else (None, None)  # only the overlapping pool reads it
+        return self.pool(*block_tokens(0), *prev, blocks.has_prev), (c, z)
 
     # ---- incremental decoding
     def new_cache(self, slots: int, entries: torch.Tensor | None, max_len: int, device) -> CompressorCache:
