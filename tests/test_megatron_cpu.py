@@ -63,7 +63,8 @@ def _tp_worker(rank: int, port: int, seed: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _dp_worker(rank: int, port: int, seed: int, out: str) -> None:
+def _dp_worker(rank: int, port: int, seed: int, out: str, clip_in_adam: bool = False, clip: float = 1.0,
+               overflow: bool = False) -> None:
     _init(rank, port)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -75,7 +76,15 @@ def _dp_worker(rank: int, port: int, seed: int, out: str) -> None:
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                      grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0,
+                                                 clip_grad=clip,
                                                  use_distributed_optimizer=True), [ddp])
+    if clip_in_adam:  # torch's fused AdamW (CPU has one too), the clip as its grad_scale
+        from miles.train import megatron_gpu
+
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            for group in o.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+        assert megatron_gpu._fused_adams(opt)
     data = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
     norms = []
     for step in range(3):
@@ -83,7 +92,9 @@ def _dp_worker(rank: int, port: int, seed: int, out: str) -> None:
         opt.zero_grad()
         ddp(data[step, rank * 4:(rank + 1) * 4]).pow(2).mean().backward()
         ddp.finish_grad_sync()
-        ok, gn, _ = opt.step()
+        if overflow and step == 1:  # the norm's sum of squares overflows fp32: inf
+            model[2].weight.main_grad.mul_(1e30)
+        ok, gn = megatron_gpu.step(opt) if clip_in_adam else opt.step()[:2]
         assert ok
         norms.append(float(gn))
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "norms": norms}, f"{out}/{rank}.pt")
@@ -126,8 +137,11 @@ def _pp_worker(rank: int, port: int, seed: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(worker, tmp_path, seed) -> list[dict]:
-    mp.spawn(worker, args=(_port(), seed, str(tmp_path)), nprocs=2)
+CLIP_IN_ADAM = 0.05  # below every step's gradient norm: each step clips
+
+
+def _spawn(worker, tmp_path, seed, *extra) -> list[dict]:
+    mp.spawn(worker, args=(_port(), seed, str(tmp_path), *extra), nprocs=2)
     return [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -164,11 +178,14 @@ def test_tensor_parallel_linears_match_single_process(tmp_path, seed):
         assert_close(r[rank]["dw2"], w2.grad.chunk(2, 1)[rank], atol=1e-5, rtol=1e-5, what="dw2 shard")
 
 
-def test_ddp_distributed_optimizer_matches_single_process_adam(tmp_path, seed):
+@pytest.mark.parametrize("clip_in_adam", [False, True])
+def test_ddp_distributed_optimizer_matches_single_process_adam(tmp_path, seed, clip_in_adam):
     """DP=2 with Megatron DDP + DistributedOptimizer (sharded Adam state, grad clipping) for 3
     steps equals one process running Adam on the whole batch: same parameters on both ranks,
-    same gradient norms."""
-    r = _spawn(_dp_worker, tmp_path, seed)
+    same gradient norms. clip_in_adam: fused AdamW with the clip folded into it
+    (megatron_gpu.step, the trainer's GPU step) and a clip below every step's norm."""
+    clip = CLIP_IN_ADAM if clip_in_adam else 1.0
+    r = _spawn(_dp_worker, tmp_path, seed, clip_in_adam, clip)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -179,12 +196,26 @@ def test_ddp_distributed_optimizer_matches_single_process_adam(tmp_path, seed):
         # each rank averages its half; DDP averages the two means = the full-batch mean
         model(data[step]).pow(2).mean().backward()
         # Megatron's OptimizerConfig clips at grad norm 1.0 by default: the same clip here
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        assert norms[-1] > clip or not clip_in_adam  # the clip acts
         opt.step()
     for rank in range(2):
         for got, want in zip(r[rank]["params"], model.parameters(), strict=True):
             assert_close(got, want.detach(), atol=1e-6, what=f"rank {rank} params")
         assert r[rank]["norms"] == pytest.approx(norms, rel=1e-5)
+
+
+def test_clip_in_adam_meets_an_infinite_norm_as_megatron_does(tmp_path, seed):
+    """A step whose gradient norm overflows to inf: with the clip inside fused AdamW the
+    step scales the gradients as Megatron's own clip does (by clip / inf = 0; 1 / 0 as AdamW's
+    grad_scale would divide by zero) and the run goes on as Megatron's (foreach AdamW)."""
+    mine = _spawn(_dp_worker, tmp_path, seed, True, CLIP_IN_ADAM, True)
+    theirs = _spawn(_dp_worker, tmp_path, seed, False, CLIP_IN_ADAM, True)
+    for rank in range(2):
+        assert mine[rank]["norms"][1] == theirs[rank]["norms"][1] == float("inf")
+        assert mine[rank]["norms"] == pytest.approx(theirs[rank]["norms"], rel=1e-5)
+        for got, want in zip(mine[rank]["params"], theirs[rank]["params"], strict=True):
+            assert_close(got, want, atol=1e-6, what=f"rank {rank} params")
 
 
 def test_pipeline_1f1b_matches_single_process(tmp_path, seed):

@@ -175,8 +175,11 @@ class TrainWorker:
 
         bf16 = self.tcfg.bf16
         self.model.zero_grad(set_to_none=True)
+        # No overlapped reduction: the CUDA graphs and the grouped expert GEMMs add their
+        # gradients into main_grad themselves, so DDP's per-parameter hooks never see them
+        # (overlap would wait on those hooks and asserts each saw a gradient).
         self.ddp = DistributedDataParallel(self.tcfg, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True), self.model)
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False), self.model)
         self.opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", adam_eps=eps, adam_beta1=beta1, adam_beta2=beta2, lr=lr, min_lr=min_lr,
             weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
@@ -340,16 +343,16 @@ class TrainWorker:
         copies every gradient to the host); `step_time`, the seconds the step took in here."""
         from megatron.core import parallel_state as ps
 
+        from miles.train import megatron_gpu
+
         start = time.perf_counter()
         res, aux = self.reduced_gradients(micro_batches)
         grad_md5 = (grad_checksums([(n, getattr(p, "main_grad", None)) for n, p in self.model.named_parameters()])
                     if checksums else None)
         self.sched.step(increment=1)  # Megatron's scheduler counts steps done: step k trains at lr(k)
-        ok, grad_norm, _ = self.opt.step()
+        ok, grad_norm = megatron_gpu.step(self.opt)  # Megatron's step; with fused AdamW, the clip inside it
         if not ok:
             raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
-        if self.opt.config.clip_grad == 0:  # Megatron measures the norm only to clip
-            grad_norm = self.opt.get_grad_norm()
         dpcp = ps.get_data_parallel_group(with_context_parallel=True)
         for mod in self.model.modules():  # aux-loss-free balancing sees the global expert loads
             if isinstance(mod, Gate) and not mod.is_hash:
