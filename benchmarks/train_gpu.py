@@ -281,6 +281,46 @@ def products_arms():
             ("CUDA graphs, bf16 products (default)", lambda on: None)]
 
 
+def split_arms():
+    """The bf16 fp32 projections' backward (compressor, gate) as TF32 GEMMs of fp32 copies of
+    x and w against bf16 GEMMs of the gradient split in two bf16 terms (`ops.split_products`)."""
+    from plugins.deepseek_v4 import ops
+
+    return [("CUDA graphs, TF32 projection backward", _patch(ops, "split_products", lambda *a: None)),
+            ("CUDA graphs, split-bf16 projection backward (default)", lambda on: None)]
+
+
+def clip_arms():
+    """The gradient clip as Megatron's pass scaling every gradient before AdamW against the
+    factor folded into fused AdamW (`megatron_gpu.step`)."""
+    from miles.train import megatron_gpu
+
+    return [("CUDA graphs, clip as its own pass", _patch(megatron_gpu, "step", lambda opt: opt.step()[:2])),
+            ("CUDA graphs, clip inside fused AdamW (default)", lambda on: None)]
+
+
+def out_proj_arms():
+    """The attention's grouped output projection (forward, and its input gradient) as einsum,
+    which permutes both operands into copies, against one bmm over strided group views."""
+    from plugins.deepseek_v4 import ops
+
+    def einsum_groups(a, b):
+        return torch.einsum("tgk,gkn->tgn", a, b)
+
+    return [("CUDA graphs, grouped out-projection by einsum", _patch(ops, "_group_mm", einsum_groups)),
+            ("CUDA graphs, grouped out-projection by strided bmm (default)", lambda on: None)]
+
+
+def wgrad_arms():
+    """The grouped expert GEMMs' weight gradient as torch's grouped GEMM (bf16, then added into
+    main_grad by the backward graph) against the kernel adding it into main_grad itself."""
+    from plugins.deepseek_v4 import ops
+
+    return [("CUDA graphs, expert weight gradient then an add", _patch(ops, "wgrad_into_main_grad",
+                                                                     lambda *a: False)),
+            ("CUDA graphs, expert weight gradient into main_grad (default)", lambda on: None)]
+
+
 def indexer_arms():
     """The lightning indexer's scores through torch (chunked fp32 bmm's) against the kernels."""
     from plugins.deepseek_v4 import ops
@@ -577,6 +617,10 @@ def main() -> None:
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
+    ap.add_argument("--split", action="store_true", help="with --ab: only split-bf16 vs TF32 projection backward")
+    ap.add_argument("--wgrad", action="store_true", help="with --ab: only the expert wgrad into main_grad vs an add")
+    ap.add_argument("--out-proj", action="store_true", help="with --ab: only the out-projection's bmm vs einsum")
+    ap.add_argument("--clip", action="store_true", help="with --ab: only the clip inside fused AdamW vs its own pass")
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
@@ -627,6 +671,8 @@ def main() -> None:
         compile_experiment(w, mbs, a.compile, a.steps, tokens)
         return
     graphed = {"mixes": ("mHC mixes", mixes_arms), "products": ("fp32 projections", products_arms),
+               "split": ("fp32 projection backward", split_arms), "clip": ("gradient clip", clip_arms),
+               "out_proj": ("grouped out-projection", out_proj_arms), "wgrad": ("expert weight gradient", wgrad_arms),
                "indexer": ("indexer scores", indexer_arms), "head": ("head log-softmax", head_arms),
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
                "pre": ("mHC pre", pre_arms)}  # --ab --FLAG: that change's arms, CUDA graphs on

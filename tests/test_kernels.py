@@ -524,6 +524,73 @@ def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
     assert not ins[1].grad[1].any() and not ins[3].grad[1].any()
 
 
+# (M rows, G groups, N, K): ragged tiles everywhere; CUDA also at the ~1B expert shape
+WGRAD_CASES = ([(700, 8, 192, 320), (2200, 4, 768, 1536)] if CUDA else [(50, 4, 24, 40)])
+
+
+@pytest.mark.parametrize("m,groups,n,k", WGRAD_CASES)
+def test_grouped_gemm_adds_its_weight_gradient_into_main_grad(seed, m, groups, n, k):
+    """ops.grouped_matmul (fused) on a weight with a main_grad: the weight gradient of every
+    group, summed in fp32 from the bf16 operands, is added into main_grad (float64 of the same
+    values to fp32 rounding; w.grad stays None; an empty group's slice keeps its bits) and the
+    input gradient is torch's; on a weight without one, torch's grouped GEMM gradient."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 2 * m // groups, (groups,), generator=g)
+    sizes[1] = 0  # a group with no rows
+    ends = sizes.cumsum(0)
+    ends[-1] = m  # the last group ends at M (padding rows of the model's layout)
+    offs = ends.clamp(max=m).to(torch.int32)
+    a0 = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w0 = (torch.randn(groups, n, k, generator=g) * 0.05).to(torch.bfloat16)
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    main0 = torch.randn(groups, n, k, generator=g)
+    start = torch.cat((torch.zeros(1, dtype=torch.long), offs[:-1].long()))
+    spans = list(zip(start.tolist(), offs.tolist(), strict=True))
+    ref_w = torch.stack([dy[s:e].double().t() @ a0[s:e].double() for s, e in spans])
+    ref_a = torch.cat([dy[s:e].double() @ w0[i].double() for i, (s, e) in enumerate(spans)])
+    counts = offs.long() - start
+    for with_main in (True, False):
+        a = a0.to(DEV, copy=True).requires_grad_()
+        w = w0.to(DEV, copy=True).requires_grad_()
+        if with_main:
+            w.main_grad = main0.to(DEV, copy=True)
+        out = ops.grouped_matmul(a, w, offs.to(DEV), counts.to(DEV), fused=True)
+        out.backward(dy.to(DEV))
+        assert rel(a.grad.float().cpu(), ref_a) < 1e-2
+        if with_main:
+            assert w.grad is None
+            got = w.main_grad.cpu()
+            assert_finite(got)
+            assert torch.equal(got[1], main0[1])
+            assert rel(got - main0, ref_w) < 1e-5
+        else:
+            assert rel(w.grad.float().cpu(), ref_w) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="one tile config in the interpreter")
+def test_grouped_wgrad_tiles_give_the_same_bits(seed):
+    """Every autotune config of the grouped weight gradient gives the same bits (the tuning
+    may choose differently in another process: a resumed run, another rank)."""
+    from plugins.deepseek_v4.kernels import moe
+
+    g = torch.Generator().manual_seed(seed)
+    m, groups, n, k = 1500, 6, 768, 1536
+    offs = torch.tensor(sorted(torch.randint(0, m, (groups - 1,), generator=g).tolist()) + [m], dtype=torch.int32)
+    dy = torch.randn(m, n, generator=g).to(DEV, torch.bfloat16)
+    a = torch.randn(m, k, generator=g).to(DEV, torch.bfloat16)
+    base = torch.randn(groups, n, k, generator=g).to(DEV)
+    outs = []
+    for cfg in moe._WGRAD_CONFIGS:
+        d = base.clone()
+        grid = (triton.cdiv(n, cfg.kwargs["BN"]) * triton.cdiv(k, cfg.kwargs["BK"]), groups)
+        moe._grouped_wgrad.fn[grid](dy, a, offs.to(DEV), d, n, k, UPCAST=False, **cfg.kwargs,
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        outs.append(d)
+    assert_finite(outs[0])
+    for cfg, d in zip(moe._WGRAD_CONFIGS, outs, strict=True):
+        assert torch.equal(d, outs[0]), cfg
+
+
 # (B, S, H, D, G): V4 head size; S, G not multiples of the tiles; a row with no chosen entry
 MASS_CASES = ([(2, 300, 16, 512, 75), (1, 64, 3, 128, 9)] if CUDA else [(2, 19, 3, 32, 7), (1, 5, 2, 16, 3)])
 
@@ -883,6 +950,54 @@ def test_bf16_products_are_exact_products_summed_in_fp32(seed):
     y = ops.bf16_products(x.to(DEV), w.to(DEV))
     assert y.dtype == torch.float32 and y.shape == (2, n, m)
     assert rel(y.cpu(), x.double() @ w.double().t()) < 2 * k ** 0.5 * 2.0 ** -24
+
+
+def test_split_bf16_is_two_bf16_terms_and_the_kernel_gives_the_same_bits(seed):
+    """ops.split_bf16: hi is the cast to bf16 (round to nearest even), hi + lo is g to 2^-17
+    relative, over magnitudes from 1e-30 to 1e30, zeros and a column count off every tile;
+    the kernel (NaN-poisoned output) gives the same bits on CUDA."""
+    g = torch.Generator().manual_seed(seed)
+    r, n = 37, 301
+    x = torch.randn(r, n, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, n, dtype=torch.float64)
+    x = x.float()
+    x[0, :2] = torch.tensor([0.0, -0.0])
+    ref = ops.split_bf16(x)
+    assert ref.dtype == torch.bfloat16 and ref.shape == (r, 2 * n)
+    hi, lo = ref[:, :n], ref[:, n:]
+    assert torch.equal(hi, x.to(torch.bfloat16))
+    err = (hi.double() + lo.double() - x.double()).abs()
+    assert (err <= x.double().abs() * 2.0 ** -17).all(), err.max().item()
+    got = ops.split_bf16(x.to(DEV), fused=True).cpu()
+    if CUDA:
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    else:  # the interpreter's casts to bf16 truncate: hi within an ulp, hi + lo to 2^-15
+        assert_finite(got)
+        err = (got[:, :n].double() + got[:, n:].double() - x.double()).abs()
+        assert (err <= x.double().abs() * 2.0 ** -15).all(), err.max().item()
+        assert ((got[:, :n].double() - x.double()).abs() <= x.double().abs() * 2.0 ** -7).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="the split products run on CUDA only")
+def test_split_products_round_like_float64(seed):
+    """ops.split_products, the bf16 fp32 projections' backward (compressor, gate): both
+    gradients are float64's rounded to bf16 but for near-ties (measured 0.25% of elements on
+    CPU in float64; rounding g to TF32 first, as the TF32 path did, gives 10%, dropping the lo
+    term 43%)."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, m = 301, 1536, 1000
+    x = torch.randn(2, n, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(m, k, generator=g) * 0.02).to(torch.bfloat16)
+    gy = torch.randn(2, n, m, generator=g)
+    gx, gw = ops.split_products(gy.to(DEV), x.to(DEV), w.to(DEV), (True, True))
+    assert gx.dtype == gw.dtype == torch.bfloat16 and gx.shape == x.shape and gw.shape == w.shape
+    gx64 = gy.double() @ w.double()
+    gw64 = gy.double().reshape(-1, m).t() @ x.double().reshape(-1, k)
+    for name, a, ref in (("dx", gx, gx64), ("dw", gw, gw64)):
+        a = a.cpu()
+        assert_finite(a)
+        off = (a != ref.to(torch.bfloat16)).double().mean().item()
+        assert off < 0.01, f"{name}: {off:.2%} of elements differ from float64 rounded to bf16"
+    assert ops.split_products(gy, x.float(), w.float(), (True, True)) is None  # fp32 operands: declined
 
 
 @pytest.mark.skipif(not CUDA, reason="TF32 exists on CUDA only")

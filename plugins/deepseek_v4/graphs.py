@@ -17,7 +17,8 @@ What a graph needs, and where it comes from:
   at a time (no pipeline interleaving), all sharing one memory pool.
 - Parameter gradients never leave the backward graph: it adds each into the parameter's
   `main_grad` (Megatron DDP's fp32 buffer, at a fixed address) as DDP's hook would, and the
-  bf16 gradient's memory goes back to the pool for the next block's capture. DDP's hook then
+  bf16 gradient's memory goes back to the pool for the next block's capture. (The grouped
+  expert GEMMs add theirs into main_grad themselves: the aliases carry it.) DDP's hook then
   has nothing to do: the trainer runs DDP without overlapped reduction (its per-bucket
   readiness would wait for hooks that never fire), reducing the whole buffer after the step.
 - Consecutive main layers share buffers: layer i+1's static input is layer i's static output,
@@ -103,9 +104,19 @@ class _Graphed:
     def _diff(self) -> list[torch.Tensor]:
         return [t for t in (*self.inputs, *self.alias) if t.requires_grad]
 
+    def _alias_main_grads(self, real: bool) -> None:
+        """Give the aliases the parameters' main_grad (ops that add their weight gradient
+        there themselves, the grouped expert GEMMs), or zeroed scratch ones for the warm-up,
+        whose gradients must not reach the real buffers."""
+        for p, a in zip(self.params, self.alias, strict=True):
+            if a.requires_grad and hasattr(p, "main_grad"):
+                a.main_grad = p.main_grad if real else torch.zeros_like(p.main_grad)
+
     def warm_up(self) -> None:
+        self._alias_main_grads(real=False)
         out = [o for o in self._run() if o.requires_grad]
         torch.autograd.grad(out, self._diff(), [torch.ones_like(o) for o in out], allow_unused=True)
+        self._alias_main_grads(real=True)
 
     def capture_forward(self, pool) -> None:
         with torch.cuda.graph(self.fwd, pool=pool, stream=self.stream):

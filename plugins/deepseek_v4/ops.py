@@ -94,7 +94,8 @@ def _cuda_matmul_precision(tf32: bool):
 class _Fp32Linear(torch.autograd.Function):
     """fp32 x @ w^T from inputs of any dtype. Saves the inputs as given (a bf16 model keeps
     its bf16 activations, not fp32 copies) and casts again in the backward. `tf32`: the
-    fp32 products on TF32 tensor cores (CUDA), forward and backward alike."""
+    fp32 products on tensor cores (CUDA): with bf16 x and w as bf16 products forward
+    (bf16_products) and backward (split_products), else on TF32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, tf32: bool) -> torch.Tensor:
@@ -109,6 +110,9 @@ class _Fp32Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w = ctx.saved_tensors
+        split = split_products(g, x, w, ctx.needs_input_grad[:2]) if ctx.tf32 else None
+        if split is not None:
+            return *split, None
         gx = gw = None
         with _cuda_matmul_precision(ctx.tf32):
             if ctx.needs_input_grad[0]:
@@ -126,6 +130,38 @@ def bf16_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not (x.dtype == w.dtype == torch.bfloat16 and x.is_cuda):
         return None
     return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+
+
+def split_bf16(g: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """g [R, N] fp32 -> [R, 2N] bf16: hi | lo with hi = bf16(g) and lo = bf16(g - hi), g to
+    16 significant bits (2^-17 relative) as the sum of two bf16 numbers. fused: one kernel."""
+    if fused:
+        from .kernels.elementwise import split_bf16 as kernel
+
+        return kernel(g)
+    hi = g.to(torch.bfloat16)
+    return torch.cat((hi, (g.float() - hi.float()).to(torch.bfloat16)), -1)
+
+
+def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                   needs: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """The backward of the fp32 projection x [..., K] @ w [N, K]^T for bf16 CUDA x and w on
+    bf16 tensor cores, else None: the fp32 gradient g [..., N] as two bf16 terms (split_bf16)
+    makes every product exact in fp32 and the GEMMs sum in fp32, so the gradients are those
+    of g to 2^-17, where TF32 rounds g to 2^-11 and needs fp32 copies of x and w (a cast of
+    x each way). (dx [..., K] in x's dtype, rounded once by its GEMM; dw [N, K] in w's dtype.)
+    Callers look it up on this module at call time (the A/B swaps it)."""
+    if not (x.dtype == w.dtype == torch.bfloat16 and x.is_cuda):
+        return None
+    n, k = w.shape
+    g2 = split_bf16(g.reshape(-1, n).float(), fused=True)  # [T, 2N]
+    gx = gw = None
+    if needs[0]:
+        gx = torch.mm(g2, torch.cat((w, w))).view(*g.shape[:-1], k)  # [T, 2N] @ [2N, K]
+    if needs[1]:
+        p = torch.mm(g2.t(), x.reshape(-1, k), out_dtype=torch.float32)  # [2N, K]: hi's and lo's
+        gw = (p[:n] + p[n:]).to(w.dtype)
+    return gx, gw
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor, tf32: bool = False) -> torch.Tensor:
@@ -476,13 +512,51 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, al
     return pairs, rows, offs.to(torch.int32), counts, m
 
 
+class _GroupedMM(torch.autograd.Function):
+    """torch._grouped_mm of a [M, K] and w [G, N, K]^T whose weight gradient, where w has a
+    `main_grad` (Megatron DDP's buffer: the trainer), is added into it by the GEMM
+    (kernels.moe.add_grouped_wgrad) instead of returned for a second pass to add; elsewhere
+    the grouped GEMM torch's own backward runs. Any backward through it that needs w's
+    gradient adds into main_grad (an autograd.grad call asking for other inputs only, too:
+    needs_input_grad is fixed by the forward); the trainer's DDP must not overlap its
+    reduction, which would wait on hooks that see no gradient."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, w, offs)
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        a, w, offs = ctx.saved_tensors
+        da = dw = None
+        if ctx.needs_input_grad[0]:
+            da = torch._grouped_mm(dy, w, offs=offs)  # [M, N] by [G, N, K] -> [M, K]
+        if ctx.needs_input_grad[1] and not wgrad_into_main_grad(dy, a, offs, w):
+            dw = torch._grouped_mm(dy.t(), a, offs=offs)  # [N, M] by [M, K] -> [G, N, K]
+        return da, dw, None
+
+
+def wgrad_into_main_grad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> bool:
+    """Add the grouped GEMM's weight gradient into w.main_grad where w has a contiguous one
+    (True), else nothing (False). Callers look it up on this module at call time (the A/B)."""
+    main = getattr(w, "main_grad", None)
+    if main is None or not main.is_contiguous():
+        return False
+    from .kernels.moe import add_grouped_wgrad
+
+    add_grouped_wgrad(dy, a, offs, main)
+    return True
+
+
 def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor,
                    fused: bool) -> torch.Tensor:
     """Rows of group g of a [M, K] times w[g]^T (w [G, N, K], Linear layout) -> [M, N].
-    fused: one grouped GEMM (torch._grouped_mm; CUDA, bf16); otherwise a loop over the
-    groups' real rows (the reference; padding rows give zeros either way)."""
+    fused: one grouped GEMM (torch._grouped_mm; CUDA, bf16) whose weight gradient goes into
+    w.main_grad where w has one; otherwise a loop over the groups' real rows (the reference;
+    padding rows give zeros either way)."""
     if fused:
-        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+        return _GroupedMM.apply(a, w, offs)
     pieces, start = [], 0
     for g, (end, n) in enumerate(zip(offs.tolist(), counts.tolist(), strict=True)):
         pieces += [F.linear(a[start:start + n], w[g]), a.new_zeros(end - start - n, w.shape[1])]
@@ -587,6 +661,15 @@ def _grouped(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> tuple[torch.Te
     return og, wo_a.view(groups, -1, og.shape[-1]).to(og.dtype)
 
 
+def _group_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [T, G, K] @ b [G, K, N] per group -> [T, G, N]: one bmm over the group-major views
+    of a and of the output (strided matrices, no permuted copies; einsum copies both: ~2.4 ms
+    of the ~1B step on an H100). No autograd (out=): for the custom functions' own passes."""
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[-1])
+    torch.bmm(a.transpose(0, 1), b, out=out.transpose(0, 1))
+    return out
+
+
 class _UnropeOutProj(torch.autograd.Function):
     """apply_rope(o, inverse) then grouped_out_proj, keeping o itself for the backward (the
     attention core keeps it anyway) instead of its rotated copy, which the backward rebuilds."""
@@ -595,17 +678,20 @@ class _UnropeOutProj(torch.autograd.Function):
     def forward(ctx, o, wo_a, cos, sin, groups: int, fused: bool):
         ctx.save_for_backward(o, wo_a, cos, sin)
         ctx.groups, ctx.fused = groups, fused
-        return grouped_out_proj(apply_rope(o, cos, sin, inverse=True, fused=fused), wo_a, groups)
+        og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=fused), wo_a, groups)  # [B, S, G, K]
+        y = _group_mm(og.flatten(0, 1), w.transpose(1, 2))  # [B*S, G, R]
+        return y.reshape(*o.shape[:2], -1)  # a view of the strided bmm's output
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         o, wo_a, cos, sin = ctx.saved_tensors
         og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=ctx.fused), wo_a, ctx.groups)
-        dyg = dy.reshape(*dy.shape[:2], ctx.groups, -1)  # [B, S, G, R]
-        dw = torch.einsum("bsgr,bsgk->grk", dyg, og).reshape(wo_a.shape).to(wo_a.dtype)
-        do = torch.einsum("bsgr,grk->bsgk", dyg, w).reshape(o.shape)
+        og = og.flatten(0, 1)  # [T, G, K]
+        dyg = dy.reshape(og.shape[0], ctx.groups, -1)  # [T, G, R]
+        dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
+        do = _group_mm(dyg, w).reshape(o.shape)
         # the inverse rotation's adjoint is the forward rotation
-        return apply_rope(do, cos, sin, fused=ctx.fused), dw, None, None, None, None
+        return apply_rope(do, cos, sin, fused=ctx.fused), dw.reshape(wo_a.shape).to(wo_a.dtype), None, None, None, None
 
 
 def unrope_out_proj(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,

@@ -375,3 +375,31 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
     if g.dim() != 2 or g.shape != u.shape:
         raise ValueError(f"swiglu kernel: expected g, u of one [M, I] shape, got {list(g.shape)}, {list(u.shape)}")
     return _SwiGLU.apply(g, u, weight, limit, dtype)
+
+
+# --------------------------------------------------------------------------- fp32 as two bf16 terms
+@triton.jit
+def _split_bf16(G, OUT, R, N, BR: tl.constexpr, BN: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (r < R)[:, None] & (c < N)[None, :]
+    g = tl.load(G + r.to(tl.int64)[:, None] * N + c[None, :], mask=m, other=0.0).to(tl.float32)
+    hi = g.to(tl.bfloat16, fp_downcast_rounding="rtne")  # as torch rounds
+    lo = (g - hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")  # g - hi: exact in fp32
+    out = OUT + r.to(tl.int64)[:, None] * (2 * N) + c[None, :]
+    tl.store(out, hi, mask=m)
+    tl.store(out + N, lo, mask=m)
+
+
+def split_bf16(g: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ops.split_bf16`: g [R, N] -> [R, 2N] bf16, hi | lo, one pass."""
+    if g.dim() != 2:
+        raise ValueError(f"split_bf16 kernel: expected [R, N], got {list(g.shape)}")
+    g = g.contiguous()
+    r, n = g.shape
+    out = new_output((r, 2 * n), g, torch.bfloat16)
+    if r and n:
+        bn = min(triton.next_power_of_2(n), TILE)
+        br = _tile_rows(bn)
+        _split_bf16[(triton.cdiv(r, br), triton.cdiv(n, bn))](g, out, r, n, BR=br, BN=bn)
+    return out

@@ -1,4 +1,5 @@
-"""The MoE's row moves between tokens and expert groups (`ops.routed_experts`), one pass each.
+"""The MoE's row moves between tokens and expert groups (`ops.routed_experts`), one pass each,
+and the expert weights' gradient added into Megatron's fp32 gradient buffer.
 
 The PyTorch path (`ops.take_rows`) appends a zero row to the source (a copy of the whole
 tensor) so that index -1 reads zeros, gathers into a new tensor, and the combine then sums
@@ -62,3 +63,57 @@ def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype) ->
         _sum_rows[(triton.cdiv(n, BR), triton.cdiv(d, BD))](y.contiguous(), rows.contiguous(), out, n, d, K=k,
                                                            BR=BR, BD=BD)
     return out
+
+
+# --------------------------------------------------------------------------- expert weight gradient
+# dW[g] = dY_g^T A_g over each expert group's rows, added into the weight's fp32 main_grad by
+# the GEMM's epilogue. torch's grouped GEMM writes dW in bf16 and DDP (or the backward graph)
+# then adds it into main_grad in a second pass: per parameter a bf16 write, then a bf16 read
+# and an fp32 read and write (the ~1B step's experts: 54 adds of 37.7M parameters, 8.4 ms on
+# an H100), and the sum loses the bf16 rounding. Autotuned per (N, K) over output tiles only:
+# every config sums each element's rows in the same 64-row steps, so the choice (which may
+# differ between processes) does not change the bits. The tuning runs restore D. The
+# interpreter's dot mishandles bf16: it multiplies fp32 copies (UPCAST).
+_WGRAD_CONFIGS = ([triton.Config({"BN": 16, "BK": 16, "BM": 16}, num_warps=1, num_stages=1)] if INTERPRET else
+                  [triton.Config({"BN": bn, "BK": bk, "BM": 64}, num_warps=w, num_stages=st)
+                   for bn, bk, w, st in [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
+                                         (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]])
+
+
+@triton.autotune(_WGRAD_CONFIGS, key=["N", "K"], restore_value=["D"])
+@triton.jit
+def _grouped_wgrad(DY, A, OFFS, D, N, K, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   BM: tl.constexpr):
+    """Program (tile of D[g], group g): D[g][n, k] += sum over the group's rows m of DY[m, n] A[m, k]."""
+    tiles_k = tl.cdiv(K, BK)
+    g = tl.program_id(1)
+    n = (tl.program_id(0) // tiles_k) * BN + tl.arange(0, BN)
+    k = (tl.program_id(0) % tiles_k) * BK + tl.arange(0, BK)
+    start = tl.load(OFFS + g - 1, mask=g > 0, other=0)  # OFFS: each group's end row
+    end = tl.load(OFFS + g)
+    acc = tl.zeros([BN, BK], tl.float32)
+    for m0 in range(start, end, BM):
+        m = m0 + tl.arange(0, BM)
+        rm = (m < end)[:, None]
+        dy = tl.load(DY + m.to(tl.int64)[:, None] * N + n[None, :], mask=rm & (n < N)[None, :], other=0.0)
+        a = tl.load(A + m.to(tl.int64)[:, None] * K + k[None, :], mask=rm & (k < K)[None, :], other=0.0)
+        if UPCAST:
+            dy, a = dy.to(tl.float32), a.to(tl.float32)
+        acc = tl.dot(tl.trans(dy), a, acc)  # [BN, BM] @ [BM, BK]
+    out = D + g.to(tl.int64) * N * K + n[:, None] * K + k[None, :]
+    dm = (n < N)[:, None] & (k < K)[None, :]
+    tl.store(out, (tl.load(out, mask=dm, other=0.0).to(tl.float32) + acc).to(D.dtype.element_ty), mask=dm)
+
+
+def add_grouped_wgrad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, d: torch.Tensor) -> None:
+    """d[g] += dy[rows of g]^T @ a[rows of g] for dy [M, N], a [M, K] (rows grouped, group g
+    ending at offs[g], int32) and d [G, N, K] contiguous (fp32: Megatron's main_grad), the
+    products summed in fp32 and added once."""
+    (m, n), k, groups = dy.shape, a.shape[1], offs.numel()
+    if a.shape[0] != m or tuple(d.shape) != (groups, n, k) or not d.is_contiguous():
+        raise ValueError(f"grouped wgrad: dy {list(dy.shape)}, a {list(a.shape)}, d {list(d.shape)} "
+                         f"(contiguous: {d.is_contiguous()}) for {groups} groups")
+    if not (m and n and k and groups):
+        return
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(k, meta["BK"]), groups)  # noqa: E731
+    _grouped_wgrad[grid](dy.contiguous(), a.contiguous(), offs.contiguous(), d, n, k, UPCAST=INTERPRET)
