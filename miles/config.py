@@ -77,7 +77,7 @@ class ModelConfig(Section):
     tf32_projections: Bool = True  # bf16 on CUDA: fp32 projections on tensor cores (TF32 or bf16 GEMMs, fp32 sums)
     fused_elementwise: Bool = True  # GPU kernels on: norms, RoPE, SwiGLU, MoE row moves, head log-softmax fused
     recompute: Bool = False  # keep block inputs only, run each block again in the backward (memory for compute)
-    cuda_graphs: Bool = False  # CUDA training: each block's forward and backward as one CUDA graph each
+    cuda_graphs: Bool = False  # CUDA training: blocks as CUDA graphs (one process per replica: DP only, no recompute)
     _arch: DeepSeekV4Config = PrivateAttr()
 
     @model_validator(mode="after")

@@ -426,6 +426,24 @@ def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m):
         mhc.stream_mixes(ins[0], ins[1][:, 1:])
 
 
+@pytest.mark.parametrize("lead,n,d,m", MIXES_CASES[:2])
+def test_stream_mixes_bf16x3_forward_multiplies_exactly(seed, lead, n, d, m, monkeypatch):
+    """MIX_PREC "bf16x3" (bf16 streams): fn's three bf16 terms sum to fn exactly, and mm and nrm
+    (NaN-poisoned first) hold to fp32 summation rounding against float64 of the same values, as
+    the fp32-accurate dots do (one bf16 term alone errs by ~2^-9)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, n * d, generator=g).to(torch.bfloat16)
+    fn = torch.randn(m, n * d, generator=g) * (n * d) ** -0.5
+    terms = mhc._bf16_terms(fn)
+    assert terms.dtype == torch.bfloat16 and torch.equal(terms.double().sum(0), fn.double())
+    monkeypatch.setattr(mhc, "MIX_PREC", "bf16x3")
+    mm, nrm = mhc.stream_mixes(x.to(DEV), fn.to(DEV))
+    mm_ref, nrm_ref = x.double() @ fn.double().T, x.double().norm(dim=-1)
+    k_sum = max(1e-6, 2 * (n * d) ** 0.5 * 2.0 ** -24)
+    assert rel(mm.cpu(), mm_ref) < k_sum, "mm"
+    assert rel(nrm.cpu(), nrm_ref) < k_sum, "nrm"
+
+
 @pytest.mark.parametrize("full", [True, False])
 def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     """ops.hc_pre / ops.hc_head on the kernels (kernels.mhc.pre_streams: the projection and
