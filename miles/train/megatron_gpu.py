@@ -89,6 +89,9 @@ def _fused_adams(opt) -> list[torch.optim.AdamW] | None:
     return inner if inner and fused else None
 
 
+_SMALLEST_FACTOR = 1e-30  # below it 1 / factor is past fp32's range (3.4e38) or near it
+
+
 def step(opt) -> tuple[bool, float | None]:
     """Megatron's optimizer step (main gradients prepared, their global norm, clipping, AdamW,
     weights copied back) with the clipping folded into fused AdamW: the clip factor reaches
@@ -126,6 +129,3 @@ def step(opt) -> tuple[bool, float | None]:
         for o in adams:
             o.grad_scale = None
     return ok, norm
-
-
-_SMALLEST_FACTOR = 1e-30  # below it 1 / factor is past fp32's range (3.4e38) or near it

@@ -132,6 +132,16 @@ def bf16_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
 
 
+def bf16_terms(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """x (fp32) as n bf16 terms, each the nearest bf16 of what the earlier ones left (8
+    significant bits a term; three hold all of fp32's 24 but where a term is subnormal)."""
+    terms, rest = [], x.float()
+    for _ in range(n):
+        terms.append(rest.to(torch.bfloat16))
+        rest = rest - terms[-1].float()
+    return terms
+
+
 def split_bf16(g: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """g [R, N] fp32 -> [R, 2N] bf16: hi | lo with hi = bf16(g) and lo = bf16(g - hi), g to
     16 significant bits (2^-17 relative) as the sum of two bf16 numbers. fused: one kernel."""
@@ -139,8 +149,7 @@ def split_bf16(g: torch.Tensor, fused: bool = False) -> torch.Tensor:
         from .kernels.elementwise import split_bf16 as kernel
 
         return kernel(g)
-    hi = g.to(torch.bfloat16)
-    return torch.cat((hi, (g.float() - hi.float()).to(torch.bfloat16)), -1)
+    return torch.cat(bf16_terms(g, 2), -1)
 
 
 def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,

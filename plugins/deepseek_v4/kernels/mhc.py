@@ -420,12 +420,10 @@ def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
 
 
 def _bf16_terms(fn: torch.Tensor) -> torch.Tensor:
-    """fp32 fn [m, K] -> [3, m, K] bf16 terms summing to it (8 significant bits each; exact
-    but where a term would be subnormal)."""
-    hi = fn.to(torch.bfloat16)
-    rest = fn - hi.float()
-    mid = rest.to(torch.bfloat16)
-    return torch.stack((hi, mid, (rest - mid.float()).to(torch.bfloat16))).contiguous()
+    """fp32 fn [m, K] -> [3, m, K] bf16 terms summing to it (ops.bf16_terms)."""
+    from ..ops import bf16_terms
+
+    return torch.stack(bf16_terms(fn, 3))
 
 
 def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | None = None,
