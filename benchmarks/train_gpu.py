@@ -14,6 +14,8 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --norm-rope # q's norm and RoPE in one kernel vs two, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --moves     # the MoE's row-move kernels vs torch, CUDA graphs on
     python3 benchmarks/train_gpu.py --ab --pre       # mHC's pre kernels as one autograd node vs three, graphs on
+    python3 benchmarks/train_gpu.py --ab --accum     # weight gradients into main_grad vs returned and added
+    python3 benchmarks/train_gpu.py --ab --head-split  # the heads' backward split-bf16 vs TF32
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -321,6 +323,36 @@ def wgrad_arms():
             ("CUDA graphs, expert weight gradient into main_grad (default)", lambda on: None)]
 
 
+def accum_arms(model):
+    """The linears' and heads' weight gradients returned in bf16 and added into main_grad by
+    the backward graph (DDP's hook, eagerly) against each GEMM adding its fp32 sums into
+    main_grad itself (Megatron's gradient_accumulation_fusion; the heads' `main_grad_of`)."""
+    from megatron.core import tensor_parallel as tp
+
+    from plugins.deepseek_v4 import parallel
+
+    configs = {id(m.config): m.config for m in model.modules()
+               if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear))}
+    no_main = _patch(parallel, "main_grad_of", lambda w: None)
+
+    def returned(on: bool) -> None:
+        no_main(on)
+        for c in configs.values():
+            c.gradient_accumulation_fusion = not on
+
+    return [("CUDA graphs, weight gradients returned, then added", returned),
+            ("CUDA graphs, weight gradients into main_grad (default)", lambda on: None)]
+
+
+def head_split_arms():
+    """The heads' backward GEMMs on TF32 (fp32 copies of y and w, dz rounded to TF32) against
+    dz as two bf16 terms in bf16 GEMMs (`parallel.head_split`)."""
+    from plugins.deepseek_v4 import parallel
+
+    return [("CUDA graphs, head backward on TF32", _patch(parallel, "head_split", lambda y, w: False)),
+            ("CUDA graphs, head backward split-bf16 (default)", lambda on: None)]
+
+
 def indexer_arms():
     """The lightning indexer's scores through torch (chunked fp32 bmm's) against the kernels."""
     from plugins.deepseek_v4 import ops
@@ -621,6 +653,8 @@ def main() -> None:
     ap.add_argument("--wgrad", action="store_true", help="with --ab: only the expert wgrad into main_grad vs an add")
     ap.add_argument("--out-proj", action="store_true", help="with --ab: only the out-projection's bmm vs einsum")
     ap.add_argument("--clip", action="store_true", help="with --ab: only the clip inside fused AdamW vs its own pass")
+    ap.add_argument("--accum", action="store_true", help="with --ab: only weight gradients into main_grad vs returned")
+    ap.add_argument("--head-split", action="store_true", help="with --ab: only the head backward split-bf16 vs TF32")
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
@@ -675,13 +709,14 @@ def main() -> None:
                "out_proj": ("grouped out-projection", out_proj_arms), "wgrad": ("expert weight gradient", wgrad_arms),
                "indexer": ("indexer scores", indexer_arms), "head": ("head log-softmax", head_arms),
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
-               "pre": ("mHC pre", pre_arms)}  # --ab --FLAG: that change's arms, CUDA graphs on
+               "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
+               "head_split": ("head backward", head_split_arms)}  # --ab --FLAG: that change's arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            graphed_ab(w, mbs, a.steps, tokens, title, arms())
+            graphed_ab(w, mbs, a.steps, tokens, title, arms(w.model) if flag == "accum" else arms())
         return
     if a.ab:
         build("triton")

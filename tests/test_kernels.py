@@ -426,24 +426,6 @@ def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m):
         mhc.stream_mixes(ins[0], ins[1][:, 1:])
 
 
-@pytest.mark.parametrize("lead,n,d,m", MIXES_CASES[:2])
-def test_stream_mixes_bf16x3_forward_multiplies_exactly(seed, lead, n, d, m, monkeypatch):
-    """MIX_PREC "bf16x3" (bf16 streams): fn's three bf16 terms sum to fn exactly, and mm and nrm
-    (NaN-poisoned first) hold to fp32 summation rounding against float64 of the same values, as
-    the fp32-accurate dots do (one bf16 term alone errs by ~2^-9)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, n * d, generator=g).to(torch.bfloat16)
-    fn = torch.randn(m, n * d, generator=g) * (n * d) ** -0.5
-    terms = mhc._bf16_terms(fn)
-    assert terms.dtype == torch.bfloat16 and torch.equal(terms.double().sum(0), fn.double())
-    monkeypatch.setattr(mhc, "MIX_PREC", "bf16x3")
-    mm, nrm = mhc.stream_mixes(x.to(DEV), fn.to(DEV))
-    mm_ref, nrm_ref = x.double() @ fn.double().T, x.double().norm(dim=-1)
-    k_sum = max(1e-6, 2 * (n * d) ** 0.5 * 2.0 ** -24)
-    assert rel(mm.cpu(), mm_ref) < k_sum, "mm"
-    assert rel(nrm.cpu(), nrm_ref) < k_sum, "nrm"
-
-
 @pytest.mark.parametrize("full", [True, False])
 def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     """ops.hc_pre / ops.hc_head on the kernels (kernels.mhc.pre_streams: the projection and
@@ -1145,6 +1127,70 @@ def test_chunked_head_logprobs_match_the_full_logits(seed, tf32, fused, monkeypa
         runs.append([t.detach().double().cpu() for t in (lp, ent, y.grad, w.grad)])
     for name, a, b in zip(("logprobs", "entropy", "d y", "d w"), runs[1], runs[0], strict=True):
         assert rel(a, b) < (1e-2 if CUDA else 1e-5), name  # bf16 gradients: a few ulps of 2^-8
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_accumulate_wgrad_adds_fp32_sums_into_main(seed, in_place, monkeypatch):
+    """ops.accumulate_wgrad, how the trainer's linears and heads add their weight gradient into
+    main_grad: main [N, K] += dy^T x summed in fp32 (bf16 operands on CUDA: the GEMM adding into
+    the fp32 buffer, or through an fp32 temporary where torch cannot; fp32 on CPU) is main's
+    start plus float64 of the same products to fp32 rounding (a gradient rounded to bf16 before
+    the add, as the linears returned it, is ~1e-3 off)."""
+    if not in_place:
+        if not CUDA:
+            pytest.skip("the fp32 temporary is the bf16 CUDA fallback")
+        monkeypatch.setattr(ops, "_addmm_takes_fp32_addend", lambda: False)
+    elif CUDA:
+        print(f"addmm adds bf16 products into fp32 in place: {ops._addmm_takes_fp32_addend()}")
+    g = torch.Generator().manual_seed(seed)
+    t, n, k = (1000, 300, 700) if CUDA else (50, 24, 40)
+    dy, x = torch.randn(t, n, generator=g).to(DTYPE), torch.randn(t, k, generator=g).to(DTYPE)
+    main0 = torch.randn(n, k, generator=g) * 0.1
+    main = main0.to(DEV, copy=True)
+    ops.accumulate_wgrad(main, dy.to(DEV), x.to(DEV))
+    got = main.cpu()
+    assert_finite(got)
+    assert rel(got.double() - main0.double(), dy.double().t() @ x.double()) < 1e-5
+
+
+@pytest.mark.parametrize("tp_rank", [None, 1])
+def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, monkeypatch):
+    """The trainer's head (its weight has a main_grad): w.grad stays None and main_grad is its
+    start plus float64's dz^T y; with bf16 CUDA operands dz enters the GEMMs as two bf16
+    terms (parallel.head_split), to 5e-5 (dz on TF32 is ~3e-4 off), and dy is float64's
+    rounded to bf16 but for near-ties; fp32 on CPU to 1e-6. One rank and a TP rank's shard
+    (labels on the other shard too), 3 chunks."""
+    from plugins.deepseek_v4 import parallel
+    from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
+
+    n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
+    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
+    g = torch.Generator().manual_seed(seed)
+    y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
+    labels = torch.randint(0, v if tp_rank is None else 2 * v, (n,), generator=g)
+    cot = torch.randn(n, generator=g)
+    main0 = torch.randn(v, d, generator=g)
+    ctx = ParallelContext() if tp_rank is None else ParallelContext(tp_size=2, tp_rank=tp_rank)
+    y, w = y0.to(DEV, copy=True).requires_grad_(), w0.to(DEV, copy=True).requires_grad_()
+    w.main_grad = main0.to(DEV, copy=True)
+    lp = ctx.head_logprobs(VocabHead(y, w, ctx, CUDA, True), labels.to(DEV))
+    (lp * cot.to(DEV)).sum().backward()
+    # float64: this shard's logits; the label's logit counts where the label is on the shard
+    y64, w64 = y0.double().requires_grad_(), w0.double().requires_grad_()
+    z = y64 @ w64.t()
+    ids = labels - (tp_rank or 0) * v
+    mine = (ids >= 0) & (ids < v)
+    picked = torch.where(mine, z.gather(-1, ids.clamp(0, v - 1)[:, None])[:, 0], 0.0)
+    ((picked - torch.logsumexp(z, -1)) * cot.double()).sum().backward()
+    assert w.grad is None
+    got = w.main_grad.cpu()
+    assert_finite(got, y.grad)
+    assert rel(got.double() - main0.double(), w64.grad) < (5e-5 if CUDA else 1e-6)
+    if CUDA:
+        off = (y.grad.cpu() != y64.grad.to(torch.bfloat16)).double().mean().item()
+        assert off < 0.01, f"dy: {off:.2%} of elements differ from float64 rounded to bf16"
+    else:
+        assert rel(y.grad.cpu(), y64.grad) < 1e-6
 
 
 def _graph_steps(w, cfg: dict, graphs: bool, batches: list) -> list[dict]:

@@ -9,7 +9,9 @@ fallbacks for torch's multi-tensor ops (`_foreach_norm`, `_foreach_mul_`), and
 after the optimizer is built and after its state is loaded), and `step(opt)` runs
 Megatron's optimizer step with the gradient clipping folded into that kernel. All do
 nothing where TE or apex is installed (Megatron then uses theirs) or CUDA is absent
-(megatron_cpu covers CPU). No other module patches Megatron-core on GPU.
+(megatron_cpu covers CPU). `fuse_wgrad_accumulation()` supplies the one apex extension
+Megatron's linears call under gradient_accumulation_fusion (device-neutral: the CPU
+trainer runs the same path). No other module patches Megatron-core on GPU.
 """
 
 from __future__ import annotations
@@ -57,6 +59,35 @@ def apply() -> bool:
     if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         optimizer.multi_tensor_scale_impl = _scale
     _applied = True
+    return True
+
+
+class _WgradAccumulation:
+    """apex's `fused_weight_gradient_mlp_cuda` as Megatron's tensor-parallel linears call it
+    under gradient_accumulation_fusion: main_grad += grad_output^T @ input, both [T, *], by
+    one GEMM into the fp32 buffer (ops.accumulate_wgrad). Without it each linear returns a
+    bf16 weight gradient that DDP's hook (or the graphed backward) then adds: a write, a
+    read and an fp32 read-modify-write of the buffer more per micro-batch, and the gradient
+    rounded to bf16 before its sum."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        from plugins.deepseek_v4.ops import accumulate_wgrad
+
+        accumulate_wgrad(main_grad, grad_output, total_input)
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32  # main_grad in half precision: same contract
+
+
+def fuse_wgrad_accumulation() -> bool:
+    """Let Megatron's linears take gradient_accumulation_fusion (each adds its weight gradient
+    into the parameter's main_grad and returns none) without apex: its layers module gets
+    the extension it looks for. Leaves an installed apex alone. True when the flag may be set."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
+        layers._grad_accum_fusion_available = True
     return True
 
 

@@ -39,6 +39,7 @@ from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
+from miles.train import megatron_gpu
 from plugins.deepseek_v4.ops import fp32_linear
 from plugins.deepseek_v4.parallel import ParallelContext, cp_chunk
 
@@ -47,17 +48,23 @@ def _no_init(_weight: torch.Tensor) -> None:
     """The model's own seeded init (`init_weights`) fills every tensor afterwards."""
 
 
+def _linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """A Megatron linear's output for x [..., in]. Its weight gradient goes into main_grad
+    (gradient_accumulation_fusion) only where the weight has one: Megatron's backward would
+    read a main_grad that a model outside DDP does not have. Its backward flattens two
+    leading dims: 2-D inputs (experts) get one."""
+    layer.gradient_accumulation_fusion = layer.config.gradient_accumulation_fusion and hasattr(layer.weight,
+                                                                                                "main_grad")
+    out = super(type(layer), layer).forward(x[None] if x.dim() == 2 else x)[0]
+    return out[0] if x.dim() == 2 else out
+
+
 class _Column(tp.ColumnParallelLinear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Megatron's linear backward flattens two leading dims: give 2-D inputs (experts) one.
-        out = super().forward(x[None] if x.dim() == 2 else x)[0]
-        return out[0] if x.dim() == 2 else out
+    forward = _linear
 
 
 class _Row(tp.RowParallelLinear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x[None] if x.dim() == 2 else x)[0]
-        return out[0] if x.dim() == 2 else out
+    forward = _linear
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -109,8 +116,11 @@ class MegatronContext(ParallelContext):
                          pp_rank=ps.get_pipeline_model_parallel_rank(),
                          cp_size=ps.get_context_parallel_world_size(),
                          cp_rank=ps.get_context_parallel_rank())
+        # gradient_accumulation_fusion: each linear adds its weight gradient into main_grad (the
+        # one GEMM megatron_gpu supplies); a model without DDP (no main_grad) returns it as usual
         self.mp = ModelParallelConfig(tensor_model_parallel_size=self.tp_size, use_cpu_initialization=True,
-                                      perform_initialization=False, params_dtype=params_dtype)
+                                      perform_initialization=False, params_dtype=params_dtype,
+                                      gradient_accumulation_fusion=megatron_gpu.fuse_wgrad_accumulation())
         self._dispatchers: dict[tuple[int, int], object] = {}
 
     @staticmethod

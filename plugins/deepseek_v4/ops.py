@@ -173,6 +173,44 @@ def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     return gx, gw
 
 
+def main_grad_of(w: torch.Tensor) -> torch.Tensor | None:
+    """w's `main_grad` (Megatron DDP's fp32 gradient buffer: the trainer) where it has a
+    contiguous one, else None: ops that take it add their weight gradient there themselves
+    and return none (DDP's hook has nothing to add for them)."""
+    main = getattr(w, "main_grad", None)
+    return main if main is not None and main.is_contiguous() else None
+
+
+@lru_cache(maxsize=1)
+def _addmm_takes_fp32_addend() -> bool:
+    """Whether this torch's CUDA addmm adds bf16 products into an fp32 tensor in place
+    (`out_dtype`, cuBLAS's beta = 1 on an fp32 C; older versions want the addend in the
+    inputs' dtype)."""
+    a = torch.zeros(16, 16, dtype=torch.bfloat16, device="cuda")
+    c = torch.zeros(16, 16, dtype=torch.float32, device="cuda")
+    try:
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def accumulate_wgrad(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """main [N, K] += dy [T, N]^T @ x [T, K], summed in main's dtype (fp32). bf16 dy and x on
+    CUDA: one GEMM whose epilogue adds into main (no [N, K] gradient in bf16, so no rounding
+    of it before the sum and no second pass); the same products through an fp32 temporary
+    where this torch cannot add into an fp32 addend."""
+    if dy.dtype == x.dtype == main.dtype:
+        main.addmm_(dy.t(), x)
+    elif dy.is_cuda and dy.dtype == x.dtype and dy.dtype in (torch.bfloat16, torch.float16):
+        if _addmm_takes_fp32_addend():
+            torch.addmm(main, dy.t(), x, out_dtype=main.dtype, out=main)
+        else:
+            main.add_(torch.mm(dy.t(), x, out_dtype=main.dtype))
+    else:
+        main.addmm_(dy.t().to(main.dtype), x.to(main.dtype))
+
+
 def fp32_linear(x: torch.Tensor, w: torch.Tensor, tf32: bool = False) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] in fp32 (the projections DSV4.md keeps in fp32:
     compressor, gate, mHC mixes, LM/MTP heads). With bf16 x and w every product is exact

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import _cuda_matmul_precision, fp32_linear
+from .ops import _cuda_matmul_precision, accumulate_wgrad, fp32_linear, main_grad_of, split_bf16
 
 HEAD_CHUNK_ELEMENTS = 1 << 26  # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB)
 
@@ -53,7 +53,9 @@ class _HeadLogprobs(torch.autograd.Function):
     the backward normalises the exponentials by their row sum again. TP ranks: the log-sum-exp
     and the label's logit are each one reduction over the ranks per chunk, the exponentials
     taken in place of the logits. fused: the chunk's row statistics in one read and its gradient
-    in one pass (kernels.cross_entropy), from the log-sum-exp kept on one rank too."""
+    in one pass (kernels.cross_entropy), from the log-sum-exp kept on one rank too. Where w has
+    a main_grad (the trainer) dz^T @ y is added there in fp32 and no weight gradient returned;
+    on bf16 CUDA tensors the backward GEMMs read dz as two bf16 terms (`head_split`)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
@@ -94,12 +96,15 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         y, w, ids, mine, lse = ctx.saved_tensors
-        dy, dw = torch.empty(y.shape, dtype=torch.float32, device=y.device), torch.zeros_like(w, dtype=torch.float32)
-        wf = w.float()
+        c, d = ctx.rows, y.shape[-1]
+        split = ctx.tf32 and head_split(y, w)
+        main = main_grad_of(w)  # the trainer: dz^T @ y added there, no [V/tp, d] gradient returned
+        dw = main if main is not None else torch.zeros_like(w, dtype=torch.float32)
+        dy = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+        wf = None if split else w.float()
         with _cuda_matmul_precision(ctx.tf32):
-            for i in range(0, y.shape[0], ctx.rows):
-                sl = slice(i, i + ctx.rows)
-                yc = y[sl].float()
+            for i in range(0, y.shape[0], c):
+                sl = slice(i, i + c)
                 dz = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp] logits: the forward's own call
                 # dz = g onehot(label) - g softmax(z), in place: the chunk's only [c, V/tp] buffer
                 # (one rank: every row's clamped label, as cross-entropy read it)
@@ -115,9 +120,24 @@ class _HeadLogprobs(torch.autograd.Function):
                     dz.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])
                 if not ctx.fused:
                     dz.scatter_add_(-1, ids[sl, None], hit[:, None])
-                torch.mm(dz, wf, out=dy[sl])
-                dw.addmm_(dz.t(), yc)
-        return dy.to(y.dtype), dw.to(w.dtype), None, None, None, None, None
+                if split:
+                    # dz = hi + lo in bf16 ([c, 2V] as split_bf16 writes it, read as [2c, V]: a
+                    # token's hi row, then its lo row): exact products, summed in fp32
+                    n = dz.shape[0]
+                    dz2 = split_bf16(dz, fused=ctx.fused).view(2 * n, -1)  # [2n, V/tp]
+                    dy[sl] = torch.mm(dz2, w, out_dtype=torch.float32).view(n, 2, d).sum(1)
+                    accumulate_wgrad(dw, dz2, y[sl, None].expand(n, 2, d).reshape(2 * n, d))
+                else:
+                    torch.mm(dz, wf, out=dy[sl])
+                    accumulate_wgrad(dw, dz, y[sl].float())
+        return dy.to(y.dtype), None if main is not None else dw.to(w.dtype), None, None, None, None, None
+
+
+def head_split(y: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the head's backward GEMMs take the fp32 logit gradient as two bf16 terms
+    (bf16 CUDA y and w; as ops.split_products for the other fp32 projections) instead of
+    TF32 GEMMs of fp32 copies of y and w. Looked up at call time (the A/B swaps it)."""
+    return y.is_cuda and y.dtype == w.dtype == torch.bfloat16
 
 
 def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:

@@ -330,9 +330,6 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # autograd call's host time): torch 163 forward / 648 backward; these tiles 105 / 256-313.
 # The forward may split K over SPLIT programs a row block (per-split partials, one sum); each
 # backward program owns a column block of a row group (GROUPS groups; fn's partials per group).
-# MIX_PREC "bf16x3" (forward only; bf16 streams, else tf32x3): fn split once a call into three
-# bf16 terms (its 24 significant bits), so each of the three bf16 dots multiplies exactly, on
-# the bf16 tensor-core rate, with no operand split inside the loop. Not yet timed on a GPU.
 MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=16, BK=64, SPLIT=1, warps=4)
 MIX_BWD = dict(BS=16, BK=16, GROUPS=2, warps=4) if INTERPRET else dict(BS=16, BK=64, GROUPS=8, warps=4)
 MIX_PREC = "tf32x3"
@@ -340,7 +337,7 @@ MIX_PREC = "tf32x3"
 
 @triton.jit
 def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, INTERPRET_DOT: tl.constexpr):
+               PREC: tl.constexpr):
     """Program (row block, K split): partial mm [BS, m] and sum of squares [BS] of its slab."""
     r = tl.program_id(0) * BS + tl.arange(0, BS)
     part = tl.program_id(1)
@@ -351,20 +348,9 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
     for k0 in range(part * kspan, tl.minimum(part * kspan + kspan, K), BK):
         c = k0 + tl.arange(0, BK)
         x = tl.load(X + r.to(tl.int64)[:, None] * K + c[None, :], mask=rows[:, None] & (c < K)[None, :],
-                    other=0.0)  # [BS, BK]
-        wm = (j < m)[:, None] & (c < K)[None, :]
-        if PREC == "bf16x3":  # FN [3, m, K]: fn's three bf16 terms; x is bf16
-            for t in tl.static_range(3):
-                w = tl.load(FN + t * m * K + j[:, None] * K + c[None, :], mask=wm, other=0.0)
-                if INTERPRET_DOT:  # the interpreter's dot mishandles bf16
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)  # [BS, MP]
-            x = x.to(tl.float32)
-        else:
-            x = x.to(tl.float32)
-            w = tl.load(FN + j[:, None] * K + c[None, :], mask=wm, other=0.0)
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC)  # [BS, MP]
+                    other=0.0).to(tl.float32)  # [BS, BK]
+        w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)  # [BS, MP]
         sq += tl.sum(x * x, 1)
     tl.store(MM + (part * R + r)[:, None] * m + j[None, :], acc, mask=rows[:, None] & (j < m)[None, :])
     tl.store(SQ + part * R + r, sq, mask=rows)
@@ -409,21 +395,12 @@ def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
     kspan = tile_span(k, t["SPLIT"], t["BK"])
     parts = triton.cdiv(max(k, 1), kspan)
     mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
-    prec = MIX_PREC if MIX_PREC != "bf16x3" or x2.dtype == torch.bfloat16 else "tf32x3"
     if r:
-        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, _bf16_terms(fn32) if prec == "bf16x3" else fn32, mm, sq,
-                                                     r, k, m, kspan, MP=max(16, triton.next_power_of_2(m)),
-                                                     BS=t["BS"], BK=t["BK"], PREC=prec, INTERPRET_DOT=INTERPRET,
-                                                     num_warps=t["warps"])
+        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
+                                                     MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
+                                                     BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
     mm, nrm = (mm[0], sq[0].sqrt()) if parts == 1 else (mm.sum(0), sq.sum(0).sqrt())
     return mm.view(*lead, m), nrm.view(lead), (x2, fn32, nrm)
-
-
-def _bf16_terms(fn: torch.Tensor) -> torch.Tensor:
-    """fp32 fn [m, K] -> [3, m, K] bf16 terms summing to it (ops.bf16_terms)."""
-    from ..ops import bf16_terms
-
-    return torch.stack(bf16_terms(fn, 3))
 
 
 def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | None = None,
