@@ -626,7 +626,7 @@ class MoE(nn.Module):
         out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, their k slots summed
         out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
         if self.shared_experts is not None:
-            out = out + self.shared_experts(xf).float()
+            out = out + self.shared_experts(xf)  # bf16 read into the fp32 sum: no cast of its own
         if not self.gate.is_hash:
             v = valid.reshape(-1)
             if self.training and torch.is_grad_enabled() and not (fwd is not None and fwd.replay):
