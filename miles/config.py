@@ -72,7 +72,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations (bf16: mixed precision)
     kernels: Literal["auto", "torch", "triton"] = "auto"  # GPU kernels; auto: on CUDA when triton is there
     sm90_kernels: Bool = True  # H100: the Gluon attention forward and dq pass (off: portable Triton)
-    sm90_kv_gradient: Bool = False  # H100: the Gluon kv gradient (agrees; 4-14% faster alone, fast mode)
+    sm90_kv_gradient: Bool = True  # H100: the fast backward's kv gradient on the Gluon kernel (deterministic: portable)
     overlap_chunks: Bool = False  # CUDA: the attention backward's chunks on two streams
     tf32_projections: Bool = True  # bf16 on CUDA: fp32 projections on tensor cores (TF32 or bf16 GEMMs, fp32 sums)
     fused_elementwise: Bool = True  # GPU kernels on: norms, RoPE, SwiGLU, MoE row moves, head log-softmax fused

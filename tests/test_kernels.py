@@ -167,13 +167,23 @@ def test_h100_kernels_are_the_gluon_ones_and_agree_with_the_portable_ones(seed, 
 @pytest.mark.parametrize("case", [s for s in SHAPES if s[1] % 64 == 0] + ["banded"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_h100_gluon_kv_gradient_agrees_with_the_portable_one(seed, case, deterministic, monkeypatch):
-    """The Gluon kv gradient (`AttentionOptions.sm90_kv_gradient`, off by default until measured)
-    on the same inputs as the portable kernel, with token splits of a few tokens so that they
-    cut through each key tile's range: dkv agrees within bf16 rounding of fp32 sums taken in
-    another order (a lost head block, token or key would be off by far more), dq and dsink
-    (the same dq pass) are bit-identical, and the deterministic mode repeats its bits."""
+    """The Gluon kv gradient (`AttentionOptions.sm90_kv_gradient`: the fast backward's by
+    default; the deterministic backward keeps the portable kernel, so there the Gluon one is
+    called in its place) on the same inputs as the portable kernel, with token splits of a few
+    tokens so that they cut through each key tile's range: dkv agrees within bf16 rounding of
+    fp32 sums taken in another order (a lost head block, token or key would be off by far
+    more), dq and dsink (the same dq pass) are bit-identical, and the deterministic mode
+    repeats its bits."""
     monkeypatch.setattr(sa, "TOKENS_PER_PROGRAM", 7)
     monkeypatch.setattr(sa, "DETERMINISTIC_TOKENS_PER_PROGRAM", 5)
+    kernel, calls = sa.kv_gradient_into, []
+
+    def spy(*args):  # the kernel the backward chose (its last argument), or the Gluon one forced
+        calls.append(args[-1])
+        kernel(*args[:-1], args[-1] or force[0])
+
+    force = [False]
+    monkeypatch.setattr(sa, "kv_gradient_into", spy)
     q, kv, idx, sink = make_banded(seed, 700, 64, 128, 64, 4, 48) if case == "banded" else make(seed, *case)
     q, kv, idx, sink = q.to(DEV, DTYPE), kv.to(DEV, DTYPE), idx.to(DEV), sink.to(DEV)
     do = torch.randn_like(q)
@@ -182,8 +192,12 @@ def test_h100_gluon_kv_gradient_agrees_with_the_portable_one(seed, case, determi
     o, lse = sa.sparse_attn_fwd(q, kv, cidx, cnt, sink, scale)
     runs = []
     for gluon in (True, True, False):
+        force[0] = gluon and deterministic
+        calls.clear()
         runs.append(sa.sparse_attn_bwd(q, kv, cidx, cnt, sink, scale, o, lse, do, deterministic,
                                        sa.AttentionOptions(sm90_kv_gradient=gluon)))
+        assert calls and set(calls) == {gluon and not deterministic}  # Gluon: the fast backward's only
+    assert sa.AttentionOptions().sm90_kv_gradient
     (dq, dkv, dsink), again, (dq_p, dkv_p, dsink_p) = runs
     assert rel(dkv.float(), dkv_p.float()) < 1e-2
     assert torch.equal(dq, dq_p) and torch.equal(dsink, dsink_p)

@@ -79,10 +79,10 @@ class DeepSeekV4Config:
     # triton is installed, "torch" = the PyTorch reference everywhere, "triton" = always
     kernels: str = "auto"
     # Switches of the sparse attention kernels (kernels.sparse_attention.AttentionOptions): the
-    # H100 Gluon forward and dq pass, the H100 Gluon kv gradient (off: it agreed with the
-    # portable one on an H100 but is not yet timed), the backward's chunk overlap on two streams
+    # H100 Gluon forward and dq pass, the H100 Gluon kv gradient of the fast backward, the
+    # backward's chunk overlap on two streams
     sm90_kernels: bool = True
-    sm90_kv_gradient: bool = False
+    sm90_kv_gradient: bool = True
     overlap_chunks: bool = False
     # The fp32 projections of a bf16 model (compressor, gate, mHC mixes, LM/MTP heads) on
     # tensor cores: TF32, and a bf16 x bf16 forward as a bf16 GEMM with fp32 output; exact

@@ -51,10 +51,11 @@ class AttentionOptions:
     # bf16 forward and dq pass on an H100 through the Gluon kernels (`sparse_attention_sm90`);
     # off: the portable Triton kernels
     sm90: bool = True
-    # with them, the kv gradient on the H100 Gluon kernel too (`sparse_attention_sm90._bwd_dkv`).
-    # Off by default: its H100 test agreed with the portable kernel (ninth session), but it has
-    # not been timed; it stays off until `benchmarks/kv_gradient_gpu.py` shows it faster
-    sm90_kv_gradient: bool = False
+    # with them, the fast (atomic) backward's kv gradient on the H100 Gluon kernel too
+    # (`sparse_attention_sm90._bwd_dkv`): as fast on CSA, faster on HCA (whole backward,
+    # `benchmarks/attention_gpu.py`); the deterministic backward keeps the portable kernel,
+    # which beats the Gluon one there (`benchmarks/kv_gradient_gpu.py`; NOTES has both)
+    sm90_kv_gradient: bool = True
     # CUDA: two scratch sets of SCRATCH_BYTES, chunk i's kv gradient on a side stream beside
     # chunk i + 1's dq pass. Off by default since the dq pass got faster: at the same 256 MiB of
     # scratch, one set of 2^28 against two overlapped sets of 2^27 (H100, sixth session, fwd+bwd
@@ -401,7 +402,7 @@ def sparse_attn_bwd(q, kv, idx, cnt, sink, scale, o, lse, do, deterministic: boo
                 x.record_stream(side)  # the allocator reuses their memory only after the side stream's reads
         with torch.cuda.stream(side):  # no-op when side is None
             kv_gradient_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, deterministic,
-                             sm90 and options.sm90_kv_gradient)
+                             sm90 and options.sm90_kv_gradient and not deterministic)
             if deterministic:
                 dkv += buf[:triton.cdiv(tc, tsplit)].sum(0)  # in split order: no atomics anywhere
         if side is not None:

@@ -537,8 +537,16 @@ def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, d
 # wgmma A operands as stored) and q, dO [64 heads, 256] by TMA (the B operands), 96 KB: two
 # stages. Items run in a ring: item i + NS - 1 comes into the stage of item i - 1 once item
 # i's products are issued and item i - 1's are done, so the tensor cores always have a pair
-# queued.
-KV_BN, KV_BD, KV_STAGES = 128, 256, 2
+# queued. The tile by the index-set width K (`benchmarks/kv_gradient_gpu.py`, H100, fast mode,
+# NOTES "Tenth session"): wide sets (CSA's top-k) 128 keys x 128 of D in 3 stages, narrow ones
+# (HCA's few compressed blocks) 64 x 256 in 2.
+KV_TILES = {"wide": (128, 128, 3), "narrow": (64, 256, 2)}
+KV_NARROW = 256  # K at most this: the narrow tile
+
+
+def kv_tile(k: int) -> tuple[int, int, int]:
+    """(keys, D columns, stages) of the kv-gradient tile for index sets of width k."""
+    return KV_TILES["narrow" if k <= KV_NARROW else "wide"]
 
 
 @triton.constexpr_function
@@ -637,13 +645,15 @@ def _bwd_dkv(QD, DOD, PT, DST, SMAP, FIRST, LAST, DKV, BUF, T0, H, K, N, D, TSPL
         gl.atomic_add(DKV + out, acc, mask=nmask, sem="relaxed")  # only the sum matters
 
 
-def bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, group, deterministic, bn=KV_BN, bd=KV_BD,
-                 ns=KV_STAGES):
+def bwd_dkv_into(q, do, pt, dst, smap, first, last, dkv, buf, t0, tsplit, group, deterministic, bn=None, bd=None,
+                 ns=None):
     """The kv gradient of tokens t0 .. t0 + Tc (Tc = smap's rows) from the dq pass's scratch pt,
     dst [Tc, K, H]: added to dkv [N, D] fp32 by atomics, or (deterministic) stored per split of
     tsplit tokens into buf [splits, N, D] fp32 for the caller to sum in order. smap, first, last:
     as `sparse_attention._key_map` makes them, with `group` keys per entry. bn, bd, ns: the
-    tile (bn // 16 warps) and the stages (the benchmark's sweep)."""
+    tile (bn // 16 warps) and the stages (the benchmark's sweep); None: `kv_tile`'s."""
+    tile = kv_tile(pt.shape[1])
+    bn, bd, ns = bn or tile[0], bd or tile[1], ns or tile[2]
     h, d = q.shape[1:]
     tc, n = smap.shape
     bd = min(d, bd)
