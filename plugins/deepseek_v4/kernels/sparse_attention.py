@@ -58,10 +58,7 @@ class AttentionOptions:
     sm90_kv_gradient: bool = True
     # CUDA: two scratch sets of SCRATCH_BYTES, chunk i's kv gradient on a side stream beside
     # chunk i + 1's dq pass. Off by default since the dq pass got faster: at the same 256 MiB of
-    # scratch, one set of 2^28 against two overlapped sets of 2^27 (H100, sixth session, fwd+bwd
-    # ms, fast / deterministic / portable): CSA S = 4096 4.20 -> 4.10, 4.71 -> 4.63, 5.10 -> 5.04;
-    # S = 8192 10.41 -> 10.43, 11.90 -> 11.61, 12.41 -> 12.61; HCA S = 8192 3.65 -> 3.58, 4.70 ->
-    # 4.57, 4.58 -> 4.57. (Before, the overlap had gained 4-5% over one set of 2^27.)
+    # scratch one set of 2^28 (fewer, larger chunks) is as fast or faster (kernels/NOTES.md)
     overlap_chunks: bool = False
 
 
@@ -76,17 +73,16 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 # Heads are the matmul M dim (>= 16 for tl.dot); a [BLOCK_H, D] fp32 accumulator bounds BLOCK_H * D.
-# H100, D = 512 (2026-11-22): fwd BH64/BK64/w8/s2 1.27 ms, 255 regs, no spills; 16 warps ran 2x
-# slower, Triton's warp specialisation gained nothing, and keys as the M dim (no duplicated
-# Q.K^T per warpgroup, but cross-warpgroup max/sum every block) ran 1.37 ms at best.
+# At D = 512 BH64/BK64/w8/s2 fits without spills; 16 warps, Triton's warp specialisation and
+# keys as the M dim (cross-warpgroup max/sum every block) were all slower (kernels/NOTES.md).
 _Q_CONFIGS = _configs([(16, 16, 4, 1), (16, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2),
                        (64, 64, 8, 1), (64, 128, 8, 1)])
 # dq kernel (transposed tiles): H100, BH64/BK32/w8/s2, no spills; the whole backward 1-4% faster
 # than with the untransposed kernel (whose BH64 tiles spilled 70 registers)
 _DQ_CONFIGS = _configs([(64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 8, 3), (32, 32, 8, 2), (16, 32, 4, 2)])
-# (BLOCK_N, BLOCK_D, num_warps, num_stages) of the key-major kv-gradient kernel. H100, D = 512,
-# whole backward (2026-11-23): BN128/BD128/w8/s3 best for CSA (4.03 ms at S = 4096, vs 4.19-5.9
-# for the others), BN64/BD128/w4/s2 for HCA; BD 256 spills (pointer tensors of the gathers).
+# (BLOCK_N, BLOCK_D, num_warps, num_stages) of the key-major kv-gradient kernel. At D = 512 CSA
+# layers tune to BN128/BD128/w8/s3, HCA layers to BN64/BD128/w4/s2; BD 256 spills (pointer
+# tensors of the gathers).
 # The narrow tiles keep a config for every head dim down to 16 (the tiny test model's is 32).
 _KV_CONFIGS = ([triton.Config({"BLOCK_N": 16, "BLOCK_D": 16}, num_warps=4, num_stages=1)] if _INTERPRET else
                [triton.Config({"BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=st)
@@ -188,9 +184,8 @@ def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H,
 
 
 # Tuned per slot-count class too (`SLOTS`: the index-set width rounded up to a power of two):
-# the best tile differs between CSA and HCA layers (H100, HCA S = 8192, fwd+bwd 3.73 ms with
-# the config tuned on CSA, 3.54 with its own), and keying on the exact width would retune
-# whenever a sequence length changes it.
+# the best tile differs between CSA and HCA layers (HCA ran ~5% slower in CSA's), and keying on
+# the exact width would retune whenever a sequence length changes it.
 @triton.autotune(_KV_CONFIGS, key=["H", "D", "SLOTS", "DETERMINISTIC"], reset_to_zero=["DKV"],
                  prune_configs_by={"early_config_prune": within_head_dim("BLOCK_D")})
 @triton.jit

@@ -166,7 +166,6 @@ def _half(P: gl.constexpr, QD, OD, KV, IDX, CNT, SINK, LSE, kv_smem, q_smem, x_s
         mbarrier.wait(qbars.index(P * 2 + b), phase=(n // 2) & 1)
         # the next item's q, into the other buffer once the item before's o has left it: after
         # block 0's gather and the id loads are out, which gives that store the longest time
-        # (H100: HCA forward 5-8% faster than at the item's start; CSA within 0.6%)
         if w + nprog < n_items:
             tma.store_wait(0)
             gl.thread_barrier()
@@ -288,9 +287,9 @@ def forward_into(q, kv, idx, cnt, sink, scale, o, lse):
 # block i + 1's rows can only come into the stage that block i - 1's dq product frees: in the
 # key loop partition 0 issues that product before block i's S and dP and gathers as soon as
 # it is done, while partition 1 issues S and dP first (its partials are what partition 0
-# waits on) and gathers right after handing them over. H100, 2026-11-23, dq pass: 2-7%
-# faster than both partitions issuing S and dP first and gathering at the iteration's end
-# (whose rows then waited their L2 latency at the next iteration's start).
+# waits on) and gathers right after handing them over: a few percent faster than both
+# partitions issuing S and dP first and gathering at the iteration's end (whose rows then
+# waited their L2 latency at the next iteration's start).
 DQ_BK, DQ_STAGES = 32, 2
 
 
@@ -379,10 +378,9 @@ def _dq_half(P: gl.constexpr, QD, DOD, DQD, KV, IDX, CNT, SINK, O, LSE, DSINK, P
     do = do_smem.index(P)
     # q and dO by TMA (no address registers). O, read only for delta = rowsum(dO * O), comes
     # into registers by loads issued before anything waits and meets dO in shared memory: dO
-    # crosses HBM once (it was also read a second time for delta, in pieces: HCA dq pass
-    # 1.73 -> 1.45 ms with the TMA copies and the TMA store of dq). The threads' own loads (the
-    # first blocks' rows, O, the count and ids; partition 0's lse and sink) go out before the
-    # two 32 KB TMA copies, not behind them (H100: dq pass 5% faster on CSA, 12% on HCA)
+    # crosses HBM once (it was also read a second time for delta, in pieces). The threads' own
+    # loads (the first blocks' rows, O, the count and ids; partition 0's lse and sink) go out
+    # before the two 32 KB TMA copies, not behind them, so their latency overlaps the copies
     for st in gl.static_range(NS):  # bounded by K, not the count: no wait for the count's load
         _gather(KV, _ids(IDX, t, si_t, st * BLOCK_K, K, BLOCK_K, DH), kv_smem.index(P * NS + st), skv, P, DH)
     rows: gl.constexpr = _rows_layout(DH)
