@@ -79,12 +79,23 @@ class _WgradAccumulation:
     wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32  # main_grad in half precision: same contract
 
 
-def fuse_wgrad_accumulation() -> bool:
+def fuse_wgrad_accumulation() -> None:
     """Let Megatron's linears take gradient_accumulation_fusion (each adds its weight gradient
     into the parameter's main_grad and returns none) without apex: its layers module gets
-    the extension it looks for. Leaves an installed apex alone. True when the flag may be set."""
+    the extension it looks for (a private name of the pinned version). Leaves an installed
+    apex alone."""
+    import megatron.core
     from megatron.core.tensor_parallel import layers
 
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != PINNED_MEGATRON_CORE:
+        raise MegatronVersionError(f"miles' wgrad accumulation was written for megatron-core "
+                                   f"{PINNED_MEGATRON_CORE}, found {version}: pin "
+                                   f"megatron-core=={PINNED_MEGATRON_CORE}")
+    if torch.cuda.is_available():  # the GEMM's capability probe, eagerly (not inside a graph capture)
+        from plugins.deepseek_v4.ops import _addmm_takes_fp32_addend
+
+        _addmm_takes_fp32_addend()
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
         layers._grad_accum_fusion_available = True

@@ -40,7 +40,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from miles.train import megatron_gpu
-from plugins.deepseek_v4.ops import fp32_linear
+from plugins.deepseek_v4.ops import fp32_linear, main_grad_of
 from plugins.deepseek_v4.parallel import ParallelContext, cp_chunk
 
 
@@ -53,8 +53,8 @@ def _linear(layer, x: torch.Tensor) -> torch.Tensor:
     (gradient_accumulation_fusion) only where the weight has one: Megatron's backward would
     read a main_grad that a model outside DDP does not have. Its backward flattens two
     leading dims: 2-D inputs (experts) get one."""
-    layer.gradient_accumulation_fusion = layer.config.gradient_accumulation_fusion and hasattr(layer.weight,
-                                                                                                "main_grad")
+    layer.gradient_accumulation_fusion = (layer.config.gradient_accumulation_fusion
+                                          and main_grad_of(layer.weight) is not None)
     out = super(type(layer), layer).forward(x[None] if x.dim() == 2 else x)[0]
     return out[0] if x.dim() == 2 else out
 
@@ -118,9 +118,10 @@ class MegatronContext(ParallelContext):
                          cp_rank=ps.get_context_parallel_rank())
         # gradient_accumulation_fusion: each linear adds its weight gradient into main_grad (the
         # one GEMM megatron_gpu supplies); a model without DDP (no main_grad) returns it as usual
+        megatron_gpu.fuse_wgrad_accumulation()
         self.mp = ModelParallelConfig(tensor_model_parallel_size=self.tp_size, use_cpu_initialization=True,
                                       perform_initialization=False, params_dtype=params_dtype,
-                                      gradient_accumulation_fusion=megatron_gpu.fuse_wgrad_accumulation())
+                                      gradient_accumulation_fusion=True)
         self._dispatchers: dict[tuple[int, int], object] = {}
 
     @staticmethod

@@ -175,9 +175,9 @@ class TrainWorker:
 
         bf16 = self.tcfg.bf16
         self.model.zero_grad(set_to_none=True)
-        # No overlapped reduction: the CUDA graphs and the grouped expert GEMMs add their
-        # gradients into main_grad themselves, so DDP's per-parameter hooks never see them
-        # (overlap would wait on those hooks and asserts each saw a gradient).
+        # No overlapped reduction: the CUDA graphs, the grouped expert GEMMs and the LM/MTP heads
+        # add their gradients into main_grad themselves, so DDP's per-parameter hooks never see
+        # them (overlap would wait on those hooks and asserts each saw a gradient).
         self.ddp = DistributedDataParallel(self.tcfg, DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False), self.model)
         self.opt = get_megatron_optimizer(OptimizerConfig(

@@ -18,7 +18,8 @@ What a graph needs, and where it comes from:
 - Parameter gradients never leave the backward graph: it adds each into the parameter's
   `main_grad` (Megatron DDP's fp32 buffer, at a fixed address) as DDP's hook would, and the
   bf16 gradient's memory goes back to the pool for the next block's capture. (The grouped
-  expert GEMMs add theirs into main_grad themselves: the aliases carry it.) DDP's hook then
+  expert GEMMs and Megatron's linears, under gradient_accumulation_fusion, add theirs into
+  main_grad themselves: the aliases carry it.) DDP's hook then
   has nothing to do: the trainer runs DDP without overlapped reduction (its per-bucket
   readiness would wait for hooks that never fire), reducing the whole buffer after the step.
 - Consecutive main layers share buffers: layer i+1's static input is layer i's static output,
@@ -106,8 +107,8 @@ class _Graphed:
 
     def _alias_main_grads(self, real: bool) -> None:
         """Give the aliases the parameters' main_grad (ops that add their weight gradient
-        there themselves, the grouped expert GEMMs), or zeroed scratch ones for the warm-up,
-        whose gradients must not reach the real buffers."""
+        there themselves: the grouped expert GEMMs, Megatron's linears), or zeroed scratch
+        ones for the warm-up, whose gradients must not reach the real buffers."""
         for p, a in zip(self.params, self.alias, strict=True):
             if a.requires_grad and hasattr(p, "main_grad"):
                 a.main_grad = p.main_grad if real else torch.zeros_like(p.main_grad)

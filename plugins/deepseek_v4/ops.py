@@ -186,13 +186,13 @@ def _addmm_takes_fp32_addend() -> bool:
     """Whether this torch's CUDA addmm adds bf16 products into an fp32 tensor in place
     (`out_dtype`, cuBLAS's beta = 1 on an fp32 C; older versions want the addend in the
     inputs' dtype)."""
-    a = torch.zeros(16, 16, dtype=torch.bfloat16, device="cuda")
-    c = torch.zeros(16, 16, dtype=torch.float32, device="cuda")
+    a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+    c = torch.ones(16, 16, dtype=torch.float32, device="cuda")
     try:
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
     except (RuntimeError, TypeError):
         return False
-    return True
+    return bool((c == 17).all())  # added into, not overwritten
 
 
 def accumulate_wgrad(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -202,7 +202,8 @@ def accumulate_wgrad(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> N
     where this torch cannot add into an fp32 addend."""
     if dy.dtype == x.dtype == main.dtype:
         main.addmm_(dy.t(), x)
-    elif dy.is_cuda and dy.dtype == x.dtype and dy.dtype in (torch.bfloat16, torch.float16):
+    elif (dy.is_cuda and main.dtype == torch.float32 and dy.dtype == x.dtype
+          and dy.dtype in (torch.bfloat16, torch.float16)):
         if _addmm_takes_fp32_addend():
             torch.addmm(main, dy.t(), x, out_dtype=main.dtype, out=main)
         else:

@@ -24,7 +24,9 @@ from torch import nn
 
 from .ops import _cuda_matmul_precision, accumulate_wgrad, fp32_linear, main_grad_of, split_bf16
 
-HEAD_CHUNK_ELEMENTS = 1 << 26  # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB)
+# fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB; the split backward holds
+# their two bf16 terms beside them, as much again)
+HEAD_CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclass
@@ -55,7 +57,8 @@ class _HeadLogprobs(torch.autograd.Function):
     taken in place of the logits. fused: the chunk's row statistics in one read and its gradient
     in one pass (kernels.cross_entropy), from the log-sum-exp kept on one rank too. Where w has
     a main_grad (the trainer) dz^T @ y is added there in fp32 and no weight gradient returned;
-    on bf16 CUDA tensors the backward GEMMs read dz as two bf16 terms (`head_split`)."""
+    with tf32 on bf16 CUDA y and w the backward GEMMs read dz as two bf16 terms (`head_split`;
+    TP ranks get an fp32 y from head_input, so their GEMMs stay on TF32)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
@@ -98,7 +101,9 @@ class _HeadLogprobs(torch.autograd.Function):
         y, w, ids, mine, lse = ctx.saved_tensors
         c, d = ctx.rows, y.shape[-1]
         split = ctx.tf32 and head_split(y, w)
-        main = main_grad_of(w)  # the trainer: dz^T @ y added there, no [V/tp, d] gradient returned
+        # the trainer: dz^T @ y added into main_grad, no [V/tp, d] gradient returned (DDP's hook
+        # then has nothing to add: the trainer's DDP does not overlap its reduction with hooks)
+        main = main_grad_of(w) if ctx.needs_input_grad[1] else None
         dw = main if main is not None else torch.zeros_like(w, dtype=torch.float32)
         dy = torch.empty(y.shape, dtype=torch.float32, device=y.device)
         wf = None if split else w.float()
@@ -130,7 +135,8 @@ class _HeadLogprobs(torch.autograd.Function):
                 else:
                     torch.mm(dz, wf, out=dy[sl])
                     accumulate_wgrad(dw, dz, y[sl].float())
-        return dy.to(y.dtype), None if main is not None else dw.to(w.dtype), None, None, None, None, None
+        dw = None if main is not None or not ctx.needs_input_grad[1] else dw.to(w.dtype)
+        return dy.to(y.dtype), dw, None, None, None, None, None
 
 
 def head_split(y: torch.Tensor, w: torch.Tensor) -> bool:

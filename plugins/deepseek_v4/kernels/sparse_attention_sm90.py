@@ -526,18 +526,17 @@ def bwd_dq_into(q, kv, idx, cnt, sink, scale, o, do, lse, dq, dsink_terms, pt, d
 
 # --- backward: kv gradient -------------------------------------------------------------------
 # Key-major like the portable `_bwd_dkv` (program = D tile, key tile, split of the chunk's
-# tokens; the tile's gradient summed over the tokens in registers), in tiles of 128 keys x 256
+# tokens; the tile's gradient summed over the tokens in registers), in tiles of BN keys x BD
 # of D with the products on wgmma from shared memory. Why: the portable kernel's 64 x 128 tiles
 # read each token's q and dO once per key tile that the token touches and P, dS once per D
-# tile; at HCA S = 8192 that is ~6.3 GB from L2 in 1.24 ms, about L2's rate. 128 x 256 tiles
-# read ~4.4 GB. Per item (token, 64-head block) a stage holds P and dS rows [128 keys, 64
-# heads] (cp.async through the slot map: zeros where the token did not pick the key, the
-# wgmma A operands as stored) and q, dO [64 heads, 256] by TMA (the B operands), 96 KB: two
-# stages. Items run in a ring: item i + NS - 1 comes into the stage of item i - 1 once item
-# i's products are issued and item i - 1's are done, so the tensor cores always have a pair
-# queued. The tile by the index-set width K (`benchmarks/kv_gradient_gpu.py`, H100, fast mode,
-# NOTES "Tenth session"): wide sets (CSA's top-k) 128 keys x 128 of D in 3 stages, narrow ones
-# (HCA's few compressed blocks) 64 x 256 in 2.
+# tile, about L2's rate at HCA S = 8192; larger tiles read less (128 x 256: ~70% of it). Per
+# item (token, 64-head block) a stage holds P and dS rows [BN keys, 64 heads] (cp.async
+# through the slot map: zeros where the token did not pick the key, the wgmma A operands as
+# stored) and q, dO [64 heads, BD] by TMA (the B operands). Items run in a ring: item i + NS -
+# 1 comes into the stage of item i - 1 once item i's products are issued and item i - 1's are
+# done, so the tensor cores always have a pair queued. The tile by the index-set width K
+# (`benchmarks/kv_gradient_gpu.py`, fast mode, kernels/NOTES.md): wide sets (CSA's top-k) 128
+# keys x 128 of D in 3 stages, narrow ones (HCA's few compressed blocks) 64 x 256 in 2.
 KV_TILES = {"wide": (128, 128, 3), "narrow": (64, 256, 2)}
 KV_NARROW = 256  # K at most this: the narrow tile
 
