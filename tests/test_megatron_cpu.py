@@ -1,6 +1,7 @@
 """The Megatron-core CPU bridge (miles/train/megatron_cpu.py): version pin, CUDA guard, and
 TP=2, DP=2 (DDP + DistributedOptimizer) and PP=2 (1F1B) over gloo in 2 real processes,
-each compared with the same computation in one process."""
+each compared with the same computation in one process; and the linears' weight gradients
+added into DDP's main_grad by megatron_gpu's GEMM (gradient_accumulation_fusion)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,44 @@ def _tp_worker(rank: int, port: int, seed: int, out: str) -> None:
     y, _ = row(col(x)[0])
     (y * torch.arange(8.0)).sum().backward()
     torch.save({"y": y.detach(), "dx": x.grad, "dw1": col.weight.grad, "dw2": row.weight.grad}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _fusion_worker(rank: int, port: int, seed: int, out: str, fused: bool) -> None:
+    """MegatronContext's TP=2 column -> row linears under Megatron DDP, two micro-batches
+    accumulated: with gradient_accumulation_fusion (megatron_gpu's wgrad GEMM) or without."""
+    _init(rank, port, tensor_model_parallel_size=2)
+    from megatron.core import tensor_parallel as tp
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from miles.train.parallel_context import MegatronContext
+
+    tp.model_parallel_cuda_manual_seed(seed)
+    ctx = MegatronContext(torch.float32)
+    ctx.mp.gradient_accumulation_fusion = fused
+    model = torch.nn.Sequential(ctx.column_linear(8, 12, torch.float32), ctx.row_linear(12, 8, torch.float32))
+    x, w1, w2 = _inputs(seed)
+    with torch.no_grad():
+        model[0].weight.copy_(w1.chunk(2, 0)[rank])
+        model[1].weight.copy_(w2.chunk(2, 1)[rank])
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                            tensor_model_parallel_size=2)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    ddp.zero_grad_buffer()
+    from miles.train import megatron_gpu
+
+    gemm, calls = megatron_gpu._WgradAccumulation.wgrad_gemm_accum_fp32, []
+
+    def counted(*args):
+        calls.append(1)
+        gemm(*args)
+
+    megatron_gpu._WgradAccumulation.wgrad_gemm_accum_fp32 = staticmethod(counted)
+    for mb in range(2):
+        (ddp(x * (mb + 1)) * torch.arange(8.0)).sum().backward()
+    ddp.finish_grad_sync()
+    torch.save({"main": [p.main_grad.clone() for p in model.parameters()], "gemms": len(calls)}, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -176,6 +215,25 @@ def test_tensor_parallel_linears_match_single_process(tmp_path, seed):
         assert_close(r[rank]["dx"], x.grad, atol=1e-5, rtol=1e-5, what="dx")
         assert_close(r[rank]["dw1"], w1.grad.chunk(2, 0)[rank], atol=1e-5, rtol=1e-5, what="dw1 shard")
         assert_close(r[rank]["dw2"], w2.grad.chunk(2, 1)[rank], atol=1e-5, rtol=1e-5, what="dw2 shard")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_linears_add_their_weight_gradient_into_main_grad(tmp_path, seed, fused):
+    """MegatronContext's linears under Megatron DDP with gradient_accumulation_fusion (the apex
+    GEMM Megatron calls, supplied by megatron_gpu: main_grad += dy^T x) and without: each
+    weight's main_grad after two accumulated micro-batches is the unsharded gradient's shard
+    (a second add by DDP's hook, or none, would be off by a whole gradient), and with the
+    fusion each linear's backward went through the GEMM (2 linears x 2 micro-batches)."""
+    r = _spawn(_fusion_worker, tmp_path, seed, fused)
+    x, w1, w2 = _inputs(seed)
+    w1, w2 = w1.requires_grad_(), w2.requires_grad_()
+    for mb in range(2):
+        ((x * (mb + 1)) @ w1.t() @ w2.t() * torch.arange(8.0)).sum().backward()
+    for rank in range(2):
+        assert r[rank]["gemms"] == (4 if fused else 0)
+        got1, got2 = r[rank]["main"]
+        assert_close(got1, w1.grad.chunk(2, 0)[rank], atol=1e-4, rtol=1e-5, what="w1 main_grad shard")
+        assert_close(got2, w2.grad.chunk(2, 1)[rank], atol=1e-4, rtol=1e-5, what="w2 main_grad shard")
 
 
 @pytest.mark.parametrize("clip_in_adam", [False, True])
