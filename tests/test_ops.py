@@ -1055,3 +1055,30 @@ def test_sqrtsoftplus_gradient_finite_for_extreme_logits() -> None:
     ops.sqrtsoftplus(x).sum().backward()
     assert torch.isfinite(x.grad).all(), x.grad
     assert (x.grad >= 0).all()
+
+
+def test_sorts_in_narrow_key_types_give_the_int64_order(rng: Rng) -> None:
+    """The index sorts run on the narrowest integer keys that hold them (layout.sort_key_dtype:
+    fewer radix passes): mask_to_index, the routing's expert groups (stable: token order within
+    a group) and the layout's compression blocks give what int64 keys give."""
+    from plugins.deepseek_v4.layout import sort_key_dtype
+
+    assert [sort_key_dtype(n) for n in (1, 2 ** 15, 2 ** 15 + 1, 2 ** 31, 2 ** 31 + 1)] == [
+        torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
+    mask = rng.bern(0.3, 2, 9, 300)
+    t = mask.shape[-1]
+    ar = torch.arange(t)
+    want = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :120]
+    assert torch.equal(ops.mask_to_index(mask, 120), torch.where(mask.gather(-1, want), want, -1))
+    idx = rng.randint(0, 40, 200, 6)  # experts 10..29 local, others elsewhere: key 20
+    pairs, rows, offs, counts, m = ops.expert_rows(idx, 10, 20, all_local=False, align=1)
+    flat = idx.flatten() - 10
+    key = torch.where((flat >= 0) & (flat < 20), flat, 20)
+    order = torch.sort(key, stable=True).indices
+    assert torch.equal(pairs, order[:pairs.numel()]) and pairs.numel() == int((key < 20).sum())
+    assert torch.equal(counts, torch.bincount(key, minlength=21)[:20])
+    doc = torch.cat([torch.full((1, 37), 0), torch.full((1, 64), 1), torch.full((1, 27), 2)], 1)
+    pos = torch.cat([torch.arange(37), torch.arange(64), torch.arange(27)])[None]
+    blocks = SequenceLayout(doc=doc, pos=pos).blocks(4)
+    assert blocks.start[blocks.valid].tolist() == [0, 4, 8, 12, 16, 20, 24, 28, 32] + [
+        37 + 4 * i for i in range(16)] + [101 + 4 * i for i in range(6)]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import YarnScaling
+from .layout import sort_key_dtype
 
 
 # --------------------------------------------------------------------------- norms
@@ -543,9 +544,11 @@ def expert_rows(idx: torch.Tensor, first: int, n_local: int, all_local: bool, al
     no padding, for the reference loop)."""
     flat = idx.flatten() - first  # [N*k]
     key = torch.where((flat >= 0) & (flat < n_local), flat, n_local)
-    ordered, pairs = torch.sort(key, stable=True)
+    # stable: each group's pairs in token order; keys <= n_local in the narrowest integer type
+    small = sort_key_dtype(n_local + 1)
+    ordered, pairs = torch.sort(key.to(small), stable=True)
     # group sizes from the sorted keys (bincount would make the host wait for the GPU)
-    counts = torch.searchsorted(ordered, torch.arange(n_local + 2, device=idx.device)).diff()
+    counts = torch.searchsorted(ordered, torch.arange(n_local + 2, device=idx.device, dtype=small)).diff()
     n_pairs = pairs.numel() if all_local else int(counts[:n_local].sum())  # EP: one sync
     pairs = pairs[:n_pairs]
     counts = counts[:n_local]
@@ -756,7 +759,7 @@ def mask_to_index(mask: torch.Tensor, k: int | None = None) -> torch.Tensor:
     slot). K = k, a bound on every row's set known to the caller (no wait for the GPU), else
     the largest set (read from the GPU)."""
     t = mask.shape[-1]
-    ar = torch.arange(t, device=mask.device)
+    ar = torch.arange(t, device=mask.device, dtype=sort_key_dtype(2 * t))  # unique keys < 2t
     if k is None:
         k = int(mask.sum(-1).max().item()) if mask.numel() else 0
     order = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :k]
