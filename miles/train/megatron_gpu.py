@@ -99,7 +99,6 @@ def fuse_wgrad_accumulation() -> None:
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
         layers._grad_accum_fusion_available = True
-    return True
 
 
 def fuse_adam(opt) -> int:

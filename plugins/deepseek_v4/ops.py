@@ -123,12 +123,18 @@ class _Fp32Linear(torch.autograd.Function):
         return gx, gw, None
 
 
+def bf16_on_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x and w are bf16 CUDA tensors: the fp32 projections' products then run exact
+    on bf16 tensor cores (bf16_products, split_products, the heads' parallel.head_split)."""
+    return x.is_cuda and x.dtype == w.dtype == torch.bfloat16
+
+
 def bf16_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T -> fp32 [..., N] on bf16 tensor cores when both are bf16 CUDA
     tensors, else None. A product of two bf16 numbers is exact in fp32 and the GEMM sums in
     fp32, so this is the TF32 path's result (its operands are exact in TF32 too) at twice
     the tensor-core rate. Callers look it up on this module at call time (the A/B swaps it)."""
-    if not (x.dtype == w.dtype == torch.bfloat16 and x.is_cuda):
+    if not bf16_on_cuda(x, w):
         return None
     return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
 
@@ -161,7 +167,7 @@ def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     of g to 2^-17, where TF32 rounds g to 2^-11 and needs fp32 copies of x and w (a cast of
     x each way). (dx [..., K] in x's dtype, rounded once by its GEMM; dw [N, K] in w's dtype.)
     Callers look it up on this module at call time (the A/B swaps it)."""
-    if not (x.dtype == w.dtype == torch.bfloat16 and x.is_cuda):
+    if not bf16_on_cuda(x, w):
         return None
     n, k = w.shape
     g2 = split_bf16(g.reshape(-1, n).float(), fused=True)  # [T, 2N]
@@ -591,8 +597,8 @@ class _GroupedMM(torch.autograd.Function):
 def wgrad_into_main_grad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> bool:
     """Add the grouped GEMM's weight gradient into w.main_grad where w has a contiguous one
     (True), else nothing (False). Callers look it up on this module at call time (the A/B)."""
-    main = getattr(w, "main_grad", None)
-    if main is None or not main.is_contiguous():
+    main = main_grad_of(w)
+    if main is None:
         return False
     from .kernels.moe import add_grouped_wgrad
 

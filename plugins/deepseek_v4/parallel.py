@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import _cuda_matmul_precision, accumulate_wgrad, fp32_linear, main_grad_of, split_bf16
+from .ops import _cuda_matmul_precision, accumulate_wgrad, bf16_on_cuda, fp32_linear, main_grad_of, split_bf16
 
 # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB; the split backward holds
 # their two bf16 terms beside them, as much again)
@@ -103,8 +103,9 @@ class _HeadLogprobs(torch.autograd.Function):
         split = ctx.tf32 and head_split(y, w)
         # the trainer: dz^T @ y added into main_grad, no [V/tp, d] gradient returned (DDP's hook
         # then has nothing to add: the trainer's DDP does not overlap its reduction with hooks)
-        main = main_grad_of(w) if ctx.needs_input_grad[1] else None
-        dw = main if main is not None else torch.zeros_like(w, dtype=torch.float32)
+        want_dw = ctx.needs_input_grad[1]
+        main = main_grad_of(w) if want_dw else None
+        dw = main if main is not None or not want_dw else torch.zeros_like(w, dtype=torch.float32)
         dy = torch.empty(y.shape, dtype=torch.float32, device=y.device)
         wf = None if split else w.float()
         with _cuda_matmul_precision(ctx.tf32):
@@ -131,11 +132,13 @@ class _HeadLogprobs(torch.autograd.Function):
                     n = dz.shape[0]
                     dz2 = split_bf16(dz, fused=ctx.fused).view(2 * n, -1)  # [2n, V/tp]
                     dy[sl] = torch.mm(dz2, w, out_dtype=torch.float32).view(n, 2, d).sum(1)
-                    accumulate_wgrad(dw, dz2, y[sl, None].expand(n, 2, d).reshape(2 * n, d))
+                    if dw is not None:
+                        accumulate_wgrad(dw, dz2, y[sl, None].expand(n, 2, d).reshape(2 * n, d))
                 else:
                     torch.mm(dz, wf, out=dy[sl])
-                    accumulate_wgrad(dw, dz, y[sl].float())
-        dw = None if main is not None or not ctx.needs_input_grad[1] else dw.to(w.dtype)
+                    if dw is not None:
+                        accumulate_wgrad(dw, dz, y[sl].float())
+        dw = None if main is not None or dw is None else dw.to(w.dtype)
         return dy.to(y.dtype), dw, None, None, None, None, None
 
 
@@ -143,7 +146,7 @@ def head_split(y: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the head's backward GEMMs take the fp32 logit gradient as two bf16 terms
     (bf16 CUDA y and w; as ops.split_products for the other fp32 projections) instead of
     TF32 GEMMs of fp32 copies of y and w. Looked up at call time (the A/B swaps it)."""
-    return y.is_cuda and y.dtype == w.dtype == torch.bfloat16
+    return bf16_on_cuda(y, w)
 
 
 def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:
