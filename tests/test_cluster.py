@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from miles.cluster import bringup  # noqa: E402
-from miles.cluster.node import free_port  # noqa: E402
+from miles.cluster.node import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # sft_tiny shortened: 8 steps of DP=2 (2 CPUs per worker: one rank per 2-CPU node), a checkpoint
@@ -67,7 +67,7 @@ def ray_processes() -> set[int]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("cluster")
-    port, dash = free_port(), free_port()
+    port, dash = free_ports(2)
     before = ray_processes()
     common = ["--state-dir", str(state)]
     up = sh("cluster/up.sh", "--local", "--port", str(port), "--dashboard-port", str(dash), "--num-cpus", "2",
@@ -359,3 +359,17 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
 def test_jobs_submit_sh_is_miles_submit(tmp_path):
     p = sh("jobs/submit.sh", "--help")
     assert "usage: miles submit" in p.stdout and "--no-wait" in p.stdout
+
+
+def test_free_ports_are_distinct_and_avoid_the_ports_given_out():
+    """Every port a cluster's `ray start` is given is picked in one free_ports call (or kept
+    out by `avoid`): one free_port() at a time, the OS handed a head the same port for its GCS
+    and its client server, and it refused to start. 500 picks from ~28k ephemeral ports would
+    repeat one with probability ~99% if the sockets were closed in between."""
+    ports = free_ports(500)
+    assert len(set(ports)) == 500
+    taken = tuple(free_ports(2))
+    assert not set(free_ports(300, avoid=taken)) & set(taken)
+    flags = bringup.own_ports("127.0.0.1", taken)
+    own = [int(f.rsplit("=", 1)[1]) for f in flags]
+    assert len(set(own)) == 2 and not set(own) & set(taken), flags

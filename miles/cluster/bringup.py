@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.cluster.node import free_port
+from miles.cluster.node import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "cluster" / "env"
@@ -108,11 +108,13 @@ def ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-def own_ports(host: str) -> list[str]:
+def own_ports(host: str, avoid: tuple[int, ...] = ()) -> list[str]:
     """`ray start` flags for the ports Ray would otherwise take at fixed defaults (the dashboard
     agent's 52365, the client server's 10001), where a second cluster on the same machine (a
-    test's, `make demo` beside cluster/up.sh's) would collide and never accept a job."""
-    return [f"--dashboard-agent-listen-port={free_port(host)}", f"--ray-client-server-port={free_port(host)}"]
+    test's, `make demo` beside cluster/up.sh's) would collide and never accept a job: two free
+    ports, distinct from each other and from `avoid` (the node's GCS and dashboard ports)."""
+    agent, client = free_ports(2, host, avoid)
+    return [f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}"]
 
 
 def temp_dir(gcs_port: int) -> str:
@@ -334,7 +336,7 @@ def up(args) -> None:
     tmp = temp_dir(args.port)
     cmd = [ray_bin(), "start", "--head", f"--node-ip-address={node_ip}", f"--port={args.port}",
            "--include-dashboard=true", f"--dashboard-host={dash_host}", f"--dashboard-port={args.dashboard_port}",
-           *own_ports(node_ip), f"--temp-dir={tmp}", "--disable-usage-stats"]
+           *own_ports(node_ip, (args.port, args.dashboard_port)), f"--temp-dir={tmp}", "--disable-usage-stats"]
     cmd += [f"--num-cpus={args.num_cpus}"] if args.num_cpus is not None else []
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
     print(f"cluster/up.sh: starting the head on {node_ip}:{args.port} (token auth; job server on "
@@ -380,7 +382,7 @@ def join(args, state: State) -> None:
         print(f"cluster/up.sh: a node on {ip} is already in the cluster at {args.join}; nothing to start")
         return
     cmd = [ray_bin(), "start", f"--address={args.join}", f"--node-ip-address={ip}", f"--temp-dir={tmp}",
-           *own_ports(ip), "--disable-usage-stats"]
+           *own_ports(ip, (gcs_port,)), "--disable-usage-stats"]
     cmd += [f"--num-cpus={args.num_cpus}"] if args.num_cpus is not None else []
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
     run_logged(cmd, ray_env(state, args.env), state.dir / "logs" / f"node-{ip}.log", f"`ray start` on {ip}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.cluster.bringup import State, own_ports, ray_bin, ray_env, stop_cluster, stop_pids
-from miles.cluster.node import free_port
+from miles.cluster.node import free_ports
 
 START_TIMEOUT = 120.0
 
@@ -40,10 +40,10 @@ def local_cluster(num_cpus: int | None = None, log=print):
         state = State(Path(tmp))
         state.ensure_token()
         env = ray_env(state, None)  # token auth; jobs' `python` is this one
-        gcs_port, dash_port = free_port(), free_port()
+        gcs_port, dash_port = free_ports(2)
         cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-               *own_ports("127.0.0.1"), f"--temp-dir={tmp}", "--disable-usage-stats"]
+               *own_ports("127.0.0.1", (gcs_port, dash_port)), f"--temp-dir={tmp}", "--disable-usage-stats"]
         cmd += [f"--num-cpus={num_cpus}"] if num_cpus else []
         out = open(Path(tmp) / "head.log", "w")
         # Its own process group: stopping the head signals every process it started.

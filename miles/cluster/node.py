@@ -6,6 +6,7 @@ so the node's address alone would not keep a local cluster on loopback.)"""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 
@@ -23,6 +24,20 @@ def node_address() -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on at `host` now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
+    """`n` distinct ports nothing listens on at `host` now, none of them in `avoid` (ports a
+    caller already gave out). Every socket stays bound until all are picked: one at a time, the
+    OS may hand the same port out twice (a Ray head once got its GCS and client-server ports
+    equal and refused to start)."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = held.enter_context(socket.socket())
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports

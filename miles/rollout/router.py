@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from miles.cluster.node import free_port
+from miles.cluster.node import free_port, free_ports
 from miles.subprocs import popen_tied
 
 
@@ -40,7 +40,7 @@ class Router:
         self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
                     "--policy", policy, "--request-timeout-secs", str(int(request_timeout)),
                     "--health-check-interval-secs", str(max(1, int(health_interval))),
-                    "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+                    "--prometheus-host", host, "--prometheus-port", str(free_ports(1, host, (self.port,))[0]),
                     "--log-level", "warn", *(extra_args or [])]
         if worker_urls:
             self.cmd += ["--worker-urls", *worker_urls]
