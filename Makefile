@@ -24,9 +24,12 @@ demo: venv
 	$(BIN)/miles submit jobs/dapo_tiny_sft.yaml log.run_dir=$(DEMO)/sft
 	$(BIN)/miles submit jobs/dapo_tiny.yaml ckpt.hf=$(DEMO)/sft/hf log.run_dir=$(DEMO)/dapo --report
 
+# Two workers (the CI machine's 2 cores): a file's tests on one worker, the longest files first
+# (tests/conftest.py). `.venv/bin/python -m pytest tests/test_x.py` runs one file on its own.
+WORKERS ?= 2
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Everything make test runs, plus every combined parallel layout (make test checks a rotating
 # pair of the five each day to stay under 20 minutes on 2 cores), plus every layout in bf16

@@ -48,8 +48,12 @@ def sh(*cmd: str, env=None, check: bool = True, timeout: float = 300) -> subproc
     return p
 
 
-def ray_processes() -> set[int]:
-    """Every live process of any Ray cluster on this machine (and routers), by PID."""
+def ray_processes(token: Path | None = None) -> set[int]:
+    """Every live process of any Ray cluster on this machine (and routers), by PID; with
+    `token`, only those of the cluster whose processes inherited RAY_AUTH_TOKEN_PATH=token from
+    its `ray start` (every process up.sh starts and their descendants: the check stays this
+    cluster's when other clusters come and go beside it, as under `pytest -n 2`)."""
+    mark = f"RAY_AUTH_TOKEN_PATH={token}\0".encode() if token else None
     out = set()
     for p in os.listdir("/proc"):
         if not p.isdigit():
@@ -60,7 +64,11 @@ def ray_processes() -> set[int]:
         except OSError:
             continue
         if state != "Z" and re.search(r"ray::|raylet|gcs_server|/ray/|miles-ray|sglang::", cmd):
-            out.add(int(p))
+            try:
+                if mark is None or mark in Path(f"/proc/{p}/environ").read_bytes():
+                    out.add(int(p))
+            except OSError:
+                continue
     return out
 
 
@@ -264,14 +272,18 @@ def test_a_second_cluster_on_the_machine_accepts_jobs(cluster):
 def test_down_leaves_no_process_of_the_cluster(cluster):
     """down.sh stops the head, the second node and everything under them (their processes found
     by the cluster's temp dir and GCS address, and their descendants); no Ray process is left
-    that was not there before up.sh; a second down.sh has nothing to stop."""
+    that was not there before up.sh and carries the cluster's token path (found by environment,
+    not by the names down.sh looks for); a second down.sh has nothing to stop."""
     ours = set(bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"]))
     assert len(ours) > 10  # two raylets, the GCS, the dashboard, agents, workers
+    token = cluster["state"] / "token"
+    # Every Ray process of the cluster carries the token path, or the check below would be blind.
+    assert ours & ray_processes() <= ray_processes(token)
     out = sh("cluster/down.sh", *cluster["common"]).stdout
     assert out.startswith("cluster/down.sh: stopped ")
     assert not bringup.alive(ours)
-    assert not ray_processes() - cluster["before"], {p: Path(f"/proc/{p}/cmdline").read_bytes()[:100]
-                                                       for p in ray_processes() - cluster["before"]}
+    left = ray_processes(token) - cluster["before"]
+    assert not left, {p: Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in left}
     assert "nothing to stop" in sh("cluster/down.sh", *cluster["common"]).stdout
     assert not (cluster["state"] / "cluster.env").exists() and (cluster["state"] / "token").exists()
 
