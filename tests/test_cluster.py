@@ -48,11 +48,25 @@ def sh(*cmd: str, env=None, check: bool = True, timeout: float = 300) -> subproc
     return p
 
 
+def family(roots: set[int]) -> set[int]:
+    """`roots` and every live descendant of them (by the parent in /proc/<pid>/stat)."""
+    parent = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                parent[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out = set(roots)
+    while more := {p for p, pp in parent.items() if pp in out} - out:
+        out |= more
+    return out
+
+
 def ray_processes(token: Path | None = None) -> set[int]:
     """Every live process of any Ray cluster on this machine (and routers), by PID; with
-    `token`, only those of the cluster whose processes inherited RAY_AUTH_TOKEN_PATH=token from
-    its `ray start` (every process up.sh starts and their descendants: the check stays this
-    cluster's when other clusters come and go beside it, as under `pytest -n 2`)."""
+    `token`, only those that inherited RAY_AUTH_TOKEN_PATH=token from the `ray start` of
+    up.sh's cluster (most of its processes; not those that clear their environment)."""
     mark = f"RAY_AUTH_TOKEN_PATH={token}\0".encode() if token else None
     out = set()
     for p in os.listdir("/proc"):
@@ -272,17 +286,19 @@ def test_a_second_cluster_on_the_machine_accepts_jobs(cluster):
 def test_down_leaves_no_process_of_the_cluster(cluster):
     """down.sh stops the head, the second node and everything under them (their processes found
     by the cluster's temp dir and GCS address, and their descendants); no Ray process is left
-    that was not there before up.sh and carries the cluster's token path (found by environment,
-    not by the names down.sh looks for); a second down.sh has nothing to stop."""
+    of the cluster as found independently of down.sh (the Ray processes carrying its token path,
+    and their descendants: the dashboard's forkserver children drop the environment), nor a new
+    one with its token path; a second down.sh has nothing to stop. (Not "no new Ray process on
+    the machine": under `pytest -n 2` another worker's clusters come and go meanwhile.)"""
     ours = set(bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"]))
     assert len(ours) > 10  # two raylets, the GCS, the dashboard, agents, workers
     token = cluster["state"] / "token"
-    # Every Ray process of the cluster carries the token path, or the check below would be blind.
-    assert ours & ray_processes() <= ray_processes(token)
+    mine = family(ray_processes(token))  # this cluster's, found by environment and ancestry
+    assert ours & ray_processes() <= mine, "a process of the cluster the check below would not see"
     out = sh("cluster/down.sh", *cluster["common"]).stdout
     assert out.startswith("cluster/down.sh: stopped ")
     assert not bringup.alive(ours)
-    left = ray_processes(token) - cluster["before"]
+    left = bringup.alive(mine) | (ray_processes(token) - cluster["before"])
     assert not left, {p: Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in left}
     assert "nothing to stop" in sh("cluster/down.sh", *cluster["common"]).stdout
     assert not (cluster["state"] / "cluster.env").exists() and (cluster["state"] / "token").exists()
