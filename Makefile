@@ -27,16 +27,17 @@ demo: venv
 # Two workers (the CI machine's 2 cores): a file's tests on one worker, the longest files first
 # (tests/conftest.py). `.venv/bin/python -m pytest tests/test_x.py` runs one file on its own.
 WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # Everything make test runs, plus every combined parallel layout (make test checks a rotating
 # pair of the five each day to stay under 20 minutes on 2 cores), plus every layout in bf16
 # against one process's bf16 errors as the GPUs run them (about 2.5 minutes).
 test-all: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest --all-layouts
+	$(BIN)/python -m pytest $(PARALLEL) --all-layouts
 	$(BIN)/python -m pytest tests/test_parallel_layouts.py --all-layouts --bf16 -k layout_matches
 
 lint: venv

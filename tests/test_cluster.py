@@ -392,10 +392,13 @@ def test_jobs_submit_sh_is_miles_submit(tmp_path):
 def test_free_ports_are_distinct_and_avoid_the_ports_given_out():
     """Every port a cluster's `ray start` is given is picked in one free_ports call (or kept
     out by `avoid`): one free_port() at a time, the OS handed a head the same port for its GCS
-    and its client server, and it refused to start. 500 picks from ~28k ephemeral ports would
-    repeat one with probability ~99% if the sockets were closed in between."""
+    and its client server, and it refused to start. 500 picks from ~12k ports would repeat one
+    with probability ~99% if the sockets were closed in between. The picks lie below the OS's
+    ephemeral range, where no outgoing connection takes them before the server binds them."""
+    from miles.cluster.node import PICK_FROM, _ephemeral_low
+
     ports = free_ports(500)
-    assert len(set(ports)) == 500
+    assert len(set(ports)) == 500 and all(PICK_FROM <= p < _ephemeral_low() for p in ports)
     taken = tuple(free_ports(2))
     assert not set(free_ports(300, avoid=taken)) & set(taken)
     flags = bringup.own_ports("127.0.0.1", taken)

@@ -7,6 +7,7 @@ so the node's address alone would not keep a local cluster on loopback.)"""
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 
 
@@ -23,21 +24,46 @@ def node_address() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at `host` now (the OS's pick)."""
+    """A port nothing listens on at `host` now (free_ports' pick)."""
     return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
     """`n` distinct ports nothing listens on at `host` now, none of them in `avoid` (ports a
-    caller already gave out). Every socket stays bound until all are picked: one at a time, the
-    OS may hand the same port out twice (a Ray head once got its GCS and client-server ports
-    equal and refused to start)."""
+    caller already gave out), drawn at random below the OS's ephemeral range. A port is free
+    only until someone binds it: one from the ephemeral range (bind to port 0) can also go to
+    any outgoing connection or another process's port-0 bind before the server starts (under
+    `pytest -n 2` a local head's dashboard port was taken so); below the range only an explicit
+    bind competes. Every socket stays bound until all are picked: one call never repeats a port.
+    Drawn from the OS's entropy, not `random`'s seeded state: two processes that seeded it
+    alike would draw alike."""
+    high = _ephemeral_low() - 1
+    ports: list[int] = []
     with contextlib.ExitStack() as held:
-        ports: list[int] = []
         while len(ports) < n:
+            # the OS's pick where the range leaves too little room below it
+            port = _draw.randint(PICK_FROM, high) if high - PICK_FROM >= 1000 else 0
+            if port in avoid or port in ports:
+                continue
             s = held.enter_context(socket.socket())
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:  # in use: draw again
+                continue
             port = s.getsockname()[1]
-            if port not in avoid:
+            if port not in avoid and port not in ports:
                 ports.append(port)
-        return ports
+    return ports
+
+
+# Ray's worker processes take 10002-19999 by default: picks start above them.
+PICK_FROM = 20000
+_draw = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the OS's ephemeral range (Linux: /proc; elsewhere the IANA 49152)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152

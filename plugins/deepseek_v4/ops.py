@@ -271,11 +271,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         return kernel(x, cos, sin, inverse)
     rd = 2 * cos.shape[-1]
     nope, rot = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd:]
-    # The pair (x[2i], x[2i+1]) as one complex number times e^(i angle): one complex multiply
-    # where the real form is ~10 elementwise ops (each a launch on CPU, at toy widths the cost).
-    # .contiguous(): a complex view needs an even storage offset, which a slice may not have.
-    pairs = torch.view_as_complex(rot.float().contiguous().unflatten(-1, (rd // 2, 2)))  # [..., rd/2]
-    out = torch.view_as_real(pairs * torch.complex(cos, -sin if inverse else sin)).flatten(-2)  # [..., rd]
+    # Real pairs, not a complex multiply: that one saves its complex factor e^(i angle) for the
+    # backward, a tensor per call that plan_memory's ledger (and the GPU's unfused path) would pay.
+    pairs = rot.float().unflatten(-1, (rd // 2, 2))  # [..., rd/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    s = -sin if inverse else sin
+    out = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
     return torch.cat((nope, out.to(x.dtype)), dim=-1)
 
 
