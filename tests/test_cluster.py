@@ -404,3 +404,26 @@ def test_free_ports_are_distinct_and_avoid_the_ports_given_out():
     flags = bringup.own_ports("127.0.0.1", taken)
     own = [int(f.rsplit("=", 1)[1]) for f in flags]
     assert len(set(own)) == 2 and not set(own) & set(taken), flags
+
+
+def test_a_local_head_whose_port_was_taken_starts_again_on_new_ports(monkeypatch):
+    """A port free when picked can be bound by another process before Ray binds it (under
+    `pytest -n 2` a local head's dashboard port was): `ray start` exits naming the port, and
+    local_cluster starts the head again on a new pick. Forced here: the first pick's dashboard
+    port is one this test listens on."""
+    from miles.cluster import local
+
+    picks, pick = [], local.free_ports
+
+    def racing(n, *args, **kwargs):
+        ports = pick(n, *args, **kwargs)
+        picks.append(ports if picks else [ports[0], taken])
+        return picks[-1]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        monkeypatch.setattr(local, "free_ports", racing)
+        with local.local_cluster(1, log=lambda _: None) as c:
+            assert len(picks) == 2 and c.address == f"http://127.0.0.1:{picks[1][1]}", (picks, c.address)

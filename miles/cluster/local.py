@@ -40,17 +40,17 @@ def local_cluster(num_cpus: int | None = None, log=print):
         state = State(Path(tmp))
         state.ensure_token()
         env = ray_env(state, None)  # token auth; jobs' `python` is this one
-        gcs_port, dash_port = free_ports(2)
-        cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-               *own_ports("127.0.0.1", (gcs_port, dash_port)), f"--temp-dir={tmp}", "--disable-usage-stats"]
-        cmd += [f"--num-cpus={num_cpus}"] if num_cpus else []
-        out = open(Path(tmp) / "head.log", "w")
-        # Its own process group: stopping the head signals every process it started.
-        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        cluster = LocalCluster(f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}", env)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            head, cluster, gcs_port, out = _start_head(tmp, env, num_cpus)
+            try:
+                _wait_ready(cluster, head, Path(tmp) / "head.log")
+                break
+            except BaseException as e:
+                _stop(head, tmp, gcs_port)
+                out.close()
+                if not isinstance(e, PortTaken) or attempt == START_ATTEMPTS:
+                    raise
         try:
-            _wait_ready(cluster, head, Path(tmp) / "head.log", lambda: _stop(head, tmp, gcs_port))
             log(f"miles: started a local Ray cluster (token auth) at {cluster.gcs}, job server {cluster.address}")
             yield cluster
         finally:
@@ -58,11 +58,35 @@ def local_cluster(num_cpus: int | None = None, log=print):
             out.close()
 
 
-def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path, stop) -> None:
+# A port picked free can be bound by another process before Ray binds it: the head then exits
+# naming the port, and a new pick starts it again.
+START_ATTEMPTS = 3
+PORT_TAKEN = ("already occupied", "is trying to use a port number", "Address already in use")
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def _start_head(tmp: str, env: dict[str, str], num_cpus: int | None):
+    gcs_port, dash_port = free_ports(2)
+    cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+           *own_ports("127.0.0.1", (gcs_port, dash_port)), f"--temp-dir={tmp}", "--disable-usage-stats"]
+    cmd += [f"--num-cpus={num_cpus}"] if num_cpus else []
+    out = open(Path(tmp) / "head.log", "w")  # noqa: SIM115 (closed by the caller)
+    # Its own process group: stopping the head signals every process it started.
+    head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return head, LocalCluster(f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}", env), gcs_port, out
+
+
+def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if head.poll() is not None:
-            raise RuntimeError(f"`ray start --head` exited with {head.returncode}:\n{log.read_text()[-3000:]}")
+            text = log.read_text()
+            error = PortTaken if any(m in text for m in PORT_TAKEN) else RuntimeError
+            raise error(f"`ray start --head` exited with {head.returncode}:\n{text[-3000:]}")
         try:
             urllib.request.urlopen(f"{cluster.address}/api/version", timeout=2).close()
             return
@@ -70,7 +94,6 @@ def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path, stop) 
             return  # the server answers (e.g. 401 without the token): it is up
         except (urllib.error.URLError, OSError):
             time.sleep(0.5)
-    stop()
     raise RuntimeError(f"the local Ray cluster did not come up in {START_TIMEOUT:.0f} s:\n{log.read_text()[-3000:]}")
 
 
