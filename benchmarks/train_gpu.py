@@ -16,6 +16,8 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --pre       # mHC's pre kernels as one autograd node vs three, graphs on
     python3 benchmarks/train_gpu.py --ab --accum     # weight gradients into main_grad vs returned and added
     python3 benchmarks/train_gpu.py --ab --head-split  # the heads' backward split-bf16 vs TF32
+    python3 benchmarks/train_gpu.py --ab --streams   # hc_post's stream gradient added in hc_pre's pass vs by autograd
+    python3 benchmarks/train_gpu.py --ab --add-cast  # the MoE's one-pass output sum vs add then cast
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -221,7 +223,7 @@ def _torch_mixes_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
     nrm = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32)
     pre, post, comb = hc_gates(ops.fp32_linear(flat, fn, True), nrm, base, scale, x.shape[-2], iters, hc_eps,
                                norm_eps, flat.shape[-1])
-    return weighted_sum(pre, x), post, comb
+    return weighted_sum(pre, x), post, comb, x
 
 
 def _three_node_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
@@ -232,7 +234,7 @@ def _three_node_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
     flat = x.flatten(-2)
     mm, nrm = stream_mixes(flat, fn)
     pre, post, comb = hc_gates(mm, nrm, base, scale, x.shape[-2], iters, hc_eps, norm_eps, flat.shape[-1])
-    return weighted_sum(pre, x), post, comb
+    return weighted_sum(pre, x), post, comb, x
 
 
 def graphed_ab(w, mbs, steps: int, tokens: int, title: str, arms) -> None:
@@ -412,6 +414,28 @@ def pre_arms():
 
     return [("CUDA graphs, mHC pre as three autograd nodes", _patch(ops, "_hc_pre_kernels", _three_node_pre)),
             ("CUDA graphs, mHC pre as one node (default)", lambda on: None)]
+
+
+def streams_arms():
+    """hc_post's gradient of the streams added by autograd to hc_pre's (one more [R, n, d]
+    pass a sublayer) against added inside hc_pre's backward (the streams through its node)."""
+    from plugins.deepseek_v4 import ops
+    from plugins.deepseek_v4.kernels.mhc import pre_streams
+
+    def around(x, fn, base, scale, norm_eps, hc_eps, iters):
+        return (*pre_streams(x, fn, base, scale, iters, hc_eps, norm_eps)[:3], x)
+
+    return [("CUDA graphs, streams' gradients added by autograd", _patch(ops, "_hc_pre_kernels", around)),
+            ("CUDA graphs, added in hc_pre's backward (default)", lambda on: None)]
+
+
+def add_cast_arms():
+    """The MoE's fp32 routed sum plus the shared expert, then a cast (two passes each way)
+    against `ops.add_cast` (one forward pass, one backward cast)."""
+    from plugins.deepseek_v4 import ops
+
+    return [("CUDA graphs, MoE sum: add then cast", _patch(ops, "add_cast", lambda a, b, dt: (a + b).to(dt))),
+            ("CUDA graphs, MoE sum: add_cast (default)", lambda on: None)]
 
 
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
@@ -660,6 +684,9 @@ def main() -> None:
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
     ap.add_argument("--moves", action="store_true", help="with --ab: only the MoE's row-move kernels vs torch")
     ap.add_argument("--pre", action="store_true", help="with --ab: only mHC's pre as one autograd node vs three")
+    ap.add_argument("--streams", action="store_true",
+                    help="with --ab: only hc_post's stream gradient added in hc_pre's backward vs by autograd")
+    ap.add_argument("--add-cast", action="store_true", help="with --ab: only the MoE's one-pass sum vs add then cast")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -710,7 +737,8 @@ def main() -> None:
                "indexer": ("indexer scores", indexer_arms), "head": ("head log-softmax", head_arms),
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
-               "head_split": ("head backward", head_split_arms)}  # --ab --FLAG: that change's arms, graphs on
+               "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
+               "add_cast": ("MoE output sum", add_cast_arms)}  # --ab --FLAG: that change's arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)

@@ -444,8 +444,10 @@ def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m):
 def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     """ops.hc_pre / ops.hc_head on the kernels (kernels.mhc.pre_streams: the projection and
     norm, the gates, the stream sum as one autograd node whose x gradient takes both uses of
-    x) against float64 autograd of the unfused formula, all gradients."""
-    from plugins.deepseek_v4.ops import hc_head, hc_pre
+    x) against float64 autograd of the unfused formula, all gradients; with hc_pre, hc_post
+    reads the streams hc_pre passes through, so x's gradient takes hc_post's too (added
+    inside pre_streams' backward)."""
+    from plugins.deepseek_v4.ops import hc_head, hc_post, hc_pre
 
     n, d = 4, (1536 if CUDA else 40)
     m = n * (n + 2) if full else n
@@ -459,17 +461,26 @@ def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     mm.retain_grad()
     refs = gates64(mm, flat.norm(dim=-1), ref_in[2], ref_in[3], n, 20, 1e-6, 1e-6, n * d)
     u = torch.einsum("bsn,bsnd->bsd", refs[0], ref_in[0])
+    f = torch.randn(2, 37, d, generator=g).to(DTYPE).float()  # the sublayer's output, for hc_post
+    f64 = f.double().requires_grad_()
     refs = [u, *refs[1:]]
+    if full:  # X'_j = post_j f + sum_i comb[i, j] X_i
+        refs.append(refs[1][..., None] * f64[..., None, :] + torch.einsum("bsij,bsid->bsjd", refs[2], ref_in[0]))
     cots = [torch.randn(r.shape, generator=g) for r in refs]
     sum((r * c.double()).sum() for r, c in zip(refs, cots, strict=True)).backward()
     ins = [x.to(DEV, DTYPE).requires_grad_()] + [t.to(DEV).requires_grad_() for t in (fn, base, scale)]
+    f_in = f.to(DEV, DTYPE).requires_grad_()
     if full:
-        outs = hc_pre(*ins, 1e-6, 1e-6, 20, fused=True, tf32=CUDA, gates=True)
+        u, post, comb, xs = hc_pre(*ins, 1e-6, 1e-6, 20, fused=True, tf32=CUDA, gates=True, streams=True)
+        outs = (u, post, comb, hc_post(f_in, xs, post, comb, fused=True))
     else:
         outs = (hc_head(*ins, 1e-6, 1e-6, fused=True, tf32=CUDA, gates=True),)
     sum((o.float() * c.to(DEV)).sum() for o, c in zip(outs, cots, strict=True)).backward()
-    for o, r, name in zip(outs, refs, ["u", "post", "comb"], strict=False):
+    for o, r, name in zip(outs, refs, ["u", "post", "comb", "hc_post"], strict=False):
+        assert_finite(o)
         assert rel(o.float().cpu(), r) < TOL, name
+    if full:
+        assert rel(f_in.grad.float().cpu(), f64.grad) < TOL, "f"
     for got, want, name in zip(ins[:3], ref_in[:3], ["x", "fn", "base"], strict=True):
         assert rel(got.grad.float().cpu(), want.grad) < TOL, name
     # a scale's gradient sums over all rows (see the kernel test)

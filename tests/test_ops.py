@@ -879,6 +879,28 @@ def test_routed_experts_grouped_gemm_matches_loop(rng: Rng) -> None:
         assert_rel_close(a.float(), b.float(), 3e-2, rng.tag(f"grouped GEMM vs loop: {name}"))
 
 
+def test_add_cast_is_add_then_cast_bit_for_bit(rng: Rng) -> None:
+    """Guards the MoE's one-pass sum (fp32 routed output + bf16 shared expert output, stored
+    bf16): forward and both gradients bit-equal to (a + b).to(bf16) through autograd; the
+    sum is taken in fp32 (a bf16 add would round a first: the planted check below)."""
+    bf = torch.bfloat16
+    a = rng.randn(37, 24, dtype=torch.float32) * 3
+    b = rng.randn(37, 24, dtype=bf)
+    g = rng.randn(37, 24, dtype=bf)
+    runs = []
+    for fn in (ops.add_cast, lambda x, y, dt: (x + y).to(dt)):
+        ins = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        out = fn(*ins, bf)
+        out.backward(g)
+        runs.append((out, *(t.grad for t in ins)))
+    for got, want, name in zip(*runs, ["out", "a's gradient", "b's gradient"], strict=True):
+        assert_finite(got, rng.tag(name))
+        assert got.dtype == want.dtype and torch.equal(got, want), rng.tag(name)
+    assert not torch.equal(runs[0][0], a.to(bf) + b), rng.tag("precondition: a bf16 add rounds differently")
+    with pytest.raises(ValueError, match="add_cast"):
+        ops.add_cast(a, b[:, :1], bf)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # dtype preservation (DSV4.md pitfall 3)
 

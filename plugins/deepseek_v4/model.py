@@ -626,7 +626,7 @@ class MoE(nn.Module):
         out = self.ctx.ep_combine(out, route)  # [N, d]: this rank's tokens, their k slots summed
         out = self.ctx.reduce_from_tp(out)  # expert widths split over TP: partial sums
         if self.shared_experts is not None:
-            out = out + self.shared_experts(xf)  # bf16 read into the fp32 sum: no cast of its own
+            out = ops.add_cast(out, self.shared_experts(xf), x.dtype)  # fp32 sum, rounded once, one pass
         if not self.gate.is_hash:
             v = valid.reshape(-1)
             if self.training and torch.is_grad_enabled() and not (fwd is not None and fwd.replay):
@@ -635,7 +635,7 @@ class MoE(nn.Module):
                     self.gate.expert_load += (F.one_hot(idx, s.shape[-1]).sum(1) * v[:, None]).sum(0).float()
             if fwd is not None and "balance" in fwd.aux and torch.is_grad_enabled():
                 fwd.balance_terms.append(self._balance(idx, s, valid))
-        return out.to(x.dtype).reshape(shape)
+        return out.to(x.dtype).reshape(shape)  # a no-op after add_cast
 
     def _balance(self, idx: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Sequence-level balance loss sum_e f_e * P_e (V3 form), summed over rows with tokens."""
@@ -672,23 +672,23 @@ class Block(nn.Module):
         c = self.cfg
         return ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                           getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                          fused=fused, tf32=use_tf32(c, x), gates=use_fused(c, x))
+                          fused=fused, tf32=use_tf32(c, x), gates=use_fused(c, x), streams=True)
 
     def forward(self, x: torch.Tensor, fwd: Fwd, ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, d] -> [B, S, n, d]."""
         fused = use_kernels(self.cfg, x)
-        u, post, comb = self._hc("attn", x, fused)
+        u, post, comb, x = self._hc("attn", x, fused)  # x through hc_pre: one gradient pass for both uses
         x = ops.hc_post(self.attn(self.attn_norm(u), fwd), x, post, comb, fused=fused)
-        u, post, comb = self._hc("ffn", x, fused)
+        u, post, comb, x = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), fwd, ids, fwd.layout.doc[:, fwd.q] >= 0), x, post, comb,
                            fused=fused)
 
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
              ropes: dict[str, Rope], ids: torch.Tensor) -> torch.Tensor:
         fused = use_kernels(self.cfg, x)  # Sinkhorn and stream sum; hc_post stays the reference here
-        u, post, comb = self._hc("attn", x, fused)
+        u, post, comb, x = self._hc("attn", x, fused)
         x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes), x, post, comb)
-        u, post, comb = self._hc("ffn", x, fused)
+        u, post, comb, x = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool)),
                            x, post, comb)
 

@@ -364,24 +364,27 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, tf32: bool = Fa
 
 
 def _hc_pre_kernels(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(u, post, comb) from the kernels: the mixes' projection and the streams' norm from one
-    pass, the gates, the stream sum, one autograd node (kernels.mhc.pre_streams). Callers look
-    it up on this module at call time (the A/B swaps it)."""
+                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, post, comb, x through the node) from the kernels: the mixes' projection and the
+    streams' norm from one pass, the gates, the stream sum, one autograd node
+    (kernels.mhc.pre_streams). Callers look it up on this module at call time (the A/B swaps it)."""
     from .kernels.mhc import pre_streams
 
     return pre_streams(x, fn, base, scale, iters, hc_eps, norm_eps)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-           hc_eps: float, iters: int, fused: bool = False, tf32: bool = False, gates: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, iters: int, fused: bool = False, tf32: bool = False, gates: bool = False,
+           streams: bool = False) -> tuple[torch.Tensor, ...]:
     """mHC before a sublayer. x [B, S, n, d]; fn [n(n+2), n*d]; base [n(n+2)]; scale [3].
     Returns u [B, S, d] (sublayer input, x.dtype), post [B, S, n], comb [B, S, n, n] (fp32).
     fused: the Triton Sinkhorn and stream sum (one launch each way) instead of this file's
-    reference; gates (with fused): the mixes, gates and stream sum as kernels, one autograd node."""
+    reference; gates (with fused): the mixes, gates and stream sum as kernels, one autograd node.
+    streams: also return the streams for hc_post: with gates, x as the node's output, so
+    hc_post's gradient of x is added in the node's backward pass (not by autograd in another)."""
     if fused and gates:
-        return _hc_pre_kernels(x, fn, base, scale, norm_eps, hc_eps, iters)
+        out = _hc_pre_kernels(x, fn, base, scale, norm_eps, hc_eps, iters)
+        return out if streams else out[:3]
     if fused:
         from .kernels.mhc import sinkhorn as sinkhorn_fn
         from .kernels.mhc import weighted_sum
@@ -394,7 +397,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = sinkhorn_fn((mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
     u = weighted_sum(pre, x) if fused else _stream_sum(pre, x)
-    return u, post, comb
+    return (u, post, comb, x) if streams else (u, post, comb)
 
 
 def _stream_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -651,6 +654,29 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
                limit, wg, x.dtype, fused_elementwise)  # [M, I]
     y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
     return _Combine.apply(y, row_of_pair, token_of_row, k, fused_elementwise)  # [N, d] fp32; n may be 0 (EP)
+
+
+class _AddCast(torch.autograd.Function):
+    """(a + b) in the promoted dtype, stored in `dtype`: one pass where add-then-cast takes two.
+    Backward: the gradient cast to each input's dtype (none where it already is one)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype):
+        ctx.dtypes = (a.dtype, b.dtype)
+        return torch.add(a, b, out=torch.empty(a.shape, dtype=dtype, device=a.device))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g.to(ctx.dtypes[0]), g.to(ctx.dtypes[1]), None
+
+
+def add_cast(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(a + b).to(dtype), bit for bit each way (same shapes: no broadcast's gradient sum),
+    in one pass: the MoE's fp32 routed sum plus the shared expert's output, back to the streams'
+    dtype. Callers look it up here at call time (the A/B swaps it)."""
+    if a.shape != b.shape:
+        raise ValueError(f"add_cast: shapes {list(a.shape)} and {list(b.shape)} differ")
+    return _AddCast.apply(a, b, dtype)
 
 
 def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -357,11 +357,12 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
 
 
 @triton.jit
-def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
-               BK: tl.constexpr, PREC: tl.constexpr, ADD_WDU: tl.constexpr):
+def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
+               BK: tl.constexpr, PREC: tl.constexpr, ADD_WDU: tl.constexpr, ADD_DXP: tl.constexpr):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
-    n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre."""
+    n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre. ADD_DXP: and DXP [R, K],
+    the gradient of X from its use after hc_pre (hc_post's), summed in fp32, rounded once."""
     c = tl.program_id(0) * BK + tl.arange(0, BK)
     grp = tl.program_id(1)
     j = tl.arange(0, MP)
@@ -381,6 +382,8 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, R, K, m, span, n, d, MP: tl.conste
             wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)
             du = tl.load(DU + r.to(tl.int64)[:, None] * d + (c % d)[None, :], mask=mask, other=0.0)
             dx += wi * du.to(tl.float32)
+        if ADD_DXP:
+            dx += tl.load(DXP + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
     tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
@@ -404,9 +407,11 @@ def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
 
 
 def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | None = None,
-                    du: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    du: torch.Tensor | None = None, dxp: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [R, K] in x's dtype, dfn [m, K]) from the forward's `kept`; with w [R, n] and du
-    [R, d] (K = n d), dx also takes w[r, i] du[r, :] in stream i (the stream sum's gradient)."""
+    [R, d] (K = n d), dx also takes w[r, i] du[r, :] in stream i (the stream sum's gradient);
+    with dxp [R, K], dx also takes it (x's gradient from its other users)."""
     x2, fn32, nrm = kept
     (r, k), m, t = x2.shape, fn32.shape[0], MIX_BWD
     dmm = torch.zeros(r, m, device=x2.device) if dmm is None else dmm.float().reshape(r, m).contiguous()
@@ -421,9 +426,12 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
     n = w.shape[-1] if add else 1
     if r:
         _mixes_bwd[(triton.cdiv(k, t["BK"]), groups)](x2, fn32, dmm, c, dx, dfn, w if add else c,
-                                                      du.contiguous() if add else c, r, k, m, span, n, k // n,
+                                                      du.contiguous() if add else c,
+                                                      c if dxp is None else dxp.reshape(r, k).contiguous(),
+                                                      r, k, m, span, n, k // n,
                                                       MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                      BK=t["BK"], PREC=MIX_PREC, ADD_WDU=add, num_warps=t["warps"])
+                                                      BK=t["BK"], PREC=MIX_PREC, ADD_WDU=add,
+                                                      ADD_DXP=dxp is not None, num_warps=t["warps"])
     else:
         dfn.zero_()
     return dx, dfn.sum(0).to(fn_dtype)
@@ -588,30 +596,37 @@ class _PreStreams(torch.autograd.Function):
     """mHC before a sublayer on the kernels as one autograd node: (mm, nrm) = the mixes of the
     streams X, (pre, post, comb) = the gates of them, u = sum_i pre_i X_i. X's gradient is
     written once: the mixes' backward adds the stream sum's pre_i du to its own (as separate
-    nodes, autograd added two [R, n, d] gradients in another pass)."""
+    nodes, autograd added two [R, n, d] gradients in another pass). X also comes out of the
+    node (a view of it): a user of that view (hc_post) has its X gradient added in the same
+    pass, where autograd would add it to this node's in one more."""
 
     @staticmethod
     def forward(ctx, x, fn, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float):
+        ctx.set_materialize_grads(False)  # no zeros for an unused output (the view, hc_head's post)
         x = x.contiguous()
         flat = x.flatten(-2)  # [..., n d]
         mm, nrm, kept_m = _mixes_forward(flat, fn)
         pre, post, comb, kept_g, ctx.args = _gates_forward(mm, nrm, base, scale, n, iters, hc_eps, norm_eps,
                                                            flat.shape[-1])
         ctx.save_for_backward(*kept_m, *kept_g, pre)
-        ctx.shapes = (x.shape, fn.dtype)
-        return _wsum_forward(pre, x), post, comb
+        ctx.shapes, ctx.gate_shapes = (x.shape, fn.dtype), (post.shape, comb.shape)
+        return _wsum_forward(pre, x), post, comb, x
 
     @staticmethod
-    def backward(ctx, du, dpost, dcomb):
+    def backward(ctx, du, dpost, dcomb, dxp):
         *kept, pre = ctx.saved_tensors
         kept_m, kept_g = kept[:3], kept[3:]
         x_shape, fn_dtype = ctx.shapes
         x = kept_m[0].view(x_shape)  # the streams the mixes kept (flat, contiguous)
+        post_shape, comb_shape = ctx.gate_shapes
+        du = x.new_zeros(*x_shape[:-2], x_shape[-1]) if du is None else du
+        dpost = pre.new_zeros(post_shape) if dpost is None else dpost
+        dcomb = pre.new_zeros(comb_shape) if dcomb is None else dcomb
         dpre, _ = _wsum_backward(pre, x, du, write_dx=False)
         dmm, dnrm, dbase, dscale = _gates_backward(kept_g, ctx.args, dpre, dpost, dcomb)
         n = x_shape[-2]
         dx, dfn = _mixes_backward(kept_m, dmm, dnrm, fn_dtype, w=pre.reshape(-1, n),
-                                  du=du.reshape(-1, x_shape[-1]))
+                                  du=du.reshape(-1, x_shape[-1]), dxp=dxp)
         return dx.view(x_shape), dfn, dbase, dscale, None, None, None, None
 
 
@@ -644,10 +659,11 @@ class _Post(torch.autograd.Function):
 
 
 def pre_streams(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.hc_pre` on the kernels: streams x [..., n, d], fn [m, n d], base [m], scale [3]
-    (m = n (n + 2)) -> u [..., d] in x.dtype, post [..., n], comb [..., n, n] fp32; m = n is
-    hc_head's collapse (u only; post and comb come back empty)."""
+    (m = n (n + 2)) -> u [..., d] in x.dtype, post [..., n], comb [..., n, n] fp32, and x again
+    as this node's output (hc_post given it has its x gradient added in this node's backward);
+    m = n is hc_head's collapse (u only; post and comb come back empty)."""
     if x.dim() < 2:
         raise ValueError(f"pre_streams: streams must be [..., n, d], got {list(x.shape)}")
     n, d = x.shape[-2:]
