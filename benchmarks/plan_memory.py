@@ -711,46 +711,17 @@ def step_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, floa
 
 
 # --------------------------------------------------------------------------- calibration
-# Measured on one H100 (2026-11-24, this repository at 7a89e84: chunked indexer scores, CP by
-# pieces, EP by all-to-all): the ~1B config (train_gpu.config_1b) in the trainer (TrainWorker:
-# Megatron DDP + DistributedOptimizer, bf16, kernels on), 2 micro-batches of 1 per step, LM loss
-# with the indexer KL, one process per row. 'states': memory allocated after three steps; 'peak':
-# torch.cuda.max_memory_allocated over the third step; 'kept': the saved tensors autograd still
-# holds when one more forward (aux indexer + balance, as train_gpu.py --profile) returns, each
-# storage once, parameters left out (the walk of tests/test_plan_memory.py; with recompute it sees
-# the blocks' inputs, which the checkpoint saves), by the type of the innermost module that saved
-# it first in 'modules'. (The allocated-memory delta of that forward is kept + its two heads'
-# logits, give or take tensors the previous step left: 14.21 GiB at seq 4096.) At seq 2048 the walk
-# found 12 MB fewer at the top level (the two LM head inputs, [t, d] bf16; not explained) and a few
-# MB shifted between modules; at 4096 and 8192 every module agrees within 0.3%. All GiB.
-# Peaks re-measured with the chunked LM/MTP heads (`--measure`, H100, 2026-11-24; before them:
-# 31.347, 37.972, 51.339, 25.649, 28.589 GiB). The forward no longer keeps the two LM-head inputs
-# ([t, d] bf16 each; the loss keeps them, loss_region_bytes): 'kept' and 'top-level' at 4096 and
-# 8192 are the earlier walk's less those two tensors (derived, not walked again; the 2048 walk
-# had already missed them, which was its unexplained 12 MB).
-# Peaks and states re-measured with the routed experts stacked (`--measure`, H100, 2026-11-24,
-# later; before: 31.589, 37.479, 48.869, 25.156, 27.164 GiB): the MoE no longer keeps a stacked
-# copy of its weights for the backward. 'kept' and the MoE entries are the walk's less those
-# copies, 3 x 2 B x E x I x d a layer = 1.8985 GiB over the model (derived, not walked again).
-# Peaks and states re-measured (`--measure`, H100, 2026-11-25) after the routed experts'
-# dispatch and combine stopped keeping their [t k, d] sources (before: 29.904, 35.769, 47.220,
-# 25.404, 26.948 unfused; 31.4, 25.2 fused). 'kept' and the MoE entries of the unfused walks are
-# the walk's less the ledger's difference (0.4221 / 0.8442 / 1.6885 GiB at 2k / 4k / 8k; the
-# ledger equals the saved tensors to the byte on CPU, test_plan_memory), not walked again.
-# The indexer score kernels (2026-11-26) keep the relu gate as bits, t x 16 x G / 32 int32 in each of
-# the 3 CSA layers (0.0059 / 0.0234 / 0.0938 GiB at 2k / 4k / 8k): added to 'kept' and 'Attention'
-# of the unfused walks (derived, not walked again; the ledger test holds the bits to the byte).
-# ops.unrope_out_proj (2026-11-26) keeps the kernel's o instead of its rotated copy for wo_a and
-# the unfused inverse RoPE's -sin: 9 layers x t x (16 x 512 bf16 + 32 fp32), 0.2835 / 0.5669 /
-# 1.1338 GiB at 2k / 4k / 8k, taken from the same entries (derived the same way). Peaks and
-# states re-measured after it (`--measure`, H100, 2026-11-26; before: 29.490, 34.936, 45.542,
-# 25.403, 26.692 unfused; 30.603, 25.157 fused): the eager peaks fell 0.28 / 0.55 / 1.04 GiB.
-# ops.norm_rope (2026-11-26, later) keeps q's normalised-and-rotated output (the kernel's q) and
-# rstd, not the norm's input (unfused: its fp32 copy, 9 layers x t x 16 x 512 fp32 = 0.5625 /
-# 1.125 / 2.25 GiB at 2k / 4k / 8k), taken from 'kept' and 'Attention' of the unfused walks
-# (derived the same way). Peaks and states re-measured after it and the loss head's in-place
-# backward (`--measure`, H100, 2026-11-26; before: 29.208, 34.384, 44.498, 25.403, 26.566
-# unfused; 30.055, 25.157 fused).
+# Measured on one H100 (`plan_memory.py --measure`): the ~1B config (train_gpu.config_1b) in the
+# trainer (TrainWorker: Megatron DDP + DistributedOptimizer, bf16, kernels on), 2 micro-batches of
+# 1 per step, LM loss with the indexer KL, one process per row. 'states': memory allocated after
+# three steps; 'peak': torch.cuda.max_memory_allocated over the third step; 'kept': the saved
+# tensors autograd still holds when one more forward (aux indexer + balance) returns, each storage
+# once, parameters left out (the walk of tests/test_plan_memory.py; with recompute it sees the
+# blocks' inputs, which the checkpoint saves), by the type of the innermost module that saved it
+# first in 'modules'. All GiB. Some 'kept' entries were derived from an earlier walk by the
+# ledger's exact difference after a change that drops saved tensors rather than walked again:
+# which, by how much, and the peaks before each change are in kernels/NOTES.md ("plan_memory's
+# calibration rows").
 _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementwise off)
     {"seq": 2048, "recompute": False, "params": 2.52, "states": 22.724, "kept": 4.3849, "peak": 28.149,
      "modules": {"MoE": 1.6826, "Attention": 0.6664, "RMSNorm": 0.7616, "Block": 0.4784, "Expert": 0.2655,
@@ -768,9 +739,9 @@ _UNFUSED_1B = [  # RMSNorm, RoPE and SwiGLU as PyTorch ops (model.fused_elementw
     {"seq": 8192, "recompute": True, "params": 2.52, "states": 22.709, "kept": 1.759, "peak": 26.316},
 ]
 MEASURED_1B = [{**p, "fused_elementwise": False} for p in _UNFUSED_1B] + [
-    # fused RMSNorm/RoPE/SwiGLU (the default since 2026-11-25); the forward's kept tensors and
-    # modules not walked on the fused path. Measured before the row-move and log-softmax kernels
-    # (2026-11-26, fourth session), which drop transients off this peak (the head's backward)
+    # fused RMSNorm/RoPE/SwiGLU (the default); the forward's kept tensors and modules not walked
+    # on the fused path. Measured before the row-move and log-softmax kernels, which drop
+    # transients off this peak (the head's backward)
     {"seq": 4096, "recompute": False, "params": 2.52, "states": 22.724, "peak": 28.744, "fused_elementwise": True},
     {"seq": 4096, "recompute": True, "params": 2.52, "states": 22.711, "peak": 24.407, "fused_elementwise": True},
 ]

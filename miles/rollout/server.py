@@ -233,7 +233,7 @@ def _version(v) -> int | None:
 # Idle keep-alive connections stay open this long (uvicorn's default: 5 s). The router pools its
 # connections to an engine for up to 50-90 s; a server closing one first races the router's next
 # request on it ("error sending request"), and a rollout's burst of such failures opened the
-# router's circuit breaker on the only engine for 60 s (the demo job, rollout 26, 2026-11-26).
+# router's circuit breaker on the only engine for 60 s (seen in the demo job).
 KEEP_ALIVE_S = 300
 
 

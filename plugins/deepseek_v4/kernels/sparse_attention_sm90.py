@@ -14,8 +14,8 @@ it before the softmax: the new P goes into the registers it reads).
 Persistent: one program per SM walks items (token, block of 64 heads) pid, pid + #SMs, ...;
 the next item's q comes by TMA into a second buffer while this one runs, and o leaves by a
 TMA store through the buffer of its own q. BK = 32 keys a block, 2 stages of gathered rows.
-H100, 2026-11-23 (fourth session), same-process A/B: 2 stages 2-3% faster than 3 on all three
-benchmark shapes; the persistent grid 1-2% more on CSA, 7% on HCA (5 key blocks per token).
+Why these choices (same-process A/Bs on an H100, in NOTES.md): 2 stages beat 3 on all three
+benchmark shapes; the persistent grid gains most on HCA (5 key blocks per token).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _acc_layout(cols):
 @triton.constexpr_function
 def _gather_layout():
     """[rows, cols] of gathered kv rows: four lanes a row, each moving 16-byte pieces 64 bytes
-    apart, so a thread needs one row's id (a warp a row took 8 ids a thread: with the registers
-    that frees, H100 2026-11-23, forward 4-6% faster on CSA, dq pass 2-4% on all three shapes)."""
+    apart, so a thread needs one row's id (a warp a row took 8 ids a thread; the registers
+    that frees made the forward and the dq pass faster on an H100: NOTES.md)."""
     return gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
 
 
