@@ -407,25 +407,30 @@ def moves_arms():
             ("CUDA graphs, MoE row-move kernels (default)", lambda on: None)]
 
 
+def _one_node_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
+    """`mhc.pre_streams` with the streams handed to hc_post outside its node (as before
+    `--streams`' change): autograd adds hc_post's gradient of them to the node's."""
+    from plugins.deepseek_v4.kernels.mhc import pre_streams
+
+    return (*pre_streams(x, fn, base, scale, iters, hc_eps, norm_eps)[:3], x)
+
+
 def pre_arms():
     """mHC's pre-sublayer kernels as three autograd nodes against one (`mhc.pre_streams`: the
-    streams' gradient written once)."""
+    streams' gradient written once); both hand the streams to hc_post outside the node, so the
+    A/B is this change alone (`--streams` is the next one)."""
     from plugins.deepseek_v4 import ops
 
     return [("CUDA graphs, mHC pre as three autograd nodes", _patch(ops, "_hc_pre_kernels", _three_node_pre)),
-            ("CUDA graphs, mHC pre as one node (default)", lambda on: None)]
+            ("CUDA graphs, mHC pre as one node", _patch(ops, "_hc_pre_kernels", _one_node_pre))]
 
 
 def streams_arms():
     """hc_post's gradient of the streams added by autograd to hc_pre's (one more [R, n, d]
     pass a sublayer) against added inside hc_pre's backward (the streams through its node)."""
     from plugins.deepseek_v4 import ops
-    from plugins.deepseek_v4.kernels.mhc import pre_streams
 
-    def around(x, fn, base, scale, norm_eps, hc_eps, iters):
-        return (*pre_streams(x, fn, base, scale, iters, hc_eps, norm_eps)[:3], x)
-
-    return [("CUDA graphs, streams' gradients added by autograd", _patch(ops, "_hc_pre_kernels", around)),
+    return [("CUDA graphs, streams' gradients added by autograd", _patch(ops, "_hc_pre_kernels", _one_node_pre)),
             ("CUDA graphs, added in hc_pre's backward (default)", lambda on: None)]
 
 

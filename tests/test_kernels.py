@@ -487,6 +487,40 @@ def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     assert within_terms(ins[3].grad, ref_in[3].grad, scale_terms(mm.grad, mm.detach(), n, scale)) < TOL, "scale"
 
 
+def test_pre_streams_of_non_contiguous_streams_match_and_free_their_graph(seed):
+    """mhc.pre_streams on non-contiguous streams (its fourth output is then the node's own
+    contiguous copy, not a view of the input): the same bits as on a contiguous copy, every
+    output and gradient (the pass-through's too); and a graph dropped without a backward is
+    freed (a saved view of that copy would hold the node through its base: a cycle)."""
+    import gc
+    import weakref
+
+    n, d = 4, (1536 if CUDA else 40)
+    g = torch.Generator().manual_seed(seed)
+    xt = torch.randn(2, n, 37, d, generator=g).to(DEV, DTYPE)  # [B, n, S, d]
+    fn = (torch.randn(n * (n + 2), n * d, generator=g) * (n * d) ** -0.5).to(DEV)
+    base, scale = (torch.randn(n * (n + 2), generator=g) * 0.5).to(DEV), (torch.rand(3, generator=g) + 0.5).to(DEV)
+    leaves = [xt.clone().requires_grad_(), xt.transpose(1, 2).contiguous().requires_grad_()]
+    runs = []
+    for i, leaf in enumerate(leaves):
+        x = leaf.transpose(1, 2) if i == 0 else leaf  # [B, S, n, d]; the first not contiguous
+        assert x.is_contiguous() == (i == 1)
+        outs = mhc.pre_streams(x, fn, base, scale, 20, 1e-6, 1e-6)
+        cots = [torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + j)).to(DEV)
+                for j, o in enumerate(outs)]
+        sum((o.float() * c).sum() for o, c in zip(outs, cots, strict=True)).backward()
+        grad = leaf.grad.transpose(1, 2) if i == 0 else leaf.grad
+        runs.append([*(o.detach() for o in outs), grad])
+    for a, b, name in zip(*runs, ["u", "post", "comb", "streams", "x's gradient"], strict=True):
+        assert_finite(a)
+        assert torch.equal(a, b), name
+    outs = mhc.pre_streams(leaves[0].transpose(1, 2), fn, base, scale, 20, 1e-6, 1e-6)
+    copy = weakref.ref(outs[3])
+    del outs
+    gc.collect()
+    assert copy() is None, "the graph of a forward without a backward stayed alive"
+
+
 @pytest.mark.parametrize("n,d,k", [(300, 1536 + 40, 6), (37, 64, 2)] if CUDA else [(9, 40, 3), (5, 8, 1)])
 def test_moe_row_moves_match_the_reference(seed, n, d, k):
     """kernels.moe against ops.take_rows and float64 sums: rows gathered bit for bit (zeros at

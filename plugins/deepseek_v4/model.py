@@ -635,7 +635,7 @@ class MoE(nn.Module):
                     self.gate.expert_load += (F.one_hot(idx, s.shape[-1]).sum(1) * v[:, None]).sum(0).float()
             if fwd is not None and "balance" in fwd.aux and torch.is_grad_enabled():
                 fwd.balance_terms.append(self._balance(idx, s, valid))
-        return out.to(x.dtype).reshape(shape)  # a no-op after add_cast
+        return out.to(x.dtype).reshape(shape)  # the cast without a shared expert (add_cast's is x.dtype)
 
     def _balance(self, idx: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Sequence-level balance loss sum_e f_e * P_e (V3 form), summed over rows with tokens."""

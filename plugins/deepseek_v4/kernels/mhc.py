@@ -362,7 +362,7 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
     n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre. ADD_DXP: and DXP [R, K],
-    the gradient of X from its use after hc_pre (hc_post's), summed in fp32, rounded once."""
+    the gradient of X from its use after hc_pre (hc_post's), added in fp32 before the store."""
     c = tl.program_id(0) * BK + tl.arange(0, BK)
     grp = tl.program_id(1)
     j = tl.arange(0, MP)
@@ -597,8 +597,8 @@ class _PreStreams(torch.autograd.Function):
     streams X, (pre, post, comb) = the gates of them, u = sum_i pre_i X_i. X's gradient is
     written once: the mixes' backward adds the stream sum's pre_i du to its own (as separate
     nodes, autograd added two [R, n, d] gradients in another pass). X also comes out of the
-    node (a view of it): a user of that view (hc_post) has its X gradient added in the same
-    pass, where autograd would add it to this node's in one more."""
+    node (a view of the input, or its contiguous copy): a user of it (hc_post) has its X
+    gradient added in the same pass, where autograd would add it to this node's in one more."""
 
     @staticmethod
     def forward(ctx, x, fn, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float):
@@ -608,7 +608,9 @@ class _PreStreams(torch.autograd.Function):
         mm, nrm, kept_m = _mixes_forward(flat, fn)
         pre, post, comb, kept_g, ctx.args = _gates_forward(mm, nrm, base, scale, n, iters, hc_eps, norm_eps,
                                                            flat.shape[-1])
-        ctx.save_for_backward(*kept_m, *kept_g, pre)
+        # detached: a saved view of an output (x is one when the input was not contiguous) would
+        # hold this node through its base until the backward ran
+        ctx.save_for_backward(kept_m[0].detach(), *kept_m[1:], *kept_g, pre)
         ctx.shapes, ctx.gate_shapes = (x.shape, fn.dtype), (post.shape, comb.shape)
         return _wsum_forward(pre, x), post, comb, x
 
