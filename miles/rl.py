@@ -54,6 +54,7 @@ class Response:
     text: str
     truncated: bool  # stopped by the length limit
     correct: bool = False  # the raw reward was positive
+    raw: float = 0.0  # the reward function's value
     reward: float = 0.0  # shaped (overlong penalty added)
 
 
@@ -229,8 +230,8 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step:
                 stats["responses"] += 1
                 stats["correct"] += x.correct
                 stats["truncated"] += x.truncated
-                stats["raw"] += 1.0 if x.correct else -1.0
-        return [(g, torch.tensor([x.reward for x in g])) for g in groups]
+                stats["raw"] += x.raw
+        return filter_scores(groups)
 
     with generation_phase(job, trainer, engines):
         if r.dynamic_sampling:
@@ -297,9 +298,16 @@ def reward_groups(job: JobConfig, groups: list[list[Response]]) -> None:
     raw = score([{"response": x.text, "label": x.prompt.label, "prompt": x.prompt.messages} for x in flat],
                 a.reward, a.reward_url, a.reward_timeout)
     for x, v in zip(flat, raw, strict=True):
-        x.correct, x.reward = v > 0, v
+        x.correct, x.raw, x.reward = v > 0, v, v
         if a.overlong_max_len is not None:
             x.reward += float(overlong_penalty(len(x.ids), a.overlong_max_len, a.overlong_cache))
+
+
+def filter_scores(groups: list[list[Response]]) -> list[tuple[list[Response], torch.Tensor]]:
+    """What dynamic sampling compares within a group: the raw rewards. DAPO keeps a group
+    whose accuracy is strictly between 0 and 1; the overlong shaping would make an all-correct
+    group's rewards differ by their lengths alone and keep it."""
+    return [(g, torch.tensor([x.raw for x in g])) for g in groups]
 
 
 # --------------------------------------------------------------------------- samples -> train

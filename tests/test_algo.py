@@ -10,7 +10,7 @@ import torch
 from miles.algo.advantages import group_advantages
 from miles.algo.losses import policy_loss
 from miles.algo.rewards import dapo_reward, extract_answer, overlong_penalty
-from miles.algo.sampling import DynamicSamplingError, dynamic_filter
+from miles.algo.sampling import DynamicSamplingError, dynamic_filter, informative
 
 
 def test_group_advantages_by_hand():
@@ -124,6 +124,34 @@ def test_dynamic_filter_keeps_informative_groups_and_gives_up_clearly():
     assert counts == {"drop_all_correct": 1, "drop_all_wrong": 1, "rounds": 2, "surplus": 1}
     with pytest.raises(DynamicSamplingError, match="3 of 4 groups .* after 2 rounds"):
         dynamic_filter(lambda i: rounds[i], need=4, max_rounds=2)
+
+
+def test_dynamic_sampling_drops_an_all_correct_group_that_shaping_made_differ():
+    """Guards DAPO's filter reading the shaped reward: all four answers correct, two of them
+    long enough for the overlong penalty, so their shaped rewards differ; the group's accuracy
+    is 1 and dynamic sampling drops it (filter_scores: the raw rewards), while a group with
+    one wrong answer is kept; the shaped rewards still carry the penalty for the advantages."""
+    from miles.config import load_job
+    from miles.data.prompts import Prompt
+    from miles.rl import Response, filter_scores, reward_groups
+
+    job = load_job("jobs/dapo_tiny.yaml")  # overlong shaping on: max 12 tokens, buffer 4
+    a = job.algo
+    assert a.overlong_max_len == 12 and a.overlong_cache == 4 and a.reward == "dapo"
+    p = Prompt("p:0", [1, 2], "7", [{"role": "user", "content": "3 + 4?"}])
+
+    def group(texts_and_lengths):
+        return [Response(p, list(range(n)), [0.0] * n, t, False) for t, n in texts_and_lengths]
+
+    all_right = group([("Answer: 7", 4), ("Answer: 7", 6), ("Answer: 7", 11), ("Answer: 7", 12)])
+    one_wrong = group([("Answer: 7", 4), ("Answer: 8", 6), ("Answer: 7", 5), ("Answer: 7", 3)])
+    reward_groups(job, [all_right, one_wrong])
+    shaped = [x.reward for x in all_right]
+    assert len(set(shaped)) > 1 and shaped[0] == 1.0 and shaped[3] < 1.0, "precondition: shaping differs"
+    keep, drops = informative(torch.stack([r for _, r in filter_scores([all_right, one_wrong])]))
+    assert keep.tolist() == [False, True]
+    assert drops == {"drop_all_correct": 1, "drop_all_wrong": 0}
+    assert [x.raw for x in one_wrong] == [1.0, -1.0, 1.0, 1.0] and not one_wrong[1].correct
 
 
 def test_kl_estimators_by_hand():
