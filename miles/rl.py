@@ -93,11 +93,12 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         stack.callback(data.close)
         trainer = start_trainer(job, device)
         stack.callback(trainer.shutdown)
-        if job.algo.kl_coef > 0:  # the reference: the weights the run starts from
-            if job.ckpt.hf is not None:
-                trainer.call("load_hf", str(job.ckpt.hf))
+        if job.algo.kl_coef > 0 and ckpt.resumes:  # the reference: the weights the run started from
+            ckpt.load_start_weights(trainer)
             trainer.call("keep_reference")
         start = ckpt.restore(trainer, data)
+        if job.algo.kl_coef > 0 and not ckpt.resumes:  # a fresh start: the weights just loaded
+            trainer.call("keep_reference")
         engines = start_engines(job, run_dir, device)
         stack.callback(engines.shutdown)
         update_engines(job, trainer, engines, start)
@@ -363,7 +364,9 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> di
     out = {f"train/{k}": sum(float(x[k]) for x in logs) / len(logs) for k in keys}
     # The first update runs on the policy that generated (on-policy modes): its ratio to the
     # old log-probs is 1 and its log-probs are the engine's, up to numerics.
-    out.update({f"train/first_update/{k}": float(logs[0][k]) for k in ("ppo_kl", "train_rollout_logprob_abs_diff")})
+    # With a KL term its kl_loss is 0 on a fresh start (the reference is the starting policy).
+    out.update({f"train/first_update/{k}": float(logs[0][k])
+                for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "kl_loss") if k in logs[0]})
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
     out.update({"perf/logprob_time": t1 - t0, "perf/train_time": t2 - t1, "perf/train_tok_per_s": tokens / (t2 - t1),
                 "train/updates": float(len(logs))})

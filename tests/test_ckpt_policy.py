@@ -171,3 +171,21 @@ def test_checkpoint_metadata_is_unpickled_only_through_an_allow_list(tmp_path):
         safe_metadata.check(tmp_path)
     with pytest.raises(CheckpointError, match="missing"):
         safe_metadata.check(tmp_path / "nothing")
+
+
+def test_the_weights_a_run_started_from_are_recorded_and_found_on_resume(tmp_path):
+    """Guards RL's KL reference on a resume (and on a start from converted weights): a fresh
+    start records where its weights came from (DeepSeek's HF checkpoint, a converted
+    weights-only checkpoint, or the seeded initialisation); a resume reads that record, not
+    ckpt.hf (which a resumed job need not name) nor the checkpoint it resumes (trained weights)."""
+    from miles.ckpt.manager import started_from
+
+    hf, dist, mid = tmp_path / "hf", tmp_path / "dist" / "iter_0000000", tmp_path / "run" / "iter_0000010"
+    assert started_from(None, hf, None) == {"hf": str(hf)}
+    assert started_from(None, None, None) == {}
+    assert started_from({"model_only": True, "iteration": 0}, None, dist) == {"dist": str(dist)}
+    recorded = {"iteration": 10, "started_from": {"dist": str(dist)}}
+    assert started_from(recorded, None, mid) == {"dist": str(dist)}
+    assert started_from(recorded, hf, mid) == {"dist": str(dist)}, "the record wins over ckpt.hf"
+    assert started_from({"iteration": 10}, hf, mid) == {"hf": str(hf)}, "an older checkpoint: ckpt.hf"
+    assert started_from({"iteration": 10}, None, mid) == {}

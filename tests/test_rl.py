@@ -75,6 +75,28 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     assert texts[0] == texts[1], "the placements sampled different responses"
 
 
+def test_the_kl_reference_is_the_converted_checkpoint_the_run_starts_from(cluster, tmp_path):
+    """Guards a KL reference taken before the starting weights load: a run from a converted
+    (weights-only) checkpoint of a trained-looking model, algo.kl_coef 0.1: at the first update
+    the policy is the reference, so its kl_loss is 0 (the seeded initialisation as reference
+    gave a large one); the checkpoint it saves records where it started (a resume's reference)."""
+    from conftest import randomize
+
+    from miles.ckpt.convert import main as convert
+    from plugins.deepseek_v4.model import DeepSeekV4ForCausalLM
+
+    job = load_job("jobs/dapo_tiny.yaml")
+    randomize(DeepSeekV4ForCausalLM(job.model.arch, seed=11), 11).save_pretrained(tmp_path / "hf")
+    convert(["hf-to-dist", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "dist")])
+    run = tmp_path / "run"
+    _rl(cluster, run, "train.steps=1", "algo.kl_coef=0.1", f"ckpt.load={tmp_path / 'dist'}", "ckpt.save_interval=1")
+    first = _metrics(run)[0]
+    assert first["train/first_update/kl_loss"] == first["train/first_update/kl_loss"]  # not NaN
+    assert abs(first["train/first_update/kl_loss"]) <= 1e-6
+    meta = store.read_meta(store.resolve("auto", run / "checkpoints"))
+    assert meta["started_from"] == {"dist": str(tmp_path / "dist" / "iter_0000000")}
+
+
 def test_one_step_off_job_killed_and_resumed_repeats_and_skips_no_prompt(cluster, tmp_path):
     """rollout.off_policy (rollout k+1 generated on the weights before step k while step k
     trains): staleness 0 for the first rollout of a process, 1 after; truncated IS on by

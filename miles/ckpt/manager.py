@@ -43,6 +43,7 @@ class Checkpoints:
                                       f"train.steps is {job.train.steps}: nothing left to train (raise train.steps)")
         self.first_step = 1
         self.pending: tuple[int, dict, float] | None = None  # an async save being written
+        self.started_from = started_from(self.meta, self.cfg.hf, self.load_dir)
 
     @property
     def iteration(self) -> int:
@@ -56,6 +57,24 @@ class Checkpoints:
 
     def layout(self) -> dict:
         return self.job.train.parallel.model_dump()
+
+    @property
+    def resumes(self) -> bool:
+        """Training state to continue (not a fresh start, nor weights alone)."""
+        return self.meta is not None and not self.model_only
+
+    def load_start_weights(self, trainer) -> None:
+        """Load the weights the run started from (RL's reference policy on a resume):
+        `started_from`'s HF or converted checkpoint; none for the seeded initialisation, which
+        the trainer has from its start."""
+        path = next(iter(self.started_from.values()), None)
+        if path is not None and not Path(path).exists():
+            raise CheckpointError(f"{self.load_dir}: this run started from {path} (its KL reference), "
+                                  f"which is gone: restore it there to resume with algo.kl_coef > 0")
+        if "hf" in self.started_from:
+            trainer.call("load_hf", self.started_from["hf"])
+        elif "dist" in self.started_from:
+            trainer.call("load_checkpoint", self.started_from["dist"], same_layout=False, with_optimizer=False)
 
     def restore(self, trainer, data) -> int:
         """Load what ckpt.load names (or ckpt.hf's weights on a fresh start); returns the
@@ -92,7 +111,8 @@ class Checkpoints:
         t0 = time.perf_counter()
         tmp = store.begin(self.save_dir, step)
         meta = {"data": data.state() if data is not None else {}, "layout": self.layout(),
-                "model": self.job.model.arch.to_dict(), "job": self.job.resolved(), "saved_at": time.time()}
+                "model": self.job.model.arch.to_dict(), "job": self.job.resolved(), "saved_at": time.time(),
+                "started_from": self.started_from}
         trainer.call("save_checkpoint", str(tmp), self.cfg.async_save)
         if self.cfg.async_save:
             self.pending = (step, meta, t0)
@@ -116,3 +136,17 @@ class Checkpoints:
 
     def close(self, trainer) -> None:
         self.poll(trainer, blocking=True)
+
+
+def started_from(meta: dict | None, hf, load_dir: Path | None) -> dict[str, str]:
+    """Where a run's weights came from at its step 0: {"hf": dir} (DeepSeek's HF checkpoint),
+    {"dist": dir} (a converted, weights-only checkpoint) or {} (the seeded initialisation). A
+    fresh start knows it; a resume reads what its checkpoint recorded (one saved before this
+    record existed: ckpt.hf if the job names it, else the seeded initialisation)."""
+    if meta is not None and not meta.get("model_only"):
+        if "started_from" in meta:
+            return dict(meta["started_from"])
+        return {"hf": str(hf)} if hf is not None else {}
+    if meta is not None:  # model-only: these weights are the start
+        return {"dist": str(load_dir)}
+    return {"hf": str(hf)} if hf is not None else {}
