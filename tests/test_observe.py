@@ -55,6 +55,21 @@ def test_online_without_a_key_logs_offline(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """Guards a resume opening a new wandb run each time: the run directory keeps its wandb run
+    id, and a second monitor on it (a resume) logs into the same run id; another run
+    directory gets another id."""
+    runs = []
+    for run_dir in (tmp_path / "a", tmp_path / "a", tmp_path / "b"):
+        m = metrics.Monitor(LogConfig(wandb={"mode": "offline", "project": "p"}), run_dir, 2, {}, io.StringIO())
+        runs.append(m.wandb.id)
+        m.log(len(runs), {"train/loss": 1.0})
+        m.close()
+    assert runs[0] == runs[1] != runs[2]
+    assert (tmp_path / "a" / metrics.WANDB_ID).read_text().strip() == runs[0]
+    assert {p.name.rsplit("-", 1)[-1] for p in (tmp_path / "a" / "wandb").glob("offline-run-*")} >= {runs[0]}
+
+
 def test_bad_metrics_file_names_file_and_line(tmp_path):
     (tmp_path / metrics.FILE).write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not JSON"):

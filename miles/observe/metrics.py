@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -20,6 +21,7 @@ from miles.config import LogConfig
 from miles.observe import records
 
 FILE = "metrics.jsonl"
+WANDB_ID = "wandb_run_id"  # in the run directory: a resumed run continues the same wandb run
 # What a log line shows, in order, when the step has it.
 LINE = (("train/loss", "loss {:.4f}"), ("train/lm_loss", "lm {:.4f}"), ("train/mtp_loss", "mtp {:.4f}"),
         ("train/indexer_loss", "indexer {:.4f}"), ("train/grad_norm", "grad_norm {:.3f}"), ("train/lr", "lr {:.2e}"),
@@ -59,9 +61,16 @@ class Monitor:
             mode = "offline"
         import wandb
 
+        # One wandb run per run directory: a resume (ckpt.load: auto) continues it (online; offline,
+        # `wandb sync` uploads each part into it). Steps it redoes after its checkpoint are ones
+        # wandb already has (it keeps a step's first values; a bitwise resume computes the same).
+        id_file = self.run_dir / WANDB_ID
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(run_id + "\n")
         return wandb.init(mode=mode, project=w.project, entity=w.entity, group=w.group, tags=w.tags,
                           name=w.name or self.run_dir.name, dir=str(self.run_dir), config=config,
-                          settings=wandb.Settings(console="off", quiet=True, silent=True))
+                          id=run_id, resume="allow", settings=wandb.Settings(console="off", quiet=True, silent=True))
 
     def print(self, text: str) -> None:
         if self.bar is not None:
