@@ -1,6 +1,6 @@
 """`miles` command line: parse, validate, hand over. Every command has --help.
 
-    miles run JOB.yaml [KEY=VALUE ...]     run a job (the controller, in this process)
+    miles run JOB.yaml [KEY=VALUE ...]     run a job (the controller, in this process; RL jobs too)
     miles sft JOB.yaml [KEY=VALUE ...]     the same, for SFT jobs (data.source: chat)
     miles rl JOB.yaml [KEY=VALUE ...]      an RL job (DAPO / GRPO: data.source: prompts, algo.loss: policy)
     miles submit JOB.yaml [KEY=VALUE ...]  submit a job with `ray job submit` (to --address or
@@ -48,15 +48,15 @@ def _run(argv: list[str], command: str = "run") -> None:
     ap.add_argument("--address", help="Ray cluster to run on (default: cluster.address, $RAY_ADDRESS, or local)")
     ap.add_argument("--check", action="store_true", help="validate the job and print it resolved; run nothing")
     ap.add_argument("--report", action="store_true", help="render the PNG plots when the run has finished")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options anywhere among the overrides
     job = _load(prog, args.job, args.overrides)
     if command == "sft" and job.data.source != "chat":
         print(f"{prog}: {args.job}: data.source is {job.data.source}; SFT trains on conversations "
               "(data.source: chat). Use `miles run` for other jobs.", file=sys.stderr)
         raise SystemExit(2)
-    if (command == "rl") != (job.data.source == "prompts"):
-        right = "miles rl" if job.data.source == "prompts" else "miles run` or `miles sft"
-        print(f"{prog}: {args.job}: data.source is {job.data.source}; use `{right}` for this job", file=sys.stderr)
+    if command == "rl" and job.data.source != "prompts":
+        print(f"{prog}: {args.job}: data.source is {job.data.source}; use `miles run` or `miles sft` for this job",
+              file=sys.stderr)
         raise SystemExit(2)
     if args.address:
         job.cluster.address = args.address  # taken as given (not read as YAML)
@@ -70,10 +70,12 @@ def _run(argv: list[str], command: str = "run") -> None:
     from miles.controller import JobError, run
     from miles.data.dataset import DataError
     from miles.rl import run_rl
+    from miles.rollout.manager import RolloutError
+    from miles.rollout.weights import WeightSyncError
 
     try:
-        result = run_rl(job) if command == "rl" else run(job)
-    except (JobError, DataError, CheckpointError, DynamicSamplingError) as e:
+        result = run_rl(job) if job.data.source == "prompts" else run(job)
+    except (JobError, DataError, CheckpointError, DynamicSamplingError, RolloutError, WeightSyncError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt as e:
@@ -126,7 +128,7 @@ def _submit(argv: list[str]) -> None:
                                       "else a local cluster started for this job)")
     ap.add_argument("--no-wait", action="store_true", help="submit, print the job id and how to follow it, return")
     ap.add_argument("--report", action="store_true", help="render the PNG plots when the run has finished")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options anywhere among the overrides
     job = _load("miles submit", args.job, args.overrides)
     from miles.cluster import jobs
     from miles.cluster.local import local_cluster

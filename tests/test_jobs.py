@@ -239,6 +239,21 @@ def test_sft_refuses_a_job_that_is_not_sft(capsys):
     assert e.value.code == 2 and "data.source is synthetic" in capsys.readouterr().err
 
 
+def test_options_go_anywhere_among_overrides_and_run_takes_every_job(capsys):
+    """`miles rl JOB --check k=v` (an option between overrides) parses; `miles run` validates
+    an RL job too (the general command); `miles rl` refuses a job that is not RL."""
+    import yaml
+
+    cli.main(["rl", str(ROOT / "jobs" / "dapo_tiny.yaml"), "--check", "train.steps=3", "log.interval=2"])
+    job = yaml.safe_load(capsys.readouterr().out)
+    assert job["train"]["steps"] == 3 and job["log"]["interval"] == 2
+    cli.main(["run", str(ROOT / "jobs" / "dapo_tiny.yaml"), "train.steps=5", "--check"])
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 5
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rl", str(DEMO), "--check"])
+    assert e.value.code == 2 and "data.source is synthetic" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["demo_tiny", "sft_tiny", "dapo_tiny_sft", "dapo_tiny"])
 def test_bundled_tiny_jobs_validate_and_their_data_exists(name):
     """Every bundled CPU job loads as written (the end-to-end tests run them shortened) and
