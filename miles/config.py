@@ -462,6 +462,9 @@ class JobConfig(Section):
         if r.max_new_tokens >= r.max_len:
             raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in "
                              f"rollout.max_len={r.max_len}")
+        if self.data.eval_interval:
+            raise ValueError(f"data.eval_interval={self.data.eval_interval} is SFT's: an RL job evaluates every "
+                             "rollout.eval_interval rollouts")
 
     @property
     def updates_per_rollout(self) -> int:

@@ -38,10 +38,11 @@ from miles.algo.rewards import overlong_penalty, score
 from miles.algo.sampling import dynamic_filter
 from miles.ckpt.manager import Checkpoints
 from miles.config import JobConfig
-from miles.controller import RunResult, prepare_run_dir, ray_session, resolve_device, start_trainer
+from miles.controller import (RunResult, finish, prepare_run_dir, profiling, ray_session, resolve_device,
+                              start_trainer)
 from miles.data.prompts import Prompt, PromptSource
 from miles.data.sample import Sample
-from miles.observe import records
+from miles.observe import alignment, records
 from miles.observe.metrics import Monitor
 from miles.train.batching import MicroBatch, packed_replica_micro_batches
 
@@ -121,7 +122,12 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                 sync = update_engines(job, trainer, engines, step - 1)
                 pending = submit(pool, job, trainer, engines, data, step + 1, version=step - 1)
             samples = to_samples(job, rollout.groups)
-            metrics = rollout.metrics | train(job, trainer, samples, step)
+            with profiling(job, trainer, run_dir, step):
+                trained, ranks = train(job, trainer, samples, step)
+            if job.log.alignment:  # the rollout's first update (each rank's gradient checksums)
+                alignment.append(run_dir, alignment.ranks_record(step, ranks[0], ranks[0]["grad_norm"],
+                                                                 [x["grad_md5"] for x in ranks]))
+            metrics = rollout.metrics | trained | data.metrics()
             if not r.off_policy and step < job.train.steps:
                 sync = update_engines(job, trainer, engines, step)
                 pending = submit(pool, job, trainer, engines, data, step + 1, version=step)
@@ -137,7 +143,8 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             history.append(metrics)
             ckpt.maybe_save(step, trainer, Position(rollout.data_state))
         ckpt.close(trainer)
-        summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "rollout/"))}
+        summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "rollout/", "data/"))}
+        finish(job, trainer, data, run_dir, monitor)  # ckpt.save_hf
         key = f"eval/{job.data.eval_name}/accuracy"
         if first is not None and key in summary:
             summary[f"{key}_start"] = first[key]
@@ -347,10 +354,11 @@ def with_logprobs(replicas: list[list[MicroBatch]], logprobs: list[list[torch.Te
             for mbs, lps in zip(replicas, logprobs, strict=True)]
 
 
-def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> dict[str, float]:
+def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> tuple[dict[str, float], list[dict]]:
     """The old log-probs (before any update; with one update per rollout the policy's own,
     detached, in the loss) and reference log-probs, then one optimizer step per batch.
-    Metrics: the batches' mean."""
+    Returns the metrics (the batches' mean) and every rank's result of the first update
+    (gradient checksums with log.alignment)."""
     t0 = time.perf_counter()
     steps = [layout(job, b) for b in batches]
     if len(steps) > 1:
@@ -358,7 +366,8 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> di
     if job.algo.kl_coef > 0:
         steps = [with_logprobs(s, trainer.forward_logprobs(s, reference=True), "ref_logprobs") for s in steps]
     t1 = time.perf_counter()
-    logs = [trainer.train_step(s)[0] for s in steps]
+    results = [trainer.train_step(s, checksums=job.log.alignment) for s in steps]
+    logs = [r[0] for r in results]
     t2 = time.perf_counter()
     keys = [k for k in logs[0] if k not in ("grad_md5", "step_time")]
     out = {f"train/{k}": sum(float(x[k]) for x in logs) / len(logs) for k in keys}
@@ -370,7 +379,7 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> di
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
     out.update({"perf/logprob_time": t1 - t0, "perf/train_time": t2 - t1, "perf/train_tok_per_s": tokens / (t2 - t1),
                 "train/updates": float(len(logs))})
-    return out
+    return out, results[0]
 
 
 # --------------------------------------------------------------------------- evaluation, records

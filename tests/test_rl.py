@@ -57,11 +57,18 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     """Step 1, fp32: the trainer's log-probs of the sampled tokens equal the engine's and the
     first update's ppo_kl is 0 (old log-probs from a separate forward); the colocated run
     (trainer asleep while the engine generates, engine memory released while it trains)
-    samples the same responses and computes the same losses and gradient norms."""
+    samples the same responses and computes the same losses and gradient norms. The RL loop
+    keeps the job keys the SFT controller serves: ckpt.save_hf writes hf/, log.alignment the
+    gradient checksums, the data source's metrics are logged."""
     runs = {p: tmp_path / p for p in ("disaggregated", "colocated")}
     for placement, run in runs.items():
-        _rl(cluster, run, "train.steps=1", f"rollout.placement={placement}")
+        _rl(cluster, run, "train.steps=1", f"rollout.placement={placement}", "ckpt.save_hf=true", "log.alignment=true")
     dis, col = _metrics(runs["disaggregated"])[0], _metrics(runs["colocated"])[0]
+    for run in runs.values():
+        assert (run / "hf" / "config.json").is_file() and list((run / "hf").glob("*.safetensors"))
+        (record,) = [json.loads(x) for x in (run / "alignment.jsonl").read_text().splitlines()]
+        assert record["step"] == 1
+    assert dis["data/skipped_rows"] == 0
     for k, v in dis.items():
         assert v == v, f"{k} is NaN"  # nothing silently NaN
     assert dis["train/first_update/train_rollout_logprob_abs_diff"] <= 1e-5
@@ -170,3 +177,12 @@ def test_the_v4_flash_dapo_job_validates_against_v4_flash(tmp_path):
     assert (a.eps_low, a.eps_high, a.agg, a.kl_coef, a.reward) == (0.2, 0.28, "token_mean", 0.0, "dapo")
     assert (a.overlong_max_len, a.overlong_cache) == (20480, 4096) and job.rollout.max_new_tokens == 20480
     assert (job.rollout.eval_samples, job.rollout.eval_top_p) == (32, 0.7) and job.ckpt.load == "auto"
+
+
+def test_an_rl_job_refuses_the_sft_evaluation_interval():
+    """data.eval_interval is the SFT loop's; an RL job evaluates every rollout.eval_interval
+    rollouts, and would silently ignore the other: refused, naming both keys."""
+    from miles.config import JobConfigError
+
+    with pytest.raises(JobConfigError, match=r"data.eval_interval=5 .* rollout.eval_interval"):
+        load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["data.eval_interval=5"])
