@@ -38,8 +38,7 @@ from miles.algo.rewards import overlong_penalty, score
 from miles.algo.sampling import dynamic_filter
 from miles.ckpt.manager import Checkpoints
 from miles.config import JobConfig
-from miles.controller import (RunResult, finish, prepare_run_dir, profiling, ray_session, resolve_device,
-                              start_trainer)
+from miles.controller import RunResult, finish, prepare_run_dir, profiling, ray_session, resolve_device, start_trainer
 from miles.data.prompts import Prompt, PromptSource
 from miles.data.sample import Sample
 from miles.observe import alignment, records
