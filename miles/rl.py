@@ -86,6 +86,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
     r = job.rollout
     with ray_session(job), contextlib.ExitStack() as stack:
         device = resolve_device(job)
+        check_engines(job, device, ray_resources().get("GPU", 0))
         monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
         stack.push(lambda exc_type, *_: monitor.close(failed=exc_type is not None))
         ckpt.report = monitor.print
@@ -154,6 +155,31 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
 
 
 # --------------------------------------------------------------------------- engines
+def check_engines(job: JobConfig, device: str, cluster_gpus: float) -> None:
+    """Refuse, before anything starts, engine setups this RL loop cannot run (each would fail
+    minutes later, inside an engine or as a placement that never comes)."""
+    from miles.controller import JobError
+
+    r = job.rollout
+    if r.engine == "sglang":
+        raise JobError("rollout.engine: sglang cannot generate for RL jobs yet: the trainer's weights reach "
+                       "engines by object store or broadcast, which serve the embedded engine only "
+                       "(SGLangEngine loads a directory: update_from_disk); use rollout.engine: embedded")
+    if device != "gpu":
+        return
+    if r.gpus_per_engine == 0:
+        raise JobError("rollout.gpus_per_engine is 0 on a GPU cluster: an engine would see no GPU; give each "
+                       "engine its GPUs (e.g. rollout.gpus_per_engine: 1)")
+    if r.placement == "colocated":
+        raise JobError("rollout.placement: colocated on GPUs needs the trainer's workers and the engines to share "
+                       "GPUs, and each worker holds a whole GPU; use rollout.placement: disaggregated")
+    need = job.train.parallel.world + r.num_engines * r.gpus_per_engine
+    if cluster_gpus < need:
+        raise JobError(f"{job.train.parallel.world} trainer GPUs + rollout.num_engines={r.num_engines} x "
+                       f"rollout.gpus_per_engine={r.gpus_per_engine:g} need {need:g} GPUs; the cluster has "
+                       f"{cluster_gpus:g}")
+
+
 def start_engines(job: JobConfig, run_dir: Path, device: str):
     """The rollout manager: rollout.num_engines engines behind SGLang's router, weights to
     come from the trainer (update_engines)."""
@@ -183,6 +209,12 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
         ray_get_all([e.release_memory.remote() for e in engines.engine_actors()])
     engines.version = version
     return res
+
+
+def ray_resources() -> dict:
+    import ray
+
+    return ray.cluster_resources()
 
 
 def ray_get_all(refs: list) -> list:

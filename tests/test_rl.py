@@ -186,3 +186,24 @@ def test_an_rl_job_refuses_the_sft_evaluation_interval():
 
     with pytest.raises(JobConfigError, match=r"data.eval_interval=5 .* rollout.eval_interval"):
         load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["data.eval_interval=5"])
+
+
+def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts():
+    """Each of these failed minutes in (an engine without its model path or weight sync, an
+    engine hidden from every GPU, a placement that never comes): now a JobError naming the
+    key, before the trainer starts. The CPU setup and a GPU one that fits pass."""
+    from miles.controller import JobError
+    from miles.rl import check_engines
+
+    def job(*extra):
+        return load_job(ROOT / "jobs" / "dapo_tiny.yaml", list(extra))
+
+    check_engines(job(), "cpu", 0)
+    check_engines(job("rollout.gpus_per_engine=1", "rollout.num_engines=2"), "gpu", 3)
+    for extra, device, gpus, match in [
+            (["rollout.engine=sglang"], "cpu", 0, "rollout.engine: sglang"),
+            ([], "gpu", 8, "rollout.gpus_per_engine is 0"),
+            (["rollout.gpus_per_engine=0.5", "rollout.placement=colocated"], "gpu", 8, "rollout.placement: colocated"),
+            (["rollout.gpus_per_engine=1", "rollout.num_engines=2"], "gpu", 2, "need 3 GPUs; the cluster has 2")]:
+        with pytest.raises(JobError, match=match):
+            check_engines(job(*extra), device, gpus)
