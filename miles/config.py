@@ -441,7 +441,26 @@ class JobConfig(Section):
         if self.ckpt.load not in (None, "auto") and self.ckpt.hf is not None:
             raise ValueError("ckpt.load and ckpt.hf: give one (a checkpoint resumes training; an HF checkpoint "
                              "starts it; with ckpt.load: auto, ckpt.hf is where a run without checkpoints starts)")
+        if self.ckpt.hf is not None:
+            self._check_hf_model()
         return self
+
+    def _check_hf_model(self) -> None:
+        """ckpt.hf's weights must fit the job's model: its config.json's architecture equal to
+        model's (the kernel switches aside), or the workers fail reading them (or, without
+        model.config, the job trains the tiny preset)."""
+        try:
+            theirs = DeepSeekV4Config.from_pretrained(self.ckpt.hf).to_dict()
+        except ConfigError as e:
+            raise ValueError(f"ckpt.hf: {e}") from None
+        ours = self.model.arch.to_dict()
+        diff = [k for k in sorted(set(theirs) | set(ours)) if k not in KERNEL_SWITCHES and theirs.get(k) != ours.get(k)]
+        if diff:
+            k = diff[0]
+            more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+            source = f"model.config {self.model.config}" if self.model.config else f"model.preset {self.model.preset or 'tiny'}"
+            raise ValueError(f"ckpt.hf: {self.ckpt.hf} has {k} {theirs.get(k)!r}, the job's model ({source}) "
+                             f"{ours.get(k)!r}{more}: point model.config at {self.ckpt.hf}")
 
     def _check_rl(self) -> None:
         r, t = self.rollout, self.train

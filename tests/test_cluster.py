@@ -350,7 +350,8 @@ def test_submit_names_paths_as_the_job_finds_them_in_its_upload(tmp_path, monkey
     (here / "prompts").mkdir()
     shutil.copy(ROOT / "miles" / "data" / "bundled" / "arith" / "train.jsonl", here / "prompts")
     (here / "runs" / "sft" / "hf").mkdir(parents=True)
-    (here / "runs" / "sft" / "hf" / "config.json").write_text("{}")
+    (here / "runs" / "sft" / "hf" / "config.json").write_text(  # the SFT run's model, as make demo's
+        json.dumps(load_job(ROOT / "jobs" / "dapo_tiny.yaml").model.arch.to_dict()))
     outside = ROOT / "miles" / "data" / "bundled" / "arith" / "eval.jsonl"
     monkeypatch.chdir(here)
     given = ["data.path=prompts/train.jsonl", f"data.eval_path={outside}", "ckpt.hf=runs/sft/hf",

@@ -239,6 +239,23 @@ def test_sft_refuses_a_job_that_is_not_sft(capsys):
     assert e.value.code == 2 and "data.source is synthetic" in capsys.readouterr().err
 
 
+def test_hf_weights_that_do_not_fit_the_jobs_model_are_refused_at_validation(tmp_path):
+    """Guards a job that names ckpt.hf but builds another model (no model.config: the tiny
+    preset; or other overrides): refused before anything starts, naming the first differing
+    field; the matching model (make demo's DAPO stage: the SFT run's hf/) loads."""
+    from miles.config import JobConfigError, load_job
+    from plugins.deepseek_v4.model import DeepSeekV4ForCausalLM
+
+    rl = ROOT / "jobs" / "dapo_tiny.yaml"
+    DeepSeekV4ForCausalLM(load_job(rl).model.arch, seed=0).save_pretrained(tmp_path / "hf")
+    assert load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}"]).ckpt.hf == tmp_path / "hf"
+    with pytest.raises(JobConfigError, match=r"ckpt.hf: .* has swiglu_limit 10.0, the job's model \(model.preset "
+                                             r"tiny\) 9.0: point model.config at"):
+        load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}", "model.overrides.swiglu_limit=9.0"])
+    with pytest.raises(JobConfigError, match=r"has hidden_size 64, .* 128"):
+        load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}", "model.overrides.hidden_size=128"])
+
+
 def test_options_go_anywhere_among_overrides_and_run_takes_every_job(capsys):
     """`miles rl JOB --check k=v` (an option between overrides) parses; `miles run` validates
     an RL job too (the general command); `miles rl` refuses a job that is not RL."""
