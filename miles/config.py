@@ -458,7 +458,8 @@ class JobConfig(Section):
         if diff:
             k = diff[0]
             more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
-            source = f"model.config {self.model.config}" if self.model.config else f"model.preset {self.model.preset or 'tiny'}"
+            m = self.model
+            source = f"model.config {m.config}" if m.config else f"model.preset {m.preset or 'tiny'}"
             raise ValueError(f"ckpt.hf: {self.ckpt.hf} has {k} {theirs.get(k)!r}, the job's model ({source}) "
                              f"{ours.get(k)!r}{more}: point model.config at {self.ckpt.hf}")
 
