@@ -43,6 +43,14 @@ def test_lines_off_a_terminal_and_a_bar_on_one(tmp_path):
     assert "4/4" in term.getvalue() and "|" in term.getvalue() and "step     1" not in term.getvalue()
 
 
+def test_an_rl_step_line_shows_reward_and_accuracy():
+    """An RL run's terminal line shows what it is trained for: the rollout's raw reward and
+    accuracy and each held-out accuracy (eval/<name>/accuracy), beside the loss."""
+    text = metrics.line({"train/loss": 0.25, "rollout/raw_reward": -0.5, "rollout/accuracy": 0.25,
+                         "eval/aime/accuracy": 0.125, "eval/aime/response_len": 40.0, "perf/train_tok_per_s": 900.0})
+    assert text == "loss 0.2500  reward -0.500  acc 25.0%  900 tok/s  aime acc 12.5%", text
+
+
 def test_online_without_a_key_logs_offline(tmp_path, monkeypatch):
     """wandb online needs WANDB_API_KEY: without it the run is logged offline (nothing lost)
     and the terminal says how to upload it later."""

@@ -25,7 +25,16 @@ WANDB_ID = "wandb_run_id"  # in the run directory: a resumed run continues the s
 # What a log line shows, in order, when the step has it.
 LINE = (("train/loss", "loss {:.4f}"), ("train/lm_loss", "lm {:.4f}"), ("train/mtp_loss", "mtp {:.4f}"),
         ("train/indexer_loss", "indexer {:.4f}"), ("train/grad_norm", "grad_norm {:.3f}"), ("train/lr", "lr {:.2e}"),
+        ("rollout/raw_reward", "reward {:+.3f}"), ("rollout/accuracy", "acc {:.1%}"),
         ("eval/loss", "eval {:.4f}"), ("perf/train_tok_per_s", "{:,.0f} tok/s"))
+
+
+def line(metrics: dict[str, float]) -> str:
+    """A step's log line: LINE's fields it has, then each held-out accuracy (RL's evaluations)."""
+    parts = [fmt.format(metrics[k]) for k, fmt in LINE if k in metrics and math.isfinite(metrics[k])]
+    parts += [f"{k.split('/')[1]} acc {v:.1%}" for k, v in metrics.items()
+              if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2 and math.isfinite(v)]
+    return "  ".join(parts)
 
 
 def read(run_dir: str | Path) -> list[dict]:
@@ -94,12 +103,12 @@ class Monitor:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics everywhere and show its progress."""
         self.record(step, metrics)
-        line = "  ".join(fmt.format(metrics[k]) for k, fmt in LINE if k in metrics and math.isfinite(metrics[k]))
+        text = line(metrics)
         if self.bar is not None:
-            self.bar.set_postfix_str(line, refresh=False)
+            self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
         elif step == 1 or step % self.cfg.interval == 0 or step == self.total:
-            self.print(f"step {step:5d}/{self.total}  {line}")
+            self.print(f"step {step:5d}/{self.total}  {text}")
 
     def summary(self, metrics: dict[str, float]) -> None:
         """Values of the finished run (evaluations) under their own names, not a step."""
