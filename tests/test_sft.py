@@ -97,6 +97,32 @@ def test_prompt_response_rows_are_one_trained_turn(tmp_path):
     assert a == b and 0 < sum(a.loss_mask) < len(a.tokens)
 
 
+def test_broken_parquet_files_are_data_errors_naming_the_file(tmp_path):
+    """Guards a pyarrow exception from deep inside the reader: a file that is not Parquet and
+    one whose data pages are damaged past a readable footer are DataErrors (the CLI's clean
+    exit 1) naming the file; rows before the damage were read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "not.parquet").write_text("plain text")
+    with pytest.raises(DataError, match="not.parquet: not a readable Parquet file"):
+        list(iter_rows(tmp_path / "not.parquet"))
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20}]} for i in range(400)]
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100, compression="snappy")
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata
+    col = meta.row_group(2).column(0)  # the third row group's pages: garbage
+    start = col.dictionary_page_offset or col.data_page_offset
+    data[start:start + col.total_compressed_size] = bytes(col.total_compressed_size)
+    path.write_bytes(bytes(data))
+    got = []
+    with pytest.raises(DataError, match=r"damaged.parquet: Parquet data unreadable after row 200"):
+        for row in iter_rows(path, batch_rows=100):
+            got.append(row)
+    assert len(got) == 200 and got[-1].record["messages"][0]["content"].startswith("question 199")
+
+
 def test_parquet_shards_directories_and_globs_read_like_jsonl(tmp_path):
     """A Parquet shard (messages as a list of structs, tool calls, loss: false) gives the same
     samples as the same rows in JSONL; a bad Parquet row is reported with its row number; a

@@ -96,9 +96,16 @@ def _parquet_rows(path: Path, batch_rows: int) -> Iterator[Row]:
     try:
         reader = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid and OSError subclasses for broken files
-        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
     n = 0
-    for batch in reader.iter_batches(batch_size=batch_rows):
+    batches = reader.iter_batches(batch_size=batch_rows)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a corrupt page or column chunk past the footer
+            raise DataError(f"{path}: Parquet data unreadable after row {n} ({type(e).__name__}: {e})") from None
+        if batch is None:
+            return
         for rec in batch.to_pylist():
             n += 1
             try:
