@@ -21,6 +21,7 @@ pure functions in miles.algo; this file only moves data between them and the act
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -302,7 +303,7 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
              "sampling_params": params | {"seed": _seed(seed, p.id, i)}}
             for p in prompts for i in range(n)]
     results = engines.generate(reqs)
-    tok = _tokenizer(job.data.tokenizer)
+    tok = response_tokenizer(job.data.tokenizer, job.data.template)
     out = []
     for k, p in enumerate(prompts):
         group = []
@@ -321,7 +322,14 @@ def _seed(seed: tuple, prompt_id: str, i: int) -> int:
     return zlib.crc32(f"{seed}/{prompt_id}/{i}".encode()) & 0x7FFFFFFF
 
 
-def _tokenizer(name: str | None):
+@functools.lru_cache(maxsize=4)
+def response_tokenizer(name: str | None, template: str = "deepseek_v4"):
+    """What decodes responses for the reward: data.tokenizer as the prompts were rendered with
+    it (template hf: the transformers tokenizer of that directory). Loaded once a run."""
+    if template == "hf":
+        from miles.data.chat import load_hf_tokenizer
+
+        return load_hf_tokenizer(name)
     from tokenizers import Tokenizer
 
     from miles.data.chat import v4_tokenizer_file

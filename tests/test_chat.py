@@ -256,3 +256,22 @@ def test_hf_template_supervises_each_trained_turn_through_its_end_token(hf_dir, 
         think = f"<think>{m['reasoning_content']}</think>" if thinking and m.get("reasoning_content") else ""
         assert tok.decode(ids[a:b]) == think + m["content"] + "<|im_end|>"
         assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")
+
+
+def test_rl_decodes_responses_with_the_prompts_tokenizer(hf_dir):
+    """Guards RL's reward reading responses through the wrong tokenizer (template hf: a
+    tokenizer directory, which the tokenizer.json loader refused): the response text is the
+    prompts' tokenizer's decode, special tokens dropped, for both templates."""
+    from transformers import AutoTokenizer
+
+    from miles.data.sft import tokenizer_path
+    from miles.rl import response_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    ids = tok("Answer: 42", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert response_tokenizer(str(hf_dir), "hf").decode(ids, skip_special_tokens=True) == "Answer: 42"
+    from tokenizers import Tokenizer
+
+    tiny = Tokenizer.from_file(tokenizer_path("tiny"))
+    ids = tiny.encode("Answer: 7").ids
+    assert response_tokenizer("tiny").decode(ids, skip_special_tokens=True) == tiny.decode(ids)

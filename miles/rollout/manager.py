@@ -51,7 +51,9 @@ class RolloutManager:
         self.spec = {**spec, "max_running": c.max_running, "max_len": c.max_len, "prefill_tokens": c.prefill_tokens,
                      "hang_timeout": c.hang_timeout}
         if c.tokenizer is not None:
-            self.spec["tokenizer"] = c.tokenizer
+            from miles.data.sft import tokenizer_path
+
+            self.spec["tokenizer"] = tokenizer_path(c.tokenizer)  # "tiny": the bundled file
         if c.engine == "sglang" and not spec.get("hf"):
             raise ValueError("rollout.engine: sglang serves a model directory (DeepSeek's HF layout): set its path")
         cls = EmbeddedEngine if c.engine == "embedded" else SGLangEngine
