@@ -279,16 +279,19 @@ def finish(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> di
         return {}
     from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
 
-    weights = {}
-    for bucket in trainer.export_weights():
-        weights.update(bucket)
-    model = DeepSeekV4ForCausalLM(job.model.arch, seed=None)
-    model.load_state_dict(weights)
-    if job.ckpt.save_hf:
-        model.save_pretrained(run_dir / "hf")
-        monitor.print(f"saved the final weights in DeepSeek's HF layout to {run_dir / 'hf'}")
+    if job.ckpt.save_hf:  # each rank writes its own tensors: no copy of the model in this process
+        nbytes = trainer.save_hf(run_dir / "hf", job.model.arch)
+        monitor.print(f"saved the final weights in DeepSeek's HF layout to {run_dir / 'hf'} ({nbytes / 2**30:.2f} GiB)")
+        if not generate:
+            return {}
         model = DeepSeekV4ForCausalLM.from_pretrained(run_dir / "hf")
-    return data.evaluate(model, job.data.eval_size) if generate else {}
+    else:
+        weights = {}
+        for bucket in trainer.export_weights():
+            weights.update(bucket)
+        model = DeepSeekV4ForCausalLM(job.model.arch, seed=None)
+        model.load_state_dict(weights)
+    return data.evaluate(model, job.data.eval_size)
 
 
 def describe_layout(job: JobConfig, trainer: TrainGroup) -> str:

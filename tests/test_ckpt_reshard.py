@@ -3,6 +3,7 @@ HF checkpoints read slice by slice, and `miles convert` both ways."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -148,16 +149,22 @@ def test_workers_read_only_their_slices_of_an_hf_checkpoint(ray_cluster, tmp_pat
 
 
 def test_convert_hf_to_dist_to_hf_is_byte_identical(ray_cluster, tmp_path, seed):
-    """`miles convert hf-to-dist --tp 2` then `dist-to-hf` (the commands' functions, on this
-    module's cluster): the same tensors, byte for byte; a missing checkpoint is a clean exit 1."""
+    """`miles convert hf-to-dist --tp 2` then `dist-to-hf` on one worker and on two (the
+    commands' functions, on this module's cluster): the same tensors, byte for byte; with two
+    workers each rank wrote its own shard files (the index names both); a missing checkpoint is
+    a clean exit 1."""
     from miles.ckpt.convert import main
 
     model = randomize(DeepSeekV4ForCausalLM(CFG, seed=seed), seed)
     model.save_pretrained(tmp_path / "hf")
     main(["hf-to-dist", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "dist"), "--tp", "2"])
     main(["dist-to-hf", "--ckpt", str(tmp_path / "dist"), "--out", str(tmp_path / "back")])
+    main(["dist-to-hf", "--ckpt", str(tmp_path / "dist"), "--out", str(tmp_path / "back2"), "--ep", "2"])
     assert store.read_meta(tmp_path / "dist" / "iter_0000000")["model_only"]
     _same_bytes(load_safetensors_dir(tmp_path / "back"), load_safetensors_dir(tmp_path / "hf"), "HF -> dist -> HF")
+    _same_bytes(load_safetensors_dir(tmp_path / "back2"), load_safetensors_dir(tmp_path / "hf"), "HF -> dist -> HF, 2")
+    files = set(json.loads((tmp_path / "back2" / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert {f.split("-")[1] for f in files} == {"rank00000", "rank00001"}, files
     p = subprocess.run([sys.executable, "-m", "miles.cli", "convert", "dist-to-hf", "--ckpt", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 1 and "no complete checkpoint" in p.stdout

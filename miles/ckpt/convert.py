@@ -4,9 +4,10 @@
         workers at that layout each read their own slices of the safetensors shards (FP8/FP4
         dequantized) and write a model-only checkpoint, SAVE_DIR/iter_0000000 (a job loads it
         with ckpt.load: SAVE_DIR and trains from step 1 with a fresh optimizer)
-    miles convert dist-to-hf --ckpt DIR --out DIR
-        one worker loads the checkpoint's model (any layout it was saved at) and writes
-        DeepSeek's tensor names and config.json (the whole model passes through this process)
+    miles convert dist-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N]
+        workers at that layout (default one) load the checkpoint's model (saved at any layout)
+        and each writes the tensors it owns under DeepSeek's names; this process writes the
+        index and config.json (no weights pass through it)
 """
 
 from __future__ import annotations
@@ -60,24 +61,19 @@ def hf_to_dist(hf: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, repor
     return final
 
 
-def dist_to_hf(ckpt: Path, out: Path, report=print) -> Path:
+def dist_to_hf(ckpt: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, report=print) -> Path:
     from plugins.deepseek_v4 import DeepSeekV4Config
-    from plugins.deepseek_v4.hf_io import save_safetensors_shards
 
     path = store.resolve(str(ckpt), Path(ckpt))
     meta = store.read_meta(path)
     cfg = DeepSeekV4Config.from_dict(meta["model"], source=str(path / store.META))
     t0 = time.perf_counter()
-    with _workers(1, 1, 1) as group:
+    with _workers(tp, pp, ep) as group:
         group.call("build_model", cfg.to_dict(), 0)
         group.call("load_checkpoint", str(path), same_layout=False, with_optimizer=False)
-        weights = {}
-        for bucket in group.export_weights():
-            weights.update(bucket)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(out)
-    save_safetensors_shards(weights, out)
-    report(f"miles convert: {path} -> {out} ({len(weights)} tensors, {time.perf_counter() - t0:.1f} s)")
+        nbytes = group.save_hf(Path(out), cfg)
+    report(f"miles convert: {path} -> {out} ({nbytes / 2**30:.2f} GiB, tp={tp} pp={pp} ep={ep}, "
+           f"{time.perf_counter() - t0:.1f} s)")
     return Path(out)
 
 
@@ -93,6 +89,8 @@ def main(argv: list[str]) -> None:
     b = sub.add_parser("dist-to-hf", help="a checkpoint (iter_ directory or save_dir) -> DeepSeek's HF layout")
     b.add_argument("--ckpt", type=Path, required=True)
     b.add_argument("--out", type=Path, required=True)
+    for k in ("tp", "pp", "ep"):
+        b.add_argument(f"--{k}", type=int, default=1, help=f"{k} of the workers that read and write")
     args = ap.parse_args(argv)
     try:
         if args.what == "hf-to-dist":
@@ -100,7 +98,7 @@ def main(argv: list[str]) -> None:
                 raise store.CheckpointError(f"{args.hf}: not an HF checkpoint directory (no config.json)")
             hf_to_dist(args.hf, args.out, args.tp, args.pp, args.ep)
         else:
-            dist_to_hf(args.ckpt, args.out)
+            dist_to_hf(args.ckpt, args.out, args.tp, args.pp, args.ep)
     except (store.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"miles convert: {e}")
         raise SystemExit(1) from None

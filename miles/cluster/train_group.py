@@ -66,6 +66,30 @@ class TrainGroup:
                 if x["pp_rank"] == x["pp"] - 1 and x["tp_rank"] == 0 and x["cp_rank"] == 0}
         return [out[last[r]] for r in range(len(replicas))]
 
+    def save_hf(self, directory, config) -> int:
+        """The weights in DeepSeek's HF layout: each rank writes the tensors it owns (every
+        tensor once), then the index and config.json here. Returns the tensors' bytes."""
+        from pathlib import Path
+
+        from plugins.deepseek_v4.hf_io import write_index
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        weight_map, total = {}, 0
+        for names, nbytes in self.call("save_hf_shards", str(directory)):
+            twice = set(names) & set(weight_map)
+            if twice:
+                raise RuntimeError(f"save_hf: {sorted(twice)[:3]} written by two ranks")
+            weight_map.update(names)
+            total += nbytes
+        absent = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+        if absent:  # ranks on other nodes wrote to their own disks
+            raise RuntimeError(f"save_hf: {len(absent)} shard files the ranks wrote are not in {directory} "
+                               f"(e.g. {absent[0]}): on several nodes it must be a filesystem every node shares")
+        config.save_pretrained(directory)
+        write_index(directory, weight_map, total)
+        return total
+
     def export_weights(self, bucket_bytes: int = 256 << 20):
         """Yield buckets {DeepSeek name: full tensor} covering the whole model once."""
         for rank_buckets in self.call("export_weights", bucket_bytes):

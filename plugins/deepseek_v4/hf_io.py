@@ -341,29 +341,36 @@ def save_safetensors_shards(
     groups.append(current)
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     n = len(groups)
     files: list[str] = []
     weight_map: dict[str, str] = {}
     for i, names in enumerate(groups, start=1):
         fname = _shard_name(i, n)
-        shard = {k: tensors[k] for k in names}
-        _atomic_write(
-            directory, fname, lambda p, shard=shard: save_file(shard, str(p), metadata={"format": "pt"})
-        )
+        write_shard(directory, fname, {k: tensors[k] for k in names})
         files.append(fname)
         weight_map.update(dict.fromkeys(names, fname))
+    write_index(directory, weight_map, sum(_tensor_nbytes(t) for t in tensors.values()))
+    return files
 
-    index = {
-        "metadata": {"total_size": sum(_tensor_nbytes(t) for t in tensors.values())},
-        "weight_map": weight_map,
-    }
 
-    def write_index(p: Path) -> None:
+def write_shard(directory: str | os.PathLike, fname: str, tensors: Mapping[str, torch.Tensor]) -> int:
+    """One safetensors file of `tensors` (made contiguous CPU tensors, shared storage cloned),
+    written under a temporary name and moved into place. Returns its tensors' bytes."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shard = _prepare_for_save(tensors)
+    _atomic_write(directory, fname, lambda p: save_file(shard, str(p), metadata={"format": "pt"}))
+    return sum(_tensor_nbytes(t) for t in shard.values())
+
+
+def write_index(directory: str | os.PathLike, weight_map: Mapping[str, str], total_size: int) -> None:
+    """The shards' index json (written last: a directory without it is not a checkpoint)."""
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
+
+    def write(p: Path) -> None:
         p.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
-    _atomic_write(directory, INDEX_FILE, write_index)
-    return files
+    _atomic_write(Path(directory), INDEX_FILE, write)
 
 
 # ----------------------------------------------------------------------------------------------------------
