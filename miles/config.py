@@ -324,8 +324,10 @@ class AlgoConfig(Section):
 
 
 class CkptConfig(Section):
-    """Checkpoints (miles.ckpt): iter_NNNNNNN/ holds the state after N optimizer steps; resuming
-    from it runs step N+1. Retained: the newest, multiples of keep_every, the keep_last newest."""
+    """Checkpoints (miles.ckpt): iter_NNNNNNN/ holds the state after N steps of train.steps
+    (optimizer steps; in RL jobs rollouts, each updates_per_rollout optimizer steps); resuming
+    from it runs step N+1. Intervals count the same steps. Retained: the newest, multiples of
+    keep_every, the keep_last newest."""
 
     save_dir: Path | None = None  # default <run_dir>/checkpoints; a shared filesystem on multi-node clusters
     save_interval: NonNegInt = 0  # save every N steps (0: only after the last step)
