@@ -247,7 +247,7 @@ class RolloutConfig(Section):
     engine: Literal["embedded", "sglang"] = "embedded"  # sglang: GPU clusters with SGLang installed
     num_engines: PosInt = 1  # rollout engines behind the router
     cpus_per_engine: PosFloat = 1.0  # Ray CPUs each engine asks for
-    gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; fractions when colocated with the trainer
+    gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; > 0 on GPUs (RL refuses 0 there)
     max_running: PosInt = 64  # sequences one engine decodes together
     max_len: PosInt = 4096  # prompt + generated tokens per sequence
     prefill_tokens: PosInt = 8192  # prompt tokens per prefill forward
@@ -275,7 +275,7 @@ class RolloutConfig(Section):
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Int = -1  # -1: off
     placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: the trainer sleeps while
-    # engines generate, engines release memory while it trains
+    # engines generate, engines release memory while it trains (CPU clusters; RL refuses it on GPUs)
     off_policy: Bool = False  # one-step-off: generate rollout k+1 while training on k (staleness 1)
     eval_interval: NonNegInt = 0  # evaluate on data's held-out prompts every N rollouts (and first, last)
     eval_samples: PosInt = 4  # responses per held-out prompt (avg@k)
@@ -448,15 +448,19 @@ class JobConfig(Section):
         return self
 
     def _check_hf_model(self) -> None:
-        """ckpt.hf's weights must fit the job's model: its config.json's architecture equal to
-        model's (the kernel switches aside), or the workers fail reading them (or, without
+        """ckpt.hf's weights must fit the job's model: its config.json's architecture, with the
+        job's model.overrides applied, equal to model's (the kernel switches and metadata such
+        as quantization_config aside), or the workers fail reading them (or, without
         model.config, the job trains the tiny preset)."""
+        from plugins.deepseek_v4.config import METADATA_FIELDS
+
         try:
-            theirs = DeepSeekV4Config.from_pretrained(self.ckpt.hf).to_dict()
+            theirs = {**DeepSeekV4Config.from_pretrained(self.ckpt.hf).to_dict(), **self.model.overrides}
         except ConfigError as e:
             raise ValueError(f"ckpt.hf: {e}") from None
         ours = self.model.arch.to_dict()
-        diff = [k for k in sorted(set(theirs) | set(ours)) if k not in KERNEL_SWITCHES and theirs.get(k) != ours.get(k)]
+        skip = set(KERNEL_SWITCHES) | METADATA_FIELDS
+        diff = [k for k in sorted(set(theirs) | set(ours)) if k not in skip and theirs.get(k) != ours.get(k)]
         if diff:
             k = diff[0]
             more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""

@@ -249,11 +249,16 @@ def test_hf_weights_that_do_not_fit_the_jobs_model_are_refused_at_validation(tmp
     rl = ROOT / "jobs" / "dapo_tiny.yaml"
     DeepSeekV4ForCausalLM(load_job(rl).model.arch, seed=0).save_pretrained(tmp_path / "hf")
     assert load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}"]).ckpt.hf == tmp_path / "hf"
-    with pytest.raises(JobConfigError, match=r"ckpt.hf: .* has swiglu_limit 10.0, the job's model \(model.preset "
-                                             r"tiny\) 9.0: point model.config at"):
-        load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}", "model.overrides.swiglu_limit=9.0"])
-    with pytest.raises(JobConfigError, match=r"has hidden_size 64, .* 128"):
-        load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}", "model.overrides.hidden_size=128"])
+    # an override applies to the HF model too (the job runs those weights with it)
+    assert load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}", "model.overrides.swiglu_limit=9.0"]).ckpt.hf
+    wide = load_job(rl, ["model.overrides.hidden_size=128"]).model.arch
+    DeepSeekV4ForCausalLM(wide, seed=0).save_pretrained(tmp_path / "wide")
+    with pytest.raises(JobConfigError, match=r"ckpt.hf: .* has hidden_size 128, the job's model \(model.preset "
+                                             r"tiny\) 64: point model.config at"):
+        load_job(rl, [f"ckpt.hf={tmp_path / 'wide'}"])
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())  # metadata alone differs: loads
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "use_cache": True}))
+    assert load_job(rl, [f"ckpt.hf={tmp_path / 'hf'}"]).ckpt.hf
 
 
 def test_options_go_anywhere_among_overrides_and_run_takes_every_job(capsys):

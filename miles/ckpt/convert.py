@@ -68,8 +68,9 @@ def dist_to_hf(ckpt: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, rep
     meta = store.read_meta(path)
     cfg = DeepSeekV4Config.from_dict(meta["model"], source=str(path / store.META))
     t0 = time.perf_counter()
+    dtype = meta.get("job", {}).get("model", {}).get("dtype", "float32")  # the dtype it trained in
     with _workers(tp, pp, ep) as group:
-        group.call("build_model", cfg.to_dict(), 0)
+        group.call("build_model", cfg.to_dict(), 0, dtype=dtype)
         group.call("load_checkpoint", str(path), same_layout=False, with_optimizer=False)
         nbytes = group.save_hf(Path(out), cfg)
     report(f"miles convert: {path} -> {out} ({nbytes / 2**30:.2f} GiB, tp={tp} pp={pp} ep={ep}, "

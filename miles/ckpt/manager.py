@@ -69,8 +69,12 @@ class Checkpoints:
         the trainer has from its start."""
         path = next(iter(self.started_from.values()), None)
         if path is not None and not Path(path).exists():
-            raise CheckpointError(f"{self.load_dir}: this run started from {path} (its KL reference), "
-                                  f"which is gone: restore it there to resume with algo.kl_coef > 0")
+            if self.cfg.hf is None:
+                raise CheckpointError(f"{self.load_dir}: this run started from {path} (its KL reference), which is "
+                                      f"gone: restore it there, or name those weights with ckpt.hf")
+            self.report(f"checkpoint: the run started from {path}, which is gone; its KL reference is ckpt.hf "
+                        f"{self.cfg.hf}")
+            self.started_from = {"hf": str(self.cfg.hf)}
         if "hf" in self.started_from:
             trainer.call("load_hf", self.started_from["hf"])
         elif "dist" in self.started_from:

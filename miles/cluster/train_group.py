@@ -69,24 +69,31 @@ class TrainGroup:
     def save_hf(self, directory, config) -> int:
         """The weights in DeepSeek's HF layout: each rank writes the tensors it owns (every
         tensor once), then the index and config.json here. Returns the tensors' bytes."""
+        import json
+        import os
         from pathlib import Path
 
         from plugins.deepseek_v4.hf_io import write_index
 
-        directory = Path(directory)
+        directory = Path(os.path.abspath(directory))  # the workers' working directory is not ours
         directory.mkdir(parents=True, exist_ok=True)
-        weight_map, total = {}, 0
-        for names, nbytes in self.call("save_hf_shards", str(directory)):
+        weight_map, total, held = {}, 0, set()
+        for names, nbytes, tensors in self.call("save_hf_shards", str(directory)):
             twice = set(names) & set(weight_map)
             if twice:
                 raise RuntimeError(f"save_hf: {sorted(twice)[:3]} written by two ranks")
             weight_map.update(names)
             total += nbytes
+            held.update(tensors)
+        if held != set(weight_map):
+            raise RuntimeError(f"save_hf: tensors no rank wrote: {sorted(held - set(weight_map))[:3]}")
         absent = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
         if absent:  # ranks on other nodes wrote to their own disks
             raise RuntimeError(f"save_hf: {len(absent)} shard files the ranks wrote are not in {directory} "
                                f"(e.g. {absent[0]}): on several nodes it must be a filesystem every node shares")
-        config.save_pretrained(directory)
+        # The tensors are unquantized: no quantization_config claiming FP8 weights and scales
+        cfg = {k: v for k, v in config.to_dict().items() if k not in ("quantization_config", "expert_dtype")}
+        (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         write_index(directory, weight_map, total)
         return total
 

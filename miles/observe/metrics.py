@@ -70,11 +70,11 @@ class Monitor:
             mode = "offline"
         import wandb
 
-        # One wandb run per run directory: a resume (ckpt.load: auto) continues it (online; offline,
-        # `wandb sync` uploads each part into it). Steps it redoes after its checkpoint are ones
-        # wandb already has (it keeps a step's first values; a bitwise resume computes the same).
+        # One wandb run id per run directory: online, a resume (ckpt.load: auto) continues the run
+        # (steps it redoes after its checkpoint are ones wandb has: it keeps a step's first values,
+        # which a bitwise resume computes again); offline, each attempt is an offline run of that id.
         id_file = self.run_dir / WANDB_ID
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        run_id = (id_file.read_text().strip() if id_file.is_file() else "") or secrets.token_hex(6)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
         return wandb.init(mode=mode, project=w.project, entity=w.entity, group=w.group, tags=w.tags,

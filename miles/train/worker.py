@@ -454,10 +454,12 @@ class TrainWorker:
         buckets of about `bucket_bytes` (see weight_export). Every rank must call it."""
         return [{k: v.cpu().clone() for k, v in b.items()} for b in weight_export.buckets(self.model, bucket_bytes)]
 
-    def save_hf_shards(self, directory: str, bucket_bytes: int = 1 << 30) -> tuple[dict[str, str], int]:
+    def save_hf_shards(self, directory: str, bucket_bytes: int = 1 << 30) -> tuple[dict[str, str], int, list[str]]:
         """Write this rank's share of the full weights (export_weights' buckets) into
-        `directory` as safetensors files of its own; returns ({name: file}, bytes). Every rank
-        must call it; nothing passes through the driver."""
+        `directory` as safetensors files of its own; returns ({name: file}, bytes, the names of
+        every tensor this rank holds: the driver checks each was written). Every rank must call
+        it; nothing passes through the driver."""
+        from miles.ckpt.sharded import model_tensors
         from plugins.deepseek_v4.hf_io import write_shard
 
         names, total = {}, 0
@@ -465,7 +467,7 @@ class TrainWorker:
             fname = f"model-rank{self.rank:05d}-{i + 1:05d}.safetensors"
             total += write_shard(directory, fname, b)
             names.update(dict.fromkeys(b, fname))
-        return names, total
+        return names, total, list(model_tensors(self.model))
 
     def put_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
         """Weight sync through the object store: this rank's buckets put one at a time, as

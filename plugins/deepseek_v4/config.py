@@ -291,6 +291,9 @@ _IGNORED_FIELDS: dict[str, Any] = {
 }
 
 
+METADATA_FIELDS = frozenset(_IGNORED_FIELDS)  # config.json fields that describe no weight or computation
+
+
 def _parse_rope_scaling(raw: Any, source: str) -> YarnScaling | None:
     if raw is None:
         return None
