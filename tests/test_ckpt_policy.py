@@ -189,3 +189,17 @@ def test_the_weights_a_run_started_from_are_recorded_and_found_on_resume(tmp_pat
     assert started_from(recorded, hf, mid) == {"dist": str(dist)}, "the record wins over ckpt.hf"
     assert started_from({"iteration": 10}, hf, mid) == {"hf": str(hf)}, "an older checkpoint: ckpt.hf"
     assert started_from({"iteration": 10}, None, mid) == {}
+
+
+def test_a_resumed_runs_reference_weights_that_are_gone_come_from_ckpt_hf_or_fail_clearly(tmp_path):
+    """The recorded start is read while it exists; gone (moved, reaped), ckpt.hf names the
+    weights instead; gone without ckpt.hf, a CheckpointError naming the path and the way out."""
+    from miles.ckpt.manager import reference_weights
+
+    there, gone, hf = tmp_path / "dist", tmp_path / "moved", tmp_path / "hf"
+    there.mkdir()
+    assert reference_weights({"dist": str(there)}, None, tmp_path) == {"dist": str(there)}
+    assert reference_weights({}, None, tmp_path) == {}
+    assert reference_weights({"dist": str(gone)}, hf, tmp_path) == {"hf": str(hf)}
+    with pytest.raises(CheckpointError, match=r"started from .*moved .* gone: .* ckpt.hf"):
+        reference_weights({"dist": str(gone)}, None, tmp_path)

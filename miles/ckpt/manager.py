@@ -67,14 +67,11 @@ class Checkpoints:
         """Load the weights the run started from (RL's reference policy on a resume):
         `started_from`'s HF or converted checkpoint; none for the seeded initialisation, which
         the trainer has from its start."""
-        path = next(iter(self.started_from.values()), None)
-        if path is not None and not Path(path).exists():
-            if self.cfg.hf is None:
-                raise CheckpointError(f"{self.load_dir}: this run started from {path} (its KL reference), which is "
-                                      f"gone: restore it there, or name those weights with ckpt.hf")
-            self.report(f"checkpoint: the run started from {path}, which is gone; its KL reference is ckpt.hf "
-                        f"{self.cfg.hf}")
-            self.started_from = {"hf": str(self.cfg.hf)}
+        source = reference_weights(self.started_from, self.cfg.hf, self.load_dir)
+        if source != self.started_from:
+            self.report(f"checkpoint: the run started from {next(iter(self.started_from.values()))}, which is gone; "
+                        f"its KL reference is ckpt.hf {self.cfg.hf}")
+            self.started_from = source
         if "hf" in self.started_from:
             trainer.call("load_hf", self.started_from["hf"])
         elif "dist" in self.started_from:
@@ -154,3 +151,15 @@ def started_from(meta: dict | None, hf, load_dir: Path | None) -> dict[str, str]
     if meta is not None:  # model-only: these weights are the start
         return {"dist": str(load_dir)}
     return {"hf": str(hf)} if hf is not None else {}
+
+
+def reference_weights(started: dict[str, str], hf, load_dir) -> dict[str, str]:
+    """Where to read a resumed run's starting weights: what it recorded, or ckpt.hf when that
+    is gone (moved, reaped, a submission's temporary upload); gone with no ckpt.hf: an error."""
+    path = next(iter(started.values()), None)
+    if path is None or Path(path).exists():
+        return started
+    if hf is None:
+        raise CheckpointError(f"{load_dir}: this run started from {path} (its KL reference), which is gone: "
+                              f"restore it there, or name those weights with ckpt.hf")
+    return {"hf": str(hf)}
