@@ -65,6 +65,17 @@ KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunk
                    "fused_elementwise", "recompute", "cuda_graphs")
 
 
+def model_difference(a: dict, b: dict, skip: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """The first field (sorted) where two architectures differ, the kernel switches (which do
+    not change the weights) and `skip` aside, and a note of the others (" (and N more: ...)"
+    or ""); None where they agree."""
+    ignore = set(KERNEL_SWITCHES) | set(skip)
+    diff = [k for k in sorted(set(a) | set(b)) if k not in ignore and a.get(k) != b.get(k)]
+    if not diff:
+        return None
+    return diff[0], (f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else "")
+
+
 class ModelConfig(Section):
     preset: Literal["tiny", "small_50m"] | None = None  # the tiny preset when neither this nor config is given
     config: Path | None = None  # a directory holding DeepSeek's config.json (or the file itself)
@@ -459,11 +470,9 @@ class JobConfig(Section):
         except ConfigError as e:
             raise ValueError(f"ckpt.hf: {e}") from None
         ours = self.model.arch.to_dict()
-        skip = set(KERNEL_SWITCHES) | METADATA_FIELDS
-        diff = [k for k in sorted(set(theirs) | set(ours)) if k not in skip and theirs.get(k) != ours.get(k)]
-        if diff:
-            k = diff[0]
-            more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+        found = model_difference(theirs, ours, METADATA_FIELDS)
+        if found:
+            k, more = found
             m = self.model
             source = f"model.config {m.config}" if m.config else f"model.preset {m.preset or 'tiny'}"
             raise ValueError(f"ckpt.hf: {self.ckpt.hf} has {k} {theirs.get(k)!r}, the job's model ({source}) "

@@ -144,12 +144,10 @@ def started_from(meta: dict | None, hf, load_dir: Path | None) -> dict[str, str]
     {"dist": dir} (a converted, weights-only checkpoint) or {} (the seeded initialisation). A
     fresh start knows it; a resume reads what its checkpoint recorded (one saved before this
     record existed: ckpt.hf if the job names it, else the seeded initialisation)."""
-    if meta is not None and not meta.get("model_only"):
-        if "started_from" in meta:
-            return dict(meta["started_from"])
-        return {"hf": str(hf)} if hf is not None else {}
-    if meta is not None:  # model-only: these weights are the start
+    if meta is not None and meta.get("model_only"):  # these weights are the start
         return {"dist": str(load_dir)}
+    if meta is not None and "started_from" in meta:
+        return dict(meta["started_from"])
     return {"hf": str(hf)} if hf is not None else {}
 
 

@@ -182,13 +182,11 @@ def reap(save_dir: Path, save_interval: int, keep_every: int | None, keep_last: 
 def check_model(meta: dict, arch: dict, ckpt: Path) -> None:
     """The checkpoint's model must be the job's: every architecture field equal (the kernel
     switches aside: they do not change the weights)."""
-    from miles.config import KERNEL_SWITCHES
+    from miles.config import model_difference
 
     saved = meta.get("model", {})
-    skip = set(KERNEL_SWITCHES)
-    diff = [k for k in sorted(set(saved) | set(arch)) if k not in skip and saved.get(k) != arch.get(k)]
-    if diff:
-        k = diff[0]
-        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+    found = model_difference(saved, arch)
+    if found:
+        k, more = found
         raise CheckpointError(f"{Path(ckpt) / META}: model.{k} is {saved.get(k)!r} in the checkpoint but "
                               f"{arch.get(k)!r} in the job{more}")

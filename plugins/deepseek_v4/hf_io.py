@@ -346,7 +346,7 @@ def save_safetensors_shards(
     weight_map: dict[str, str] = {}
     for i, names in enumerate(groups, start=1):
         fname = _shard_name(i, n)
-        write_shard(directory, fname, {k: tensors[k] for k in names})
+        _write_prepared(directory, fname, {k: tensors[k] for k in names})
         files.append(fname)
         weight_map.update(dict.fromkeys(names, fname))
     write_index(directory, weight_map, sum(_tensor_nbytes(t) for t in tensors.values()))
@@ -356,10 +356,13 @@ def save_safetensors_shards(
 def write_shard(directory: str | os.PathLike, fname: str, tensors: Mapping[str, torch.Tensor]) -> int:
     """One safetensors file of `tensors` (made contiguous CPU tensors, shared storage cloned),
     written under a temporary name and moved into place. Returns its tensors' bytes."""
+    return _write_prepared(directory, fname, _prepare_for_save(tensors))
+
+
+def _write_prepared(directory: str | os.PathLike, fname: str, shard: Mapping[str, torch.Tensor]) -> int:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    shard = _prepare_for_save(tensors)
-    _atomic_write(directory, fname, lambda p: save_file(shard, str(p), metadata={"format": "pt"}))
+    _atomic_write(directory, fname, lambda p: save_file(dict(shard), str(p), metadata={"format": "pt"}))
     return sum(_tensor_nbytes(t) for t in shard.values())
 
 
