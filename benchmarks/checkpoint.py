@@ -8,7 +8,7 @@ AdamW state after one step, then per repeat:
 - sync save: save_checkpoint until every file is written (the commit's fsync excluded);
 - load: load_checkpoint of that directory into the same workers;
 - async save: the save_checkpoint call (what the training loop waits for: host staging and
-  the forked writer starting), then a training step while it writes, then finish_save.
+  the writer thread starting), then a training step while it writes, then finish_save.
 The stall is the async call's time over the sync save's; the issue's bar is 10%.
 Medians over the repeats; GB/s over the bytes on disk.
 """

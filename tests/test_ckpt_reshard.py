@@ -193,3 +193,70 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on(ray_clus
     _step(g2, src, 3, 1)
     _same_bytes(_full(g2), after, "step 3 from the async checkpoint")
     g2.shutdown()
+
+
+def test_saves_fork_no_process(ray_cluster, tmp_path, seed):
+    """A Ray actor must not fork (its other threads may hold locks the child then waits on
+    forever): Megatron's writer forks one process per file and its async caller one per save;
+    ours write in the worker's own process, sync and async alike, and the files are whole (a
+    group loading them has the saved weights)."""
+    src = SyntheticSource(32, CFG.vocab_size, seed)
+    g = _group(seed, tp=2)
+    _step(g, src, 1, 1)
+
+    def count_forks(worker) -> None:  # in the worker (by value: workers cannot import this file)
+        import os
+
+        worker.forks = []
+        os.register_at_fork(before=lambda: worker.forks.append(1))
+
+    ray_cluster.get([w.__ray_call__.remote(count_forks) for w in g.workers])
+    saved = _full(g)
+    _save(g, tmp_path / "sync")
+    (tmp_path / "async").mkdir()
+    g.call("save_checkpoint", str(tmp_path / "async"), True)
+    assert all(g.call("finish_save", True))
+    forks = ray_cluster.get([w.__ray_call__.remote(lambda w: len(w.forks)) for w in g.workers])
+    g.shutdown()
+    assert forks == [0, 0], f"forks per rank during the saves: {forks}"
+    for name in ("sync", "async"):
+        g2 = _group(seed + 1, tp=2)
+        g2.call("load_checkpoint", str(tmp_path / name), same_layout=True)
+        _same_bytes(_full(g2), saved, f"{name} save")
+        g2.shutdown()
+
+
+def _wait_on(group_name: str):
+    """Run in a worker (Ray's __ray_call__): an all-reduce on one of its process groups."""
+    def call(worker):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = {"world": dist.group.WORLD, "tp": ps.get_tensor_model_parallel_group()}[group_name]
+        dist.all_reduce(torch.ones(1), group=group)
+    return call
+
+
+def test_shutdown_kills_ranks_stuck_in_a_collective_within_its_grace(ray_cluster, seed):
+    """A stopped job unwinds through TrainGroup.shutdown while its ranks may be inside
+    collectives that will never complete (a hang; here rank 0 all-reduces on the TP group and
+    rank 1 on the world group, each waiting on the other for gloo's 5 minutes). Shutdown must
+    not wait on them: it returns within its grace and the actors are gone (it queued behind the
+    collective: the job outlived Ray's stop window and was SIGKILLed before the driver could
+    unwind)."""
+    import threading
+    import time
+
+    g = _group(seed, tp=2)
+    stuck = [w.__ray_call__.remote(_wait_on(name)) for w, name in zip(g.workers, ("tp", "world"), strict=True)]
+    with pytest.raises(ray_cluster.exceptions.GetTimeoutError):
+        ray_cluster.get(stuck, timeout=3)  # really stuck, not finished
+    t0 = time.monotonic()
+    closer = threading.Thread(target=g.shutdown, kwargs={"grace": 2.0}, daemon=True)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "shutdown waited on ranks stuck in a collective"
+    assert time.monotonic() - t0 < 30
+    for w in g.workers:  # killed, not merely left alone
+        with pytest.raises(ray_cluster.exceptions.RayActorError):
+            ray_cluster.get(w.layout.remote(), timeout=30)

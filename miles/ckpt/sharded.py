@@ -19,10 +19,15 @@ after the metadata file passed `safe_metadata.check`.
 
 from __future__ import annotations
 
+import functools
+import queue
+import threading
+
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from miles.ckpt import safe_metadata
 
@@ -122,13 +127,70 @@ def sharded_state_dict(model, optimizer, scheduler, world: int, rank: int, is_lo
             "rng": ShardedObject(f"rng.world{world}", rng_state(), (world,), (rank,), replica_id=0)}
 
 
-def save(directory: str, model, optimizer, scheduler, world: int, rank: int, async_save: bool = False):
+def save(directory: str, model, optimizer, scheduler, world: int, rank: int,
+         async_save: bool = False) -> BackgroundSave | None:
     """Collective: every rank writes its shards of one checkpoint into `directory` (the model
-    alone when `optimizer` is None: a conversion). With `async_save`, returns Megatron's
-    AsyncRequest: the tensors are staged to host memory now and written by a forked process
-    (a copy-on-write snapshot on CPU), finalized later by every rank."""
+    alone when `optimizer` is None: a conversion). With `async_save`, the tensors are copied
+    to host memory now and written by a thread; returns the BackgroundSave every rank must
+    finish(). The files are written by this process: Megatron's writer forks a process per
+    file (its async caller, one per save), and a fork of a Ray actor, whose other threads may
+    hold locks at that instant, can hang in the child while the parent waits on it forever (a
+    DP=2 job hung in its second save on CI; Ray advises against forking in actors)."""
     sd = sharded_state_dict(model, optimizer, scheduler, world, rank)
-    return dist_checkpointing.save(sd, directory, content_metadata=OPTIM_FORMAT, async_sharded_save=async_save)
+    request = dist_checkpointing.save(sd, directory, content_metadata=OPTIM_FORMAT, async_sharded_save=True)
+    if request.async_fn is not None:  # None: nothing to write on this rank
+        multiproc = request.async_fn
+        assert multiproc.func is FileSystemWriterAsync.write_preloaded_data_multiproc, multiproc.func
+        request = request._replace(async_fn=functools.partial(_write_here, *multiproc.args))
+    if not async_save:
+        request.execute_sync()  # stage, write, barrier, then the metadata (.metadata, metadata.json)
+        return None
+    return BackgroundSave(request)
+
+
+def _write_here(transforms, use_msc: bool, rank: int, buckets: list, results) -> None:
+    """Megatron's write_preloaded_data_multiproc without its forked writers: each bucket
+    (one file) written in turn by the calling thread, the results (or the first error)
+    handed to Megatron's finalization through its queue, as the forked writers do."""
+    written: dict | Exception = {}
+    for i, bucket in enumerate(buckets):
+        out, done = queue.SimpleQueue(), queue.Queue()
+        done.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, out, done, True, use_msc=use_msc)
+        idx, result = out.get()
+        if isinstance(result, Exception):
+            written = result
+            break
+        written[idx] = result
+    results.put(written)
+
+
+class BackgroundSave:
+    """An async save: the files written by a thread from a host copy of the tensors taken at
+    construction (training goes on changing them), finalized by every rank together."""
+
+    def __init__(self, request):
+        self.request, self.thread = request, None
+        if request.async_fn is not None:
+            args = list(request.async_fn_args)  # (rank, buckets, results queue)
+            args[1] = [(file, key, (objects, [(item, t.to("cpu", copy=True)) for item, t in tensors]))
+                       for file, key, (objects, tensors) in args[1]]
+            self.thread = threading.Thread(target=request.async_fn, args=args, name="miles-ckpt-writer", daemon=True)
+            self.thread.start()
+
+    def finish(self, blocking: bool) -> bool:
+        """Collective: True once every rank's files are written and the checkpoint's metadata
+        is too (blocking: wait for that). A rank's failed write raises here, on every rank."""
+        if blocking and self.thread is not None:
+            self.thread.join()
+        busy = torch.tensor([int(self.thread is not None and self.thread.is_alive())],
+                            device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(busy)
+        if busy.item():
+            return False
+        for finalize in self.request.finalize_fns:
+            finalize()
+        return True
 
 
 @torch.no_grad()

@@ -102,9 +102,15 @@ class TrainGroup:
         for rank_buckets in self.call("export_weights", bucket_bytes):
             yield from rank_buckets
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace: float = 10.0) -> None:
+        """Close the ranks' process groups, then kill the actors. A rank still busy after
+        `grace` seconds (a step in flight when the job was stopped, or a collective that will
+        never complete) is killed as it is: an unwinding job must end within the cluster's
+        stop window, not wait on it."""
         try:
-            self.call("shutdown")
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=grace)
+        except ray.exceptions.GetTimeoutError:
+            pass
         finally:
             self._release()
 

@@ -64,7 +64,7 @@ class TrainWorker:
         self._metric_keys: list[str] | None = None
         self._profile = None
         self._asleep: list | None = None
-        self._saves = None  # Megatron's AsyncCallsQueue, once an async save was asked for
+        self._save = None  # an async save being written (miles.ckpt.sharded.BackgroundSave)
         self._sync_group = None  # weight-sync broadcast group with the engines
         self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
 
@@ -373,23 +373,17 @@ class TrainWorker:
         reports when."""
         from miles.ckpt import sharded
 
-        opt = None if model_only else self.opt
-        if not async_save:
-            sharded.save(directory, self.model, opt, self.sched, self.world_size, self.rank)
-            return
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-        self._saves = self._saves or AsyncCallsQueue()
-        self._saves.schedule_async_request(
-            sharded.save(directory, self.model, self.opt, self.sched, self.world_size, self.rank, async_save=True))
+        if self._save is not None:
+            raise RuntimeError("a checkpoint is still being written: finish_save(blocking=True) first")
+        self._save = sharded.save(directory, self.model, None if model_only else self.opt, self.sched,
+                                  self.world_size, self.rank, async_save=async_save)
 
     def finish_save(self, blocking: bool) -> bool:
         """Collective: finalize the background save if every rank has written it (blocking:
         wait for it); True when none is left. A rank's failed write raises here, on all ranks."""
-        if self._saves is None:
-            return True
-        self._saves.maybe_finalize_async_calls(blocking=blocking)
-        return self._saves.get_num_unfinalized_calls() == 0
+        if self._save is not None and self._save.finish(blocking):
+            self._save = None
+        return self._save is None
 
     def load_hf(self, directory: str) -> dict:
         """This rank's slices of DeepSeek's HF checkpoint (FP8/FP4 dequantized), read one tensor
