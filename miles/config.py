@@ -271,7 +271,10 @@ class RolloutConfig(Section):
     health_timeout: PosFloat = 10.0  # a /health answer slower than this counts as a failure
     health_failures: PosInt = 2  # consecutive failures before an engine is replaced
     hang_timeout: PosFloat = 60.0  # an engine with work and no decoding step for this long is unhealthy
-    sync: Literal["object_store", "broadcast"] = "object_store"  # weight-sync path (broadcast: gloo/nccl group)
+    sync: Literal["object_store", "broadcast", "disk"] = "object_store"  # weight-sync path: broadcast (a gloo/nccl
+    # group), disk (DeepSeek's HF layout written by the trainer's ranks, loaded by each engine: SGLang's path)
+    sync_dir: Str | None = None  # sync: disk: where each version is written (default <run_dir>/weights;
+    # with several nodes, a filesystem every node shares)
     bucket_mb: PosInt = 256  # weight-sync bucket size
     tokenizer: Str | None = None  # text in and out of the engines (default: data.tokenizer)
     sglang: dict[str, Any] = {}  # engine: sglang: every key becomes --key value of sglang.launch_server
@@ -488,6 +491,9 @@ class JobConfig(Section):
             raise ValueError(f"rollout.rollout_batch_size x rollout.n_samples_per_prompt = {responses} responses must "
                              f"be a multiple of train.global_batch_size={t.global_batch_size} (optimizer steps "
                              "per rollout)")
+        if r.engine == "sglang" and r.sync != "disk":
+            raise ValueError(f"rollout.engine: sglang takes the trainer's weights from files: set rollout.sync: disk "
+                             f"(rollout.sync: {r.sync} serves the embedded engine)")
         if r.off_policy and r.placement == "colocated":
             raise ValueError("rollout.off_policy generates while the trainer trains: it needs rollout.placement: "
                              "disaggregated (colocated engines and trainer take turns)")

@@ -81,6 +81,8 @@ class Position:
 
 
 def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
+    from miles.rollout.sync import remove_older_versions
+
     out = stream or sys.stdout
     ckpt = Checkpoints(job, report=lambda text: print(text, file=out, flush=True))
     run_dir = prepare_run_dir(job, resume_from=ckpt.iteration if job.ckpt.load else None, stream=out)
@@ -101,7 +103,9 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         start = ckpt.restore(trainer, data)
         if job.algo.kl_coef > 0 and not ckpt.resumes:  # a fresh start: the weights just loaded
             trainer.call("keep_reference")
-        engines = start_engines(job, run_dir, device)
+        if r.sync == "disk":  # the versions written for the engines (the last one too: the run is over)
+            stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1)
+        engines = start_engines(job, run_dir, device, trainer, start)
         stack.callback(engines.shutdown)
         update_engines(job, trainer, engines, start)
         monitor.print(f"miles rl: {job.name}: {job.train.steps} rollouts of {r.rollout_batch_size} prompts x "
@@ -162,10 +166,6 @@ def check_engines(job: JobConfig, device: str, cluster_gpus: float) -> None:
     from miles.controller import JobError
 
     r = job.rollout
-    if r.engine == "sglang":
-        raise JobError("rollout.engine: sglang cannot generate for RL jobs yet: the trainer's weights reach "
-                       "engines by object store or broadcast, which serve the embedded engine only "
-                       "(SGLangEngine loads a directory: update_from_disk); use rollout.engine: embedded")
     if device != "gpu":
         return
     if r.gpus_per_engine == 0:
@@ -181,19 +181,31 @@ def check_engines(job: JobConfig, device: str, cluster_gpus: float) -> None:
                        f"{cluster_gpus:g}")
 
 
-def start_engines(job: JobConfig, run_dir: Path, device: str):
+def start_engines(job: JobConfig, run_dir: Path, device: str, trainer, version: int):
     """The rollout manager: rollout.num_engines engines behind SGLang's router, weights to
-    come from the trainer (update_engines)."""
+    come from the trainer (update_engines). SGLang's engines start from the trainer's weights
+    of `version` written to disk (their format is then the one every later sync writes)."""
     from miles.rollout.manager import RolloutManager
+    from miles.rollout.sync import write_version
 
     spec = {"config": job.model.arch.to_dict(), "seed": job.train.seed, "dtype": job.model.dtype,
             "device": "cuda" if device == "gpu" else "cpu"}
-    return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
+    if job.rollout.engine != "sglang":
+        return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
+    path, _ = write_version(trainer, sync_dir(job), job.model.arch, version)
+    engines = RolloutManager(job.rollout, spec | {"hf": str(path)}, log_dir=str(run_dir))
+    engines.latest, engines.version = {"path": str(path), "version": version}, version
+    return engines
+
+
+def sync_dir(job: JobConfig) -> Path:
+    """rollout.sync: disk: where the trainer writes each version for the engines."""
+    return Path(job.rollout.sync_dir or Path(job.log.run_dir) / "weights").absolute()
 
 
 def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     """The trainer's weights into every engine (unless they already serve `version`)."""
-    from miles.rollout.sync import sync_broadcast, sync_object_store
+    from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store
 
     if engines.version == version:
         return {}
@@ -204,6 +216,8 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     if job.rollout.sync == "broadcast":
         res = sync_broadcast(trainer, engines.engine_actors(), bucket, version,
                              "nccl" if job.cluster.device == "gpu" else "gloo")
+    elif job.rollout.sync == "disk":
+        res = sync_disk(trainer, engines, sync_dir(job), job.model.arch, version)
     else:
         res = sync_object_store(trainer, engines, bucket, version)
     if colocated:

@@ -57,12 +57,18 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     """Step 1, fp32: the trainer's log-probs of the sampled tokens equal the engine's and the
     first update's ppo_kl is 0 (old log-probs from a separate forward); the colocated run
     (trainer asleep while the engine generates, engine memory released while it trains)
-    samples the same responses and computes the same losses and gradient norms. The RL loop
-    keeps the job keys the SFT controller serves: ckpt.save_hf writes hf/, log.alignment the
-    gradient checksums, the data source's metrics are logged."""
+    samples the same responses and computes the same losses and gradient norms; it takes its
+    weights through the disk (rollout.sync: disk, SGLang's path: files written by the trainer's
+    ranks, loaded by the engine, removed at the end), the other through the object store. The
+    RL loop keeps the job keys the SFT controller serves: ckpt.save_hf writes hf/,
+    log.alignment the gradient checksums, the data source's metrics are logged."""
     runs = {p: tmp_path / p for p in ("disaggregated", "colocated")}
     for placement, run in runs.items():
-        _rl(cluster, run, "train.steps=1", f"rollout.placement={placement}", "ckpt.save_hf=true", "log.alignment=true")
+        sync = "disk" if placement == "colocated" else "object_store"
+        _rl(cluster, run, "train.steps=1", f"rollout.placement={placement}", f"rollout.sync={sync}",
+            "ckpt.save_hf=true", "log.alignment=true")
+        if sync == "disk":
+            assert (run / "weights").is_dir() and not list((run / "weights").iterdir()), "versions left behind"
     dis, col = _metrics(runs["disaggregated"])[0], _metrics(runs["colocated"])[0]
     for run in runs.values():
         assert (run / "hf" / "config.json").is_file() and list((run / "hf").glob("*.safetensors"))
@@ -172,6 +178,7 @@ def test_the_v4_flash_dapo_job_validates_against_v4_flash(tmp_path):
         f"data.eval_path={arith / 'eval.jsonl'}"])
     assert job.train.parallel.world == 64 and job.model.arch.num_hidden_layers == 43
     assert job.rollout.engine == "sglang" and job.rollout.num_engines * job.rollout.gpus_per_engine == 64
+    assert job.rollout.sync == "disk"
     assert job.updates_per_rollout == 16 and job.rollout.rollout_batch_size * job.rollout.n_samples_per_prompt == 8192
     a = job.algo
     assert (a.eps_low, a.eps_high, a.agg, a.kl_coef, a.reward) == (0.2, 0.28, "token_mean", 0.0, "dapo")
@@ -189,9 +196,9 @@ def test_an_rl_job_refuses_the_sft_evaluation_interval():
 
 
 def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts():
-    """Each of these failed minutes in (an engine without its model path or weight sync, an
-    engine hidden from every GPU, a placement that never comes): now a JobError naming the
-    key, before the trainer starts. The CPU setup and a GPU one that fits pass."""
+    """Each of these failed minutes in (SGLang's engines without the disk sync they need, an
+    engine hidden from every GPU, a placement that never comes): now an error naming the key,
+    before the trainer starts. The CPU setup and GPU ones that fit pass."""
     from miles.controller import JobError
     from miles.rl import check_engines
 
@@ -200,8 +207,13 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
 
     check_engines(job(), "cpu", 0)
     check_engines(job("rollout.gpus_per_engine=1", "rollout.num_engines=2"), "gpu", 3)
+    from miles.config import JobConfigError
+
+    with pytest.raises(JobConfigError, match="rollout.engine: sglang takes the trainer's weights from files: set "
+                                             "rollout.sync: disk"):
+        job("rollout.engine=sglang")
+    check_engines(job("rollout.engine=sglang", "rollout.sync=disk", "rollout.gpus_per_engine=8"), "gpu", 17)
     for extra, device, gpus, match in [
-            (["rollout.engine=sglang"], "cpu", 0, "rollout.engine: sglang"),
             ([], "gpu", 8, "rollout.gpus_per_engine is 0"),
             (["rollout.gpus_per_engine=0.5", "rollout.placement=colocated"], "gpu", 8, "rollout.placement: colocated"),
             (["rollout.gpus_per_engine=1", "rollout.num_engines=2"], "gpu", 2, "need 3 GPUs; the cluster has 2")]:

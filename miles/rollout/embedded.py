@@ -1,5 +1,6 @@
 """The embedded engine as a Ray actor: an `EngineService` behind its HTTP server, plus the
-weight-update calls a trainer drives through Ray (object store buckets, broadcast group)."""
+weight-update calls a trainer drives through Ray (object store buckets, broadcast group, a
+directory)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class EmbeddedEngine:
 
     def abort_update(self) -> None:
         self.svc.abort_update()
+
+    def update_from_disk(self, path: str, version: int | None = None) -> dict:
+        return self.svc.update_from_disk(path, version)
 
     def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         self.svc.open_group(host, port, rank, size, backend)

@@ -30,6 +30,11 @@ from miles.rollout.weights import WeightSyncError
 log = logging.getLogger(__name__)
 
 
+def _cause(err: Exception) -> Exception:
+    """The exception raised inside an actor (Ray wraps it in a RayTaskError)."""
+    return err.cause if isinstance(getattr(err, "cause", None), Exception) else err
+
+
 class RolloutError(RuntimeError):
     """A sample that could not be generated (a 4xx from the engines, or every attempt failed)."""
 
@@ -59,11 +64,11 @@ class RolloutManager:
         cls = EmbeddedEngine if c.engine == "embedded" else SGLangEngine
         self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
                                                   max_restarts=0)
+        self.latest: dict | None = None  # the last weight update, replayed to replacement engines
         self.engines = self._start_engines(c.num_engines)
         self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
                              health_interval=c.health_interval, extra_args=list(c.router_args),
                              log_file=f"{log_dir}/router.log" if log_dir else None)
-        self.latest: dict | None = None  # the last weight update, replayed to replacement engines
         self.version: int | None = None  # the trainer step the engines' weights come from (set by the caller)
         self.stats = {"restarts": 0, "retries": 0, "timeouts": 0}
         self._lock = threading.RLock()
@@ -73,8 +78,9 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, n: int) -> list[EngineSlot]:
-        if self.cfg.engine == "sglang":
-            actors = [self._actor_cls.remote(self.spec["hf"], dict(self.cfg.sglang)) for _ in range(n)]
+        if self.cfg.engine == "sglang":  # a replacement starts from the weights the others serve
+            path = self.latest["path"] if self.latest and "path" in self.latest else self.spec["hf"]
+            actors = [self._actor_cls.remote(path, dict(self.cfg.sglang)) for _ in range(n)]
         else:
             actors = [self._actor_cls.remote(self.spec) for _ in range(n)]
         urls = ray.get([a.url.remote() for a in actors], timeout=300)
@@ -130,8 +136,18 @@ class RolloutManager:
         trainer's owning ranks go to every engine; each verifies and swaps them in whole."""
         if self.cfg.engine == "sglang":
             raise WeightSyncError("object-store weight sync serves the embedded engine; SGLang engines take "
-                                  "weights from a directory (SGLangEngine.update_from_disk)")
+                                  "weights from a directory (rollout.sync: disk)")
         update = {"buckets": buckets, "names": names, "version": version}
+        with self._lock:
+            engines = list(self.engines)
+        res = self._apply(engines, update)
+        self.latest = update
+        return res
+
+    def update_from_disk(self, path: str, version: int) -> dict:
+        """Disk path: every engine loads the weights at `path` (DeepSeek's HF layout, every
+        tensor) whole; SGLang's engines take them only this way."""
+        update = {"path": path, "version": version}
         with self._lock:
             engines = list(self.engines)
         res = self._apply(engines, update)
@@ -141,6 +157,21 @@ class RolloutManager:
     @staticmethod
     def _apply(engines: list[EngineSlot], update: dict) -> dict:
         t0 = time.perf_counter()
+        if "path" in update:  # one call per engine; an engine that refuses keeps its weights
+            refs = [e.actor.update_from_disk.remote(update["path"], update["version"]) for e in engines]
+            errors = []
+            for e, ref in zip(engines, refs, strict=True):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError as err:
+                    errors.append(f"{e.url}: {_cause(err)}")
+            if errors:
+                rest = len(engines) - len(errors)
+                raise WeightSyncError(f"{len(errors)} of {len(engines)} engines refused the weights at "
+                                      f"{update['path']} and keep their previous ones"
+                                      + (f" (the other {rest} serve version {update['version']})" if rest else "")
+                                      + f": {errors[0]}")
+            return {"seconds": time.perf_counter() - t0, "engines": len(engines)}
         ray.get([e.actor.begin_update.remote() for e in engines])
         staged = [e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]]
         errors = []
@@ -148,7 +179,7 @@ class RolloutManager:
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as err:
-                errors.append(err.cause if isinstance(getattr(err, "cause", None), Exception) else err)
+                errors.append(_cause(err))
         if errors:
             ray.get([e.actor.abort_update.remote() for e in engines])
             raise WeightSyncError(f"weight update failed, engines keep their weights: {errors[0]}")

@@ -1,15 +1,21 @@
 """Weight sync from a TrainGroup to the engines: buckets of DeepSeek-named full tensors
 streamed from the trainer ranks that own them (never gathered into the driver), verified
-by MD5 on arrival, swapped in whole. Two paths:
+by MD5 on arrival, swapped in whole. Three paths:
 
 - object store (CPU default): each owning rank puts its buckets; engines pull them.
 - broadcast: a process group of its own between the owning ranks and the engines
   (gloo on CPU, nccl on GPU), one broadcast per bucket from its owner.
+- disk (SGLang's engines; any engine): each rank writes the tensors it owns in DeepSeek's
+  HF layout to <dir>/v<version>, each engine loads that directory; older versions are
+  removed once the engines serve the new one.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 import time
+from pathlib import Path
 
 import ray
 
@@ -53,3 +59,31 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
                                                                                    for e in engines])
     return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines),
             "path": "broadcast"}
+
+
+def write_version(trainer, directory: Path, config, version: int) -> tuple[Path, int]:
+    """The trainer's weights of `version` as <directory>/v<version> in DeepSeek's HF layout
+    (every rank writes its own tensors); returns the path and its bytes."""
+    path = Path(directory) / f"v{version:07d}"
+    if path.exists():  # a version written before a restart: rewritten whole
+        shutil.rmtree(path)
+    return path, trainer.save_hf(path, config)
+
+
+def sync_disk(trainer, manager, directory: Path, config, version: int) -> dict:
+    t0 = time.perf_counter()
+    path, nbytes = write_version(trainer, directory, config, version)
+    res = manager.update_from_disk(str(path), version)
+    remove_older_versions(directory, version)
+    return {**res, "seconds": time.perf_counter() - t0, "bytes": nbytes, "path": "disk"}
+
+
+def remove_older_versions(directory: Path, version: int) -> list[str]:
+    """Delete the version directories below `version` (the engines serve it now)."""
+    gone = []
+    for d in sorted(Path(directory).glob("v*")):
+        m = re.fullmatch(r"v(\d+)", d.name)
+        if m and int(m[1]) < version and d.is_dir():
+            shutil.rmtree(d)
+            gone.append(d.name)
+    return gone
