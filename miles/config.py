@@ -284,7 +284,9 @@ class RolloutConfig(Section):
     over_sampling: Annotated[float, Strict(), Field(ge=1)] = 1.0  # prompts generated per round / needed
     dynamic_sampling: Bool = True  # DAPO: drop groups whose rewards are all equal, generate more
     max_rounds: PosInt = 4  # generation rounds to fill one rollout before the job fails
-    max_new_tokens: PosInt = 512  # tokens generated per response (longer: truncated)
+    max_new_tokens: PosInt = 512  # tokens generated per response (per turn with generate_fn; longer: truncated)
+    generate_fn: Str | None = None  # "module:function": async fn(client, sample) -> Transcript (multi-turn, tools;
+    # miles/rollout/multiturn.py); trained on the policy's tokens only. Default: one response per prompt
     temperature: NonNegFloat = 1.0  # sampling temperature of rollouts (0: greedy)
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Int = -1  # -1: off
@@ -491,6 +493,8 @@ class JobConfig(Section):
             raise ValueError(f"rollout.rollout_batch_size x rollout.n_samples_per_prompt = {responses} responses must "
                              f"be a multiple of train.global_batch_size={t.global_batch_size} (optimizer steps "
                              "per rollout)")
+        if r.generate_fn is not None and ":" not in r.generate_fn:
+            raise ValueError(f"rollout.generate_fn: {r.generate_fn!r} is not \"module:function\"")
         if r.engine == "sglang" and r.sync != "disk":
             raise ValueError(f"rollout.engine: sglang takes the trainer's weights from files: set rollout.sync: disk "
                              f"(rollout.sync: {r.sync} serves the embedded engine)")

@@ -54,9 +54,16 @@ class Response:
     logprobs: list[float]  # the engine's log-probs of them
     text: str
     truncated: bool  # stopped by the length limit
+    mask: list[int] | None = None  # per token: 1 the policy's (trained), 0 environment / tools (multi-turn)
+    turns: int = 1
     correct: bool = False  # the raw reward was positive
     raw: float = 0.0  # the reward function's value
     reward: float = 0.0  # shaped (overlong penalty added)
+
+    @property
+    def trained(self) -> int:
+        """Tokens the loss sees (the policy's)."""
+        return len(self.ids) if self.mask is None else sum(self.mask)
 
 
 @dataclass
@@ -298,12 +305,16 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step:
     metrics = {"rollout/raw_reward": stats["raw"] / n, "rollout/accuracy": stats["correct"] / n,
                "rollout/response_len/mean": stats["tokens"] / n, "rollout/truncated_ratio": stats["truncated"] / n,
                "rollout/reward": sum(x.reward for x in responses) / len(responses),
-               "rollout/log_probs": sum(sum(x.logprobs) for x in responses) / max(1, sum(len(x.ids)
+               "rollout/log_probs": sum(sum(x.logprobs) for x in responses) / max(1, sum(x.trained
                                                                                        for x in responses)),
                "rollout/prompts_drawn": float(len(drawn)),
                "perf/rollout_time": seconds, "perf/reward_time": stats["reward_time"],
                "perf/rollout_tok_per_s": stats["tokens"] / seconds}
     metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in drops.items()})
+    if r.generate_fn is not None:  # multi-turn: turns and the policy's share of the response tokens
+        metrics["rollout/turns/mean"] = sum(x.turns for x in responses) / len(responses)
+        metrics["rollout/trained_ratio"] = sum(x.trained for x in responses) / max(1, sum(len(x.ids)
+                                                                                          for x in responses))
     return Rollout(step, kept, version, metrics, drawn, position)
 
 
@@ -316,18 +327,37 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
     reqs = [{"id": f"{'/'.join(map(str, seed))}/{p.id}/{i}", "input_ids": p.input_ids, "return_logprob": True,
              "sampling_params": params | {"seed": _seed(seed, p.id, i)}}
             for p in prompts for i in range(n)]
-    results = engines.generate(reqs)
     tok = response_tokenizer(job.data.tokenizer, job.data.template)
-    out = []
-    for k, p in enumerate(prompts):
-        group = []
-        for res in results[k * n:(k + 1) * n]:
-            ids = res["output_ids"]
-            lps = [x[0] for x in res["meta_info"]["output_token_logprobs"]]
-            group.append(Response(p, ids, lps, tok.decode(ids, skip_special_tokens=True),
-                                  res["meta_info"]["finish_reason"]["type"] == "length"))
-        out.append(group)
-    return out
+    owners = [p for p in prompts for _ in range(n)]
+    if r.generate_fn is None:
+        flat = [Response(p, res["output_ids"], [x[0] for x in res["meta_info"]["output_token_logprobs"]],
+                         tok.decode(res["output_ids"], skip_special_tokens=True),
+                         res["meta_info"]["finish_reason"]["type"] == "length")
+                for p, res in zip(owners, engines.generate(reqs), strict=True)]
+    else:  # the user's function drives each conversation through the router
+        samples = [q | {"label": p.label, "messages": p.messages} for q, p in zip(reqs, owners, strict=True)]
+        transcripts = engines.generate_transcripts(samples, r.generate_fn)
+        flat = [transcript_response(p, t, r.max_len, tok, q["id"])
+                for p, t, q in zip(owners, transcripts, samples, strict=True)]
+    return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+
+def transcript_response(prompt: Prompt, t, max_len: int, tok, sample_id: str) -> Response:
+    """A generate function's Transcript as a Response: what follows the prompt, the policy's
+    tokens trained and the environment's not."""
+    from miles.rollout.manager import RolloutError
+
+    if t.ids[:len(prompt.input_ids)] != prompt.input_ids or t.prompt_len != len(prompt.input_ids):
+        raise RolloutError(f"sample {sample_id}: the generate function's transcript does not start with the prompt")
+    if len(t.ids) > max_len:
+        raise RolloutError(f"sample {sample_id}: the generate function's transcript has {len(t.ids)} tokens, over "
+                           f"rollout.max_len={max_len} (what one training row holds): end the conversation sooner")
+    if not len(t.ids) == len(t.loss_mask) == len(t.logprobs):
+        raise RolloutError(f"sample {sample_id}: the transcript's ids, loss_mask and logprobs differ in length")
+    k = t.prompt_len
+    ids = t.ids[k:]
+    return Response(prompt, ids, t.logprobs[k:], tok.decode(ids, skip_special_tokens=True),
+                    (t.finish_reason or {}).get("type") == "length", mask=t.loss_mask[k:], turns=t.turns)
 
 
 def _seed(seed: tuple, prompt_id: str, i: int) -> int:
@@ -384,14 +414,14 @@ def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample
     batches = []
     for b in range(0, len(flat), size):
         part = list(zip(flat[b:b + size], adv[b:b + size], strict=True))
-        total = sum(len(x.ids) for x, _ in part)
+        total = sum(x.trained for x, _ in part)
         batch = []
         for x, a in part:
-            w = sequence_weight(len(x.ids), total, len(part), job.algo.agg, norm_len)
-            p, k = len(x.prompt.input_ids), len(x.ids)
-            batch.append(Sample(x.prompt.input_ids + x.ids, [0] * p + [1] * k, origin=x.prompt.id, values={
-                "advantages": [0.0] * p + [a] * k, "rollout_logprobs": [0.0] * p + x.logprobs,
-                "token_weights": [0.0] * p + [w] * k}))
+            w = sequence_weight(x.trained, total, len(part), job.algo.agg, norm_len)
+            p, mask = len(x.prompt.input_ids), x.mask or [1] * len(x.ids)
+            batch.append(Sample(x.prompt.input_ids + x.ids, [0] * p + mask, origin=x.prompt.id, values={
+                "advantages": [0.0] * p + [a * m for m in mask], "rollout_logprobs": [0.0] * p + x.logprobs,
+                "token_weights": [0.0] * p + [w * m for m in mask]}))
         batches.append(batch)
     return batches
 
@@ -461,6 +491,7 @@ def write_rollout(run_dir: Path, rollout: Rollout) -> None:
     """rollouts.jsonl: per step the prompt ids drawn and kept, and each sample's reward and text."""
     rec = {"step": rollout.step, "version": rollout.version, "drawn": rollout.drawn,
            "kept": [g[0].prompt.id for g in rollout.groups],
-           "samples": [{"prompt": x.prompt.id, "reward": x.reward, "text": x.text} for g in rollout.groups for x in g]}
+           "samples": [{"prompt": x.prompt.id, "reward": x.reward, "text": x.text, "turns": x.turns,
+                        "trained_tokens": x.trained} for g in rollout.groups for x in g]}
     with open(run_dir / records.ROLLOUTS, "a") as f:
         f.write(json.dumps(rec) + "\n")

@@ -88,6 +88,27 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     assert texts[0] == texts[1], "the placements sampled different responses"
 
 
+def test_a_multi_turn_generate_function_trains_on_the_policys_tokens_only(cluster, tmp_path):
+    """rollout.generate_fn: each response is the policy's turn, a tool's ids, the policy's
+    second turn (tests/helpers/tool_env.py). The trainer sees the tool's ids as context only:
+    on the tokens it trains on, its log-probs equal the engine's (1e-5) and the first update's
+    ppo_kl is 0; training on the tool's ids too (for which the engine has no log-probs) would
+    break both. Every sample records its two turns and its trained tokens."""
+    from tests.helpers.tool_env import TOOL_IDS
+
+    run = tmp_path / "run"
+    _rl(cluster, run, "train.steps=1", "rollout.generate_fn=tests.helpers.tool_env:tool_turn",
+        "rollout.max_new_tokens=11")
+    m = _metrics(run)[0]
+    assert all(v == v for v in m.values()), m  # nothing silently NaN
+    assert m["train/first_update/train_rollout_logprob_abs_diff"] <= 1e-5
+    assert abs(m["train/first_update/ppo_kl"]) <= 1e-6
+    assert m["rollout/turns/mean"] == 2 and 0 < m["rollout/trained_ratio"] < 1
+    (rec,) = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert rec["samples"] and all(x["turns"] == 2 for x in rec["samples"])
+    assert all(x["trained_tokens"] == 2 * ((11 - len(TOOL_IDS)) // 2) for x in rec["samples"]), rec["samples"][:2]
+
+
 def test_the_kl_reference_is_the_converted_checkpoint_the_run_starts_from(cluster, tmp_path):
     """Guards a KL reference taken before the starting weights load: a run from a converted
     (weights-only) checkpoint of a trained-looking model, algo.kl_coef 0.1: at the first update
