@@ -170,39 +170,18 @@ def test_convert_hf_to_dist_to_hf_is_byte_identical(ray_cluster, tmp_path, seed)
     assert p.returncode == 1 and "no complete checkpoint" in p.stdout
 
 
-def test_async_save_writes_the_state_of_its_step_while_training_goes_on(ray_cluster, tmp_path, seed):
+def test_async_save_writes_the_state_of_its_step_while_training_goes_on_and_no_save_forks(ray_cluster, tmp_path,
+                                                                                          seed):
     """ckpt.async_save: save_checkpoint returns before the files are written; the next step
     changes every weight meanwhile; the finished checkpoint still holds the state at the save
-    (weights and the optimizer: a group loading it takes that next step bit for bit)."""
+    (weights and the optimizer: a group loading it takes that next step bit for bit). No save
+    forks the worker, sync or async: a Ray actor must not (its other threads may hold locks
+    the child then waits on forever); Megatron's writer forks a process per file and its
+    async caller one per save."""
     src = SyntheticSource(32, CFG.vocab_size, seed)
     g = _group(seed, tp=2)
     for s in (1, 2):
         _step(g, src, s, 1)
-    at_save = _full(g)
-    (tmp_path / "a").mkdir()
-    g.call("save_checkpoint", str(tmp_path / "a"), True)
-    _step(g, src, 3, 1)
-    while not all(g.call("finish_save", False)):
-        pass
-    after = _full(g)
-    g.shutdown()
-    assert any(not torch.equal(after[k], at_save[k]) for k in after), "step 3 must change the weights"
-    g2 = _group(seed + 1, tp=2)
-    g2.call("load_checkpoint", str(tmp_path / "a"), same_layout=True)
-    _same_bytes(_full(g2), at_save, "async save vs the state at its step")
-    _step(g2, src, 3, 1)
-    _same_bytes(_full(g2), after, "step 3 from the async checkpoint")
-    g2.shutdown()
-
-
-def test_saves_fork_no_process(ray_cluster, tmp_path, seed):
-    """A Ray actor must not fork (its other threads may hold locks the child then waits on
-    forever): Megatron's writer forks one process per file and its async caller one per save;
-    ours write in the worker's own process, sync and async alike, and the files are whole (a
-    group loading them has the saved weights)."""
-    src = SyntheticSource(32, CFG.vocab_size, seed)
-    g = _group(seed, tp=2)
-    _step(g, src, 1, 1)
 
     def count_forks(worker) -> None:  # in the worker (by value: workers cannot import this file)
         import os
@@ -211,19 +190,24 @@ def test_saves_fork_no_process(ray_cluster, tmp_path, seed):
         os.register_at_fork(before=lambda: worker.forks.append(1))
 
     ray_cluster.get([w.__ray_call__.remote(count_forks) for w in g.workers])
-    saved = _full(g)
     _save(g, tmp_path / "sync")
-    (tmp_path / "async").mkdir()
-    g.call("save_checkpoint", str(tmp_path / "async"), True)
-    assert all(g.call("finish_save", True))
+    at_save = _full(g)
+    (tmp_path / "a").mkdir()
+    g.call("save_checkpoint", str(tmp_path / "a"), True)
+    _step(g, src, 3, 1)
+    while not all(g.call("finish_save", False)):
+        pass
+    after = _full(g)
     forks = ray_cluster.get([w.__ray_call__.remote(lambda w: len(w.forks)) for w in g.workers])
     g.shutdown()
-    assert forks == [0, 0], f"forks per rank during the saves: {forks}"
-    for name in ("sync", "async"):
-        g2 = _group(seed + 1, tp=2)
-        g2.call("load_checkpoint", str(tmp_path / name), same_layout=True)
-        _same_bytes(_full(g2), saved, f"{name} save")
-        g2.shutdown()
+    assert forks == [0, 0], f"forks per rank during a sync and an async save: {forks}"
+    assert any(not torch.equal(after[k], at_save[k]) for k in after), "step 3 must change the weights"
+    g2 = _group(seed + 1, tp=2)
+    g2.call("load_checkpoint", str(tmp_path / "a"), same_layout=True)
+    _same_bytes(_full(g2), at_save, "async save vs the state at its step")
+    _step(g2, src, 3, 1)
+    _same_bytes(_full(g2), after, "step 3 from the async checkpoint")
+    g2.shutdown()
 
 
 def _wait_on(group_name: str):
