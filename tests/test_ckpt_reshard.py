@@ -221,20 +221,45 @@ def _wait_on(group_name: str):
     return call
 
 
-def test_shutdown_kills_ranks_stuck_in_a_collective_within_its_grace(ray_cluster, seed):
-    """A stopped job unwinds through TrainGroup.shutdown while its ranks may be inside
-    collectives that will never complete (a hang; here rank 0 all-reduces on the TP group and
-    rank 1 on the world group, each waiting on the other for gloo's 5 minutes). Shutdown must
-    not wait on them: it returns within its grace and the actors are gone (it queued behind the
-    collective: the job outlived Ray's stop window and was SIGKILLed before the driver could
-    unwind)."""
+def test_a_failed_rank_raises_at_once_a_hang_is_named_and_shutdown_kills_stuck_ranks(ray_cluster, seed, capsys):
+    """What a job sees of a rank that fails or hangs. (1) Rank 1 raises while rank 0 waits
+    for it in a collective: the error reaches the caller at once, not when gloo releases rank
+    0 after 5 minutes (a wait for every rank first would). (2) Both ranks stuck in collectives that never
+    complete (rank 0 on the TP group, rank 1 on the world group): a call to them is named on
+    stderr after `warn_after` seconds and keeps waiting. (3) A stopped job unwinds through
+    TrainGroup.shutdown: it returns within its grace and the actors are gone (it queued
+    behind the collective: the job outlived Ray's stop window and was SIGKILLed before the
+    driver could unwind)."""
     import threading
     import time
 
     g = _group(seed, tp=2)
-    stuck = [w.__ray_call__.remote(_wait_on(name)) for w, name in zip(g.workers, ("tp", "world"), strict=True)]
-    with pytest.raises(ray_cluster.exceptions.GetTimeoutError):
-        ray_cluster.get(stuck, timeout=3)  # really stuck, not finished
+
+    def fail(worker):
+        raise ValueError("rank 1 failed")
+
+    stuck = g.workers[0].__ray_call__.remote(_wait_on("tp"))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="rank 1 failed"):
+        g.wait("step", {0: stuck, 1: g.workers[1].__ray_call__.remote(fail)})
+    assert time.monotonic() - t0 < 30, "the error waited for the stuck rank"
+
+    g.workers[1].__ray_call__.remote(_wait_on("world"))  # now both are stuck
+    g.warn_after = 1.0
+    late: list[BaseException] = []
+
+    def call_them() -> None:
+        try:
+            g.call("layout")
+        except BaseException as e:  # the actors are killed below
+            late.append(e)
+
+    waiter = threading.Thread(target=call_them, daemon=True)
+    waiter.start()
+    time.sleep(4)
+    assert "TrainWorker.layout has not returned on rank(s) [0, 1] after" in capsys.readouterr().err
+    assert waiter.is_alive() and not late  # still waiting: a warning, not a failure
+
     t0 = time.monotonic()
     closer = threading.Thread(target=g.shutdown, kwargs={"grace": 2.0}, daemon=True)
     closer.start()
@@ -244,3 +269,5 @@ def test_shutdown_kills_ranks_stuck_in_a_collective_within_its_grace(ray_cluster
     for w in g.workers:  # killed, not merely left alone
         with pytest.raises(ray_cluster.exceptions.RayActorError):
             ray_cluster.get(w.layout.remote(), timeout=30)
+    waiter.join(timeout=30)
+    assert late and isinstance(late[0], ray_cluster.exceptions.RayActorError)

@@ -6,6 +6,9 @@ strategy) keeps TP peers on neighbouring devices of one node.
 
 from __future__ import annotations
 
+import sys
+import time
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -15,10 +18,14 @@ from miles.train.worker import TrainWorker
 
 
 class TrainGroup:
-    def __init__(self, world_size: int, resources: dict[str, float] | None = None, **parallel: int):
+    def __init__(self, world_size: int, resources: dict[str, float] | None = None, warn_after: float = 600.0,
+                 **parallel: int):
+        """`warn_after`: seconds a call may go unanswered by some ranks before a line on stderr
+        says which (again every `warn_after`): a hang shows instead of silence."""
         resources = resources or {"CPU": 1}
+        self.warn_after = warn_after
         self.pg = placement_group([dict(resources)] * world_size, strategy="PACK")
-        self.workers = []
+        self.workers, self.layout = [], []
         try:
             ray.get(self.pg.ready(), timeout=120)
             actor = ray.remote(TrainWorker)
@@ -38,16 +45,38 @@ class TrainGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run `method` on every rank, in rank order, and wait for all results."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self.wait(method, {r: getattr(w, method).remote(*args, **kwargs) for r, w in enumerate(self.workers)})
 
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
         """Run `method` on every rank with that rank's own arguments (e.g. its micro-batches)."""
-        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args, strict=True)])
+        return self.wait(method, {r: getattr(w, method).remote(*a)
+                                  for r, (w, a) in enumerate(zip(self.workers, per_rank_args, strict=True))})
 
     def call_ranks(self, ranks: list[int], method: str, *args, **kwargs) -> list:
         """Run `method` on the listed ranks only (ranks outside the group are ignored)."""
-        return ray.get([getattr(self.workers[r], method).remote(*args, **kwargs) for r in ranks
-                        if 0 <= r < len(self.workers)])
+        return self.wait(method, {r: getattr(self.workers[r], method).remote(*args, **kwargs) for r in ranks
+                                  if 0 <= r < len(self.workers)})
+
+    def wait(self, method: str, refs: dict[int, ray.ObjectRef]) -> list:
+        """The ranks' results ({rank: ref}, in that order). A rank's error is raised as soon
+        as it comes (its peers may wait for it in a collective until gloo's 5-minute timeout);
+        ranks that have not answered after `warn_after` seconds are named on stderr, again
+        every `warn_after`, while the wait goes on."""
+        rank_of = {ref: r for r, ref in refs.items()}
+        pending, t0, warned = list(refs.values()), time.monotonic(), 0
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, t0 + (warned + 1) * self.warn_after
+                                                                           - time.monotonic()))
+            for ref in done:
+                ray.get(ref)  # raises a failed rank's error now
+            if not done:
+                warned += 1
+                late = sorted(rank_of[ref] for ref in pending)
+                nodes = sorted({self.layout[r]["node"] for r in late}) if self.layout else []
+                print(f"miles: TrainWorker.{method} has not returned on rank(s) {late} after "
+                      f"{time.monotonic() - t0:.0f} s; still waiting (a hang? `ray stack` on "
+                      f"{', '.join(nodes) or 'their nodes'} prints their Python stacks)", file=sys.stderr, flush=True)
+        return ray.get(list(refs.values()))
 
     def train_step(self, replicas: list[list[MicroBatch]], checksums: bool = False) -> list[dict]:
         """One optimizer step: each data-parallel replica's micro-batches go into the object
