@@ -9,7 +9,8 @@ tokens, --gen new tokens each (EOS ignored), submitted together to the engine (c
 batching, slot cache); the baseline generates the same tokens by running the full forward
 over the whole sequence for every new token (no cache). "n=8" sends B/8 prompts 8 times
 each (one prefill per prompt) against B distinct prompts. --sync adds the weight sync of
-a one-rank TrainGroup to one engine actor, per path (Ray object store, gloo/nccl broadcast).
+a one-rank TrainGroup to one engine actor, per path (Ray object store, gloo/nccl broadcast,
+disk: the HF layout written to a temporary directory and loaded by the engine).
 Medians over --repeats.
 """
 
@@ -98,11 +99,14 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
 
 
 def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
+    import shutil
+    import tempfile
+
     import ray
 
     from miles.cluster.train_group import TrainGroup
     from miles.rollout.manager import RolloutManager
-    from miles.rollout.sync import sync_broadcast, sync_object_store
+    from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store
 
     cfg = PRESETS[name](args.prompt + args.gen)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -115,15 +119,18 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
                              {"config": cfg.to_dict(), "seed": 0, "dtype": "bfloat16" if gpu else "float32"})
         engines = mgr.engine_actors()
         bucket = args.bucket_mb << 20
+        disk = tempfile.mkdtemp(prefix="miles-sync-")  # local disk here; a shared filesystem on clusters
         for path, fn in (("object_store", lambda v: sync_object_store(group, mgr, bucket, v)),
                          ("broadcast", lambda v: sync_broadcast(group, engines, bucket, v,
-                                                                "nccl" if gpu else "gloo"))):
+                                                                "nccl" if gpu else "gloo")),
+                         ("disk", lambda v: sync_disk(group, mgr, disk, cfg, v))):
             infos = [fn(v) for v in range(1, args.repeats + 2)][1:]  # the first warms up
             s = statistics.median(i["seconds"] for i in infos)
             gb = infos[0]["bytes"] / 1e9
             rows.append((name, path, gb, s, gb / s))
         mgr.shutdown()
         group.shutdown()
+        shutil.rmtree(disk, ignore_errors=True)
     finally:
         ray.shutdown()
     return rows
