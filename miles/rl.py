@@ -173,6 +173,10 @@ def check_engines(job: JobConfig, device: str, cluster_gpus: float) -> None:
     from miles.controller import JobError
 
     r = job.rollout
+    if r.engine == "sglang":
+        if device != "gpu":
+            raise JobError("rollout.engine: sglang runs on GPU clusters; on CPUs use rollout.engine: embedded")
+        sglang_options(job)
     if device != "gpu":
         return
     if r.gpus_per_engine == 0:
@@ -200,9 +204,25 @@ def start_engines(job: JobConfig, run_dir: Path, device: str, trainer, version: 
     if job.rollout.engine != "sglang":
         return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
     path, _ = write_version(trainer, sync_dir(job), job.model.arch, version)
-    engines = RolloutManager(job.rollout, spec | {"hf": str(path)}, log_dir=str(run_dir))
+    rollout = job.rollout.model_copy(update={"sglang": sglang_options(job)})
+    engines = RolloutManager(rollout, spec | {"hf": str(path)}, log_dir=str(run_dir))
     engines.latest, engines.version = {"path": str(path), "version": version}, version
     return engines
+
+
+def sglang_options(job: JobConfig) -> dict:
+    """rollout.sglang with the tokenizer's directory: the engines start from the trainer's
+    weights, which carry no tokenizer files; it is ckpt.hf's unless tokenizer-path is given."""
+    from miles.controller import JobError
+
+    opts = dict(job.rollout.sglang)
+    if not any(k.replace("-", "_") == "tokenizer_path" for k in opts):
+        if job.ckpt.hf is None:
+            raise JobError("rollout.engine: sglang needs its tokenizer's directory: set ckpt.hf (DeepSeek's HF "
+                           "checkpoint holds it) or rollout.sglang.tokenizer-path (the engines load the trainer's "
+                           "weights, which carry no tokenizer files)")
+        opts["tokenizer-path"] = str(Path(job.ckpt.hf).absolute())
+    return opts
 
 
 def sync_dir(job: JobConfig) -> Path:
@@ -287,7 +307,7 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step:
         stats["reward_time"] += time.perf_counter() - t1
         for g in groups:
             for x in g:
-                stats["tokens"] += len(x.ids)
+                stats["tokens"] += x.trained  # the policy's (multi-turn: not the tools')
                 stats["responses"] += 1
                 stats["correct"] += x.correct
                 stats["truncated"] += x.truncated
@@ -391,7 +411,7 @@ def reward_groups(job: JobConfig, groups: list[list[Response]]) -> None:
     for x, v in zip(flat, raw, strict=True):
         x.correct, x.raw, x.reward = v > 0, v, v
         if a.overlong_max_len is not None:
-            x.reward += float(overlong_penalty(len(x.ids), a.overlong_max_len, a.overlong_cache))
+            x.reward += float(overlong_penalty(x.trained, a.overlong_max_len, a.overlong_cache))  # the policy's
 
 
 def filter_scores(groups: list[list[Response]]) -> list[tuple[list[Response], torch.Tensor]]:

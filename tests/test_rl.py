@@ -109,6 +109,36 @@ def test_a_multi_turn_generate_function_trains_on_the_policys_tokens_only(cluste
     assert all(x["trained_tokens"] == 2 * ((11 - len(TOOL_IDS)) // 2) for x in rec["samples"]), rec["samples"][:2]
 
 
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_multi_turn_samples_train_and_weigh_the_policys_tokens_only(agg):
+    """to_samples with a tool's ids inside a response: they are context (loss mask 0, weight
+    0), the aggregation counts the policy's tokens alone (token_mean: the batch's trained
+    tokens' weights sum to 1; seq_mean_token_mean: each response's to 1 / responses), and the
+    overlong shaping measures them too."""
+    from miles.data.prompts import Prompt
+    from miles.rl import Response, reward_groups, to_samples
+
+    job = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["rollout.n_samples_per_prompt=2", "train.global_batch_size=2",
+                                                       "rollout.rollout_batch_size=1", f"algo.agg={agg}",
+                                                       "algo.overlong_max_len=4", "algo.overlong_cache=2"])
+    prompt = Prompt("p:0", [5, 6, 7], "3", [])
+    multi = Response(prompt, [11, 12, 7, 8, 9, 13], [-0.5, -0.6, 0.0, 0.0, 0.0, -0.7], "a", False,
+                     mask=[1, 1, 0, 0, 0, 1], turns=2)
+    single = Response(prompt, [14, 15], [-0.1, -0.2], "b", False)
+    reward_groups(job, [[multi, single]])
+    (batch,) = to_samples(job, [[multi, single]])
+    m, one = batch
+    assert m.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1] and one.loss_mask == [0, 0, 0, 1, 1]
+    weights = [w for s in batch for w, k in zip(s.values["token_weights"], s.loss_mask, strict=True) if k]
+    assert all(w == 0 for s in batch for w, k in zip(s.values["token_weights"], s.loss_mask, strict=True) if not k)
+    if agg == "token_mean":
+        assert sum(weights) == pytest.approx(1.0) and len(set(weights)) == 1  # 5 trained tokens alike
+    else:
+        assert sum(m.values["token_weights"]) == pytest.approx(0.5) == sum(one.values["token_weights"])
+    assert multi.trained == 3 and multi.turns == 2
+    assert multi.reward == multi.raw - 0.5  # 3 tokens of the policy: (2 - 3) / 2; its 6 in all would give -1
+
+
 def test_the_kl_reference_is_the_converted_checkpoint_the_run_starts_from(cluster, tmp_path):
     """Guards a KL reference taken before the starting weights load: a run from a converted
     (weights-only) checkpoint of a trained-looking model, algo.kl_coef 0.1: at the first update
@@ -200,6 +230,9 @@ def test_the_v4_flash_dapo_job_validates_against_v4_flash(tmp_path):
     assert job.train.parallel.world == 64 and job.model.arch.num_hidden_layers == 43
     assert job.rollout.engine == "sglang" and job.rollout.num_engines * job.rollout.gpus_per_engine == 64
     assert job.rollout.sync == "disk"
+    from miles.rl import sglang_options
+
+    assert sglang_options(job) == {**job.rollout.sglang, "tokenizer-path": str(tmp_path / "flash")}
     assert job.updates_per_rollout == 16 and job.rollout.rollout_batch_size * job.rollout.n_samples_per_prompt == 8192
     a = job.algo
     assert (a.eps_low, a.eps_high, a.agg, a.kl_coef, a.reward) == (0.2, 0.28, "token_mean", 0.0, "dapo")
@@ -233,7 +266,13 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
     with pytest.raises(JobConfigError, match="rollout.engine: sglang takes the trainer's weights from files: set "
                                              "rollout.sync: disk"):
         job("rollout.engine=sglang")
-    check_engines(job("rollout.engine=sglang", "rollout.sync=disk", "rollout.gpus_per_engine=8"), "gpu", 17)
+    sglang = job("rollout.engine=sglang", "rollout.sync=disk", "rollout.gpus_per_engine=8")
+    with pytest.raises(JobError, match="rollout.engine: sglang needs its tokenizer's directory: set ckpt.hf"):
+        check_engines(sglang, "gpu", 17)  # the weights it loads carry no tokenizer
+    with pytest.raises(JobError, match="rollout.engine: sglang runs on GPU clusters"):
+        check_engines(sglang, "cpu", 0)
+    sglang.rollout.sglang = {"tokenizer-path": "/models/v4"}
+    check_engines(sglang, "gpu", 17)
     for extra, device, gpus, match in [
             ([], "gpu", 8, "rollout.gpus_per_engine is 0"),
             (["rollout.gpus_per_engine=0.5", "rollout.placement=colocated"], "gpu", 8, "rollout.placement: colocated"),

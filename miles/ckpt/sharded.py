@@ -152,11 +152,14 @@ def _write_here(transforms, use_msc: bool, rank: int, buckets: list, results) ->
     """Megatron's write_preloaded_data_multiproc without its forked writers: each bucket
     (one file) written in turn by the calling thread, the results (or the first error)
     handed to Megatron's finalization through its queue, as the forked writers do."""
+    # Undecorated: its decorator turns the garbage collector off for the process (for a forked
+    # child's sake), which from a writer thread would stop it for training too.
+    write = FileSystemWriterAsync.write_preloaded_data.__wrapped__
     written: dict | Exception = {}
     for i, bucket in enumerate(buckets):
         out, done = queue.SimpleQueue(), queue.Queue()
         done.put(i)
-        FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, out, done, True, use_msc=use_msc)
+        write(transforms, i, bucket, out, done, True, use_msc=use_msc)
         idx, result = out.get()
         if isinstance(result, Exception):
             written = result

@@ -63,12 +63,12 @@ class TrainGroup:
         ranks that have not answered after `warn_after` seconds are named on stderr, again
         every `warn_after`, while the wait goes on."""
         rank_of = {ref: r for r, ref in refs.items()}
-        pending, t0, warned = list(refs.values()), time.monotonic(), 0
+        pending, t0, warned, results = list(refs.values()), time.monotonic(), 0, {}
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, t0 + (warned + 1) * self.warn_after
                                                                            - time.monotonic()))
             for ref in done:
-                ray.get(ref)  # raises a failed rank's error now
+                results[rank_of[ref]] = ray.get(ref)  # a failed rank's error raises now
             if not done:
                 warned += 1
                 late = sorted(rank_of[ref] for ref in pending)
@@ -76,7 +76,7 @@ class TrainGroup:
                 print(f"miles: TrainWorker.{method} has not returned on rank(s) {late} after "
                       f"{time.monotonic() - t0:.0f} s; still waiting (a hang? `ray stack` on "
                       f"{', '.join(nodes) or 'their nodes'} prints their Python stacks)", file=sys.stderr, flush=True)
-        return ray.get(list(refs.values()))
+        return [results[r] for r in refs]
 
     def train_step(self, replicas: list[list[MicroBatch]], checksums: bool = False) -> list[dict]:
         """One optimizer step: each data-parallel replica's micro-batches go into the object

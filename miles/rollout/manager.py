@@ -45,6 +45,7 @@ class EngineSlot:
     url: str
     pid: int
     failures: int = 0
+    alive: bool = True  # False once it is being replaced: no update or generation goes to it
 
 
 class RolloutManager:
@@ -72,6 +73,7 @@ class RolloutManager:
         self.version: int | None = None  # the trainer step the engines' weights come from (set by the caller)
         self.stats = {"restarts": 0, "retries": 0, "timeouts": 0}
         self._lock = threading.RLock()
+        self._update_lock = threading.RLock()  # an update and a replacement's catch-up never interleave
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
@@ -89,7 +91,7 @@ class RolloutManager:
 
     def engine_actors(self) -> list:
         with self._lock:
-            return [e.actor for e in self.engines]
+            return [e.actor for e in self.engines if e.alive]
 
     def engine_info(self) -> list[dict]:
         with self._lock:
@@ -119,16 +121,27 @@ class RolloutManager:
                         log.exception("replacing engine %s failed; will retry", e.url)
 
     def _replace(self, dead: EngineSlot) -> None:
+        """Kill `dead`, start a new engine, bring it to the latest weights and put it in its
+        place. Updates in the meantime skip the dead slot; the catch-up and the swap happen
+        under the update lock, so the new engine gets every update (none lands between)."""
         log.warning("engine %s (pid %d) failed %d health checks: replacing it", dead.url, dead.pid, dead.failures)
-        self.router.remove(dead.url)
-        ray.kill(dead.actor, no_restart=True)
+        if dead.alive:
+            self.router.remove(dead.url)
+            with self._lock:
+                dead.alive = False
+            ray.kill(dead.actor, no_restart=True)
         new = self._start_engines(1)[0]
-        if self.latest is not None:
-            self._apply([new], self.latest)
+        try:
+            with self._update_lock:
+                if self.latest is not None:
+                    self._apply([new], self.latest)
+                with self._lock:
+                    self.engines = [new if e is dead else e for e in self.engines]
+                    self.stats["restarts"] += 1
+        except BaseException:  # not left running beside the next try
+            ray.kill(new.actor, no_restart=True)
+            raise
         self.router.add(new.url)
-        with self._lock:
-            self.engines = [new if e is dead else e for e in self.engines]
-            self.stats["restarts"] += 1
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, buckets: list[tuple], names: list[str], version: int) -> dict:
@@ -137,22 +150,23 @@ class RolloutManager:
         if self.cfg.engine == "sglang":
             raise WeightSyncError("object-store weight sync serves the embedded engine; SGLang engines take "
                                   "weights from a directory (rollout.sync: disk)")
-        update = {"buckets": buckets, "names": names, "version": version}
-        with self._lock:
-            engines = list(self.engines)
-        res = self._apply(engines, update)
-        self.latest = update
-        return res
+        return self._update({"buckets": buckets, "names": names, "version": version})
 
     def update_from_disk(self, path: str, version: int) -> dict:
         """Disk path: every engine loads the weights at `path` (DeepSeek's HF layout, every
         tensor) whole; SGLang's engines take them only this way."""
-        update = {"path": path, "version": version}
-        with self._lock:
-            engines = list(self.engines)
-        res = self._apply(engines, update)
-        self.latest = update
-        return res
+        return self._update({"path": path, "version": version})
+
+    def _update(self, update: dict) -> dict:
+        with self._update_lock:
+            with self._lock:
+                engines = [e for e in self.engines if e.alive]
+            try:
+                res = self._apply(engines, update)
+            except ray.exceptions.RayActorError as e:  # died mid-update: the monitor replaces it
+                raise WeightSyncError(f"an engine died during the weight update: {e}") from None
+            self.latest = update
+            return res
 
     @staticmethod
     def _apply(engines: list[EngineSlot], update: dict) -> dict:

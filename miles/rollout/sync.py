@@ -1,13 +1,15 @@
 """Weight sync from a TrainGroup to the engines: buckets of DeepSeek-named full tensors
-streamed from the trainer ranks that own them (never gathered into the driver), verified
-by MD5 on arrival, swapped in whole. Three paths:
+streamed from the trainer ranks that own them (never gathered into the driver), swapped
+in whole. Three paths:
 
-- object store (CPU default): each owning rank puts its buckets; engines pull them.
+- object store (CPU default): each owning rank puts its buckets; engines pull them and
+  check each tensor's MD5.
 - broadcast: a process group of its own between the owning ranks and the engines
-  (gloo on CPU, nccl on GPU), one broadcast per bucket from its owner.
+  (gloo on CPU, nccl on GPU), one broadcast per bucket from its owner; MD5s compared.
 - disk (SGLang's engines; any engine): each rank writes the tensors it owns in DeepSeek's
-  HF layout to <dir>/v<version>, each engine loads that directory; older versions are
-  removed once the engines serve the new one.
+  HF layout to <dir>/v<version>, each engine loads that directory (names, shapes and
+  completeness checked, not bytes); older versions are removed once the engines serve
+  the new one.
 """
 
 from __future__ import annotations
