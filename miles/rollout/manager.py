@@ -138,6 +138,11 @@ class RolloutManager:
                 with self._lock:
                     self.engines = [new if e is dead else e for e in self.engines]
                     self.stats["restarts"] += 1
+                if self.version is not None and (self.latest or {}).get("version") != self.version:
+                    # A broadcast is not kept to replay: the next sync brings every engine up to date.
+                    log.warning("engine %s serves older weights than version %s until the next weight sync",
+                                new.url, self.version)
+                    self.version = None
         except BaseException:  # not left running beside the next try
             ray.kill(new.actor, no_restart=True)
             raise
