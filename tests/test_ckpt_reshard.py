@@ -174,7 +174,8 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on_and_no_s
                                                                                           seed):
     """ckpt.async_save: save_checkpoint returns before the files are written; the next step
     changes every weight meanwhile; the finished checkpoint still holds the state at the save
-    (weights and the optimizer: a group loading it takes that next step bit for bit). No save
+    (weights and the optimizer: a group loading it takes that next step bit for bit; the
+    writer is held until that step is done, so a save that kept no copy fails). No save
     forks the worker, sync or async: a Ray actor must not (its other threads may hold locks
     the child then waits on forever); Megatron's writer forks a process per file and its
     async caller one per save."""
@@ -189,12 +190,23 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on_and_no_s
         worker.forks = []
         os.register_at_fork(before=lambda: worker.forks.append(1))
 
+    def hold_writes(worker) -> None:  # the async writer waits until step 3 has changed every weight
+        import threading
+
+        from miles.ckpt import sharded
+
+        worker.release, write = threading.Event(), sharded._write_here
+        sharded._write_here = lambda *a: (worker.release.wait(120), write(*a))[1]
+
     ray_cluster.get([w.__ray_call__.remote(count_forks) for w in g.workers])
     _save(g, tmp_path / "sync")
     at_save = _full(g)
     (tmp_path / "a").mkdir()
+    ray_cluster.get([w.__ray_call__.remote(hold_writes) for w in g.workers])
     g.call("save_checkpoint", str(tmp_path / "a"), True)
     _step(g, src, 3, 1)
+    assert not any(g.call("finish_save", False))  # still held: nothing written yet
+    ray_cluster.get([w.__ray_call__.remote(lambda w: w.release.set()) for w in g.workers])
     while not all(g.call("finish_save", False)):
         pass
     after = _full(g)

@@ -176,8 +176,13 @@ class BackgroundSave:
         self.request, self.thread = request, None
         if request.async_fn is not None:
             args = list(request.async_fn_args)  # (rank, buckets, results queue)
-            args[1] = [(file, key, (objects, [(item, t.to("cpu", copy=True)) for item, t in tensors]))
+            # GPU tensors: copied to pinned host memory asynchronously, one synchronize for all
+            # (as Megatron's preload); CPU tensors: cloned.
+            args[1] = [(file, key, (objects, [(item, t.to("cpu", non_blocking=True) if t.is_cuda else t.clone())
+                                              for item, t in tensors]))
                        for file, key, (objects, tensors) in args[1]]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.thread = threading.Thread(target=request.async_fn, args=args, name="miles-ckpt-writer", daemon=True)
             self.thread.start()
 
