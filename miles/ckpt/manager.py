@@ -72,26 +72,19 @@ class Checkpoints:
             self.report(f"checkpoint: the run started from {next(iter(self.started_from.values()))}, which is gone; "
                         f"its KL reference is ckpt.hf {self.cfg.hf}")
             self.started_from = source
-        if "hf" in self.started_from:
-            trainer.call("load_hf", self.started_from["hf"])
-        elif "dist" in self.started_from:
-            trainer.call("load_checkpoint", self.started_from["dist"], same_layout=False, with_optimizer=False)
+        load_weights(trainer, self.started_from)
 
     def restore(self, trainer, data) -> int:
         """Load what ckpt.load names (or ckpt.hf's weights on a fresh start); returns the
         iteration to continue after."""
-        if self.meta is None:
-            if self.cfg.hf is not None:
-                t0 = time.perf_counter()
-                trainer.call("load_hf", str(self.cfg.hf))
-                self.report(f"checkpoint: weights from {self.cfg.hf} ({time.perf_counter() - t0:.1f} s)")
-            return 0
         t0 = time.perf_counter()
-        same = self.meta.get("layout") == self.layout()
-        if self.model_only:
-            trainer.call("load_checkpoint", str(self.load_dir), same_layout=False, with_optimizer=False)
-            self.report(f"checkpoint: weights from {self.load_dir} ({time.perf_counter() - t0:.1f} s)")
+        if self.meta is None or self.model_only:  # a fresh start: ckpt.hf's or converted weights, if any
+            if self.started_from:
+                load_weights(trainer, self.started_from)
+                self.report(f"checkpoint: weights from {next(iter(self.started_from.values()))} "
+                            f"({time.perf_counter() - t0:.1f} s)")
             return 0
+        same = self.meta.get("layout") == self.layout()
         trainer.call("load_checkpoint", str(self.load_dir), same_layout=same)
         if data is not None:
             data.load_state(self.meta["data"])
@@ -137,6 +130,15 @@ class Checkpoints:
 
     def close(self, trainer) -> None:
         self.poll(trainer, blocking=True)
+
+
+def load_weights(trainer, source: dict[str, str]) -> None:
+    """Weights alone into the trainer: {"hf": dir} (DeepSeek's HF checkpoint) or {"dist": dir}
+    (a converted checkpoint, at any layout); {} leaves the seeded initialisation."""
+    if "hf" in source:
+        trainer.call("load_hf", source["hf"])
+    elif "dist" in source:
+        trainer.call("load_checkpoint", source["dist"], same_layout=False, with_optimizer=False)
 
 
 def started_from(meta: dict | None, hf, load_dir: Path | None) -> dict[str, str]:
