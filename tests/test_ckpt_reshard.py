@@ -23,12 +23,13 @@ from plugins.deepseek_v4.hf_io import load_safetensors_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = DeepSeekV4Config.tiny()
+GPU = torch.cuda.device_count() >= 2  # a GPU a rank (nccl, pinned host copies) where there are GPUs, else gloo
 
 
 def _group(seed: int, **par):
     from miles.cluster.train_group import TrainGroup
 
-    g = TrainGroup(2 if par else 1, **par)
+    g = TrainGroup(2 if par else 1, resources={"CPU": 1, "GPU": 1} if GPU else None, **par)
     g.call("build_model", CFG.to_dict(), seed, deterministic=True)
     g.call("setup_training", lr=3e-3, min_lr=3e-4, total_steps=10, weight_decay=0.01, beta2=0.95)
     return g
@@ -229,7 +230,9 @@ def _wait_on(group_name: str):
         from megatron.core import parallel_state as ps
 
         group = {"world": dist.group.WORLD, "tp": ps.get_tensor_model_parallel_group()}[group_name]
-        dist.all_reduce(torch.ones(1), group=group)
+        one = torch.ones(1, device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(one, group=group)
+        one.item()  # nccl returns at once; the wait is here
     return call
 
 

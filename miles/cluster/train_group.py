@@ -30,6 +30,10 @@ class TrainGroup:
             ray.get(self.pg.ready(), timeout=120)
             actor = ray.remote(TrainWorker)
             opts = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
+            if not opts["num_gpus"] and ray.cluster_resources().get("GPU", 0):
+                # Ray leaves a GPU-less actor every GPU of its node: each rank would take
+                # device 0 (nccl refuses two ranks on one GPU). Hide them: such ranks use gloo.
+                opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
             self.workers = [actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=i)).remote(i, world_size)
                 for i in range(world_size)]
