@@ -18,6 +18,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --head-split  # the heads' backward split-bf16 vs TF32
     python3 benchmarks/train_gpu.py --ab --streams   # hc_post's stream gradient added in hc_pre's pass vs by autograd
     python3 benchmarks/train_gpu.py --ab --add-cast  # the MoE's one-pass output sum vs add then cast
+    python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's 64- vs 32-row steps
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -323,6 +324,28 @@ def wgrad_arms():
     return [("CUDA graphs, expert weight gradient then an add", _patch(ops, "wgrad_into_main_grad",
                                                                      lambda *a: False)),
             ("CUDA graphs, expert weight gradient into main_grad (default)", lambda on: None)]
+
+
+def wgrad_tiles_arms():
+    """The expert weight-gradient kernel's tiles: the 64-row steps it had against today's
+    32-row steps (`kernels.moe.WGRAD_ROWS`); each arm autotunes its own list."""
+    import triton
+
+    from plugins.deepseek_v4.kernels import moe
+
+    kern, new = moe._grouped_wgrad, list(moe._grouped_wgrad.configs)
+    old = [triton.Config({"BN": bn, "BK": bk, "BM": 64}, num_warps=w, num_stages=st)
+           for bn, bk, w, st in [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
+                                 (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]]
+
+    def use(configs):
+        def switch(on: bool) -> None:
+            if on and kern.configs is not configs:
+                kern.configs, kern.cache = configs, {}
+        return switch
+
+    return [("CUDA graphs, expert wgrad in 64-row steps", use(old)),
+            ("CUDA graphs, expert wgrad in 32-row steps (default)", use(new))]
 
 
 def accum_arms(model):
@@ -680,6 +703,7 @@ def main() -> None:
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
     ap.add_argument("--split", action="store_true", help="with --ab: only split-bf16 vs TF32 projection backward")
     ap.add_argument("--wgrad", action="store_true", help="with --ab: only the expert wgrad into main_grad vs an add")
+    ap.add_argument("--wgrad-tiles", action="store_true", help="with --ab: only the expert wgrad's 64- vs 32-row steps")
     ap.add_argument("--out-proj", action="store_true", help="with --ab: only the out-projection's bmm vs einsum")
     ap.add_argument("--clip", action="store_true", help="with --ab: only the clip inside fused AdamW vs its own pass")
     ap.add_argument("--accum", action="store_true", help="with --ab: only weight gradients into main_grad vs returned")
@@ -739,6 +763,7 @@ def main() -> None:
     graphed = {"mixes": ("mHC mixes", mixes_arms), "products": ("fp32 projections", products_arms),
                "split": ("fp32 projection backward", split_arms), "clip": ("gradient clip", clip_arms),
                "out_proj": ("grouped out-projection", out_proj_arms), "wgrad": ("expert weight gradient", wgrad_arms),
+               "wgrad_tiles": ("expert weight-gradient tiles", wgrad_tiles_arms),
                "indexer": ("indexer scores", indexer_arms), "head": ("head log-softmax", head_arms),
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),

@@ -71,13 +71,15 @@ def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype) ->
 # then adds it into main_grad in a second pass: per parameter a bf16 write, then a bf16 read
 # and an fp32 read and write (the ~1B step's experts: 54 adds of 37.7M parameters, 8.4 ms on
 # an H100), and the sum loses the bf16 rounding. Autotuned per (N, K) over output tiles only:
-# every config sums each element's rows in the same 64-row steps, so the choice (which may
-# differ between processes) does not change the bits. The tuning runs restore D. The
-# interpreter's dot mishandles bf16: it multiplies fp32 copies (UPCAST).
+# every config sums each element's rows in the same BM-row steps, so the choice (which may
+# differ between processes) does not change the bits. 32-row steps: at the ~1B shape (~512
+# rows an expert) the best 32-row tile beat the best 64-row one by 10% (benchmarks/moe_gpu.py).
+# The tuning runs restore D. The interpreter's dot mishandles bf16: it multiplies fp32 copies (UPCAST).
+WGRAD_ROWS = 32
 _WGRAD_CONFIGS = ([triton.Config({"BN": 16, "BK": 16, "BM": 16}, num_warps=1, num_stages=1)] if INTERPRET else
-                  [triton.Config({"BN": bn, "BK": bk, "BM": 64}, num_warps=w, num_stages=st)
-                   for bn, bk, w, st in [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
-                                         (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]])
+                  [triton.Config({"BN": bn, "BK": bk, "BM": WGRAD_ROWS}, num_warps=w, num_stages=st)
+                   for bn, bk, w, st in [(128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 4),
+                                         (256, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]])
 
 
 @triton.autotune(_WGRAD_CONFIGS, key=["N", "K"], restore_value=["D"])
