@@ -1,0 +1,37 @@
+"""TrainGroup on a node with GPUs: which devices its ranks see."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def gpu_node():
+    """A local Ray cluster whose node declares 2 GPUs (this machine may have none: Ray
+    schedules by the declared resources, and no rank below asks for one)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ranks_without_a_gpu_see_none_on_a_node_with_gpus(gpu_node):
+    """Ray leaves an actor that asked for no GPU every GPU of its node: on an H200 node the two
+    ranks of `miles convert` both took device 0 and nccl refused them ("Duplicate GPU
+    detected"). TrainGroup hides the GPUs from such ranks, so they use gloo on the host."""
+    import os
+
+    from miles.cluster.train_group import TrainGroup
+
+    g = TrainGroup(2, tp=2)
+    try:
+        seen = gpu_node.get([w.__ray_call__.remote(lambda w: os.environ.get("CUDA_VISIBLE_DEVICES"))
+                             for w in g.workers])
+        backends = gpu_node.get([w.__ray_call__.remote(lambda w: __import__("torch").distributed.get_backend())
+                                 for w in g.workers])
+    finally:
+        g.shutdown()
+    assert seen == ["", ""], f"CUDA_VISIBLE_DEVICES in the ranks: {seen}"
+    assert backends == ["gloo", "gloo"], backends
