@@ -1,4 +1,4 @@
-"""TrainGroup on a node with GPUs: which devices its ranks see."""
+"""On a node with GPUs, actors that asked for none (train ranks, rollout engines) see none."""
 
 from __future__ import annotations
 
@@ -35,3 +35,21 @@ def test_ranks_without_a_gpu_see_none_on_a_node_with_gpus(gpu_node):
         g.shutdown()
     assert seen == ["", ""], f"CUDA_VISIBLE_DEVICES in the ranks: {seen}"
     assert backends == ["gloo", "gloo"], backends
+
+
+def test_engines_without_a_gpu_see_none_on_a_node_with_gpus(gpu_node):
+    """The same for rollout engines of `rollout.gpus_per_engine: 0`: each would otherwise take
+    device 0 beside the trainer's rank there."""
+    import os
+
+    from miles.rollout.manager import RolloutManager
+    from plugins.deepseek_v4 import DeepSeekV4Config
+
+    mgr = RolloutManager({"num_engines": 1, "max_running": 2, "max_len": 32},
+                         {"config": DeepSeekV4Config.tiny().to_dict(), "seed": 0})
+    try:
+        seen = gpu_node.get([e.actor.__ray_call__.remote(lambda e: os.environ.get("CUDA_VISIBLE_DEVICES"))
+                             for e in mgr.engines])
+    finally:
+        mgr.shutdown()
+    assert seen == [""], f"CUDA_VISIBLE_DEVICES in the engine: {seen}"

@@ -2,7 +2,8 @@
 engines' HTTP servers): 127.0.0.1 on a one-node cluster, so nothing listens beyond loopback
 there, and this node's cluster address (`ray start --node-ip-address`) when there are several.
 (Ray itself registers a `ray start` node given 127.0.0.1 under the machine's outside address,
-so the node's address alone would not keep a local cluster on loopback.)"""
+so the node's address alone would not keep a local cluster on loopback.) Also what devices an
+actor on a node sees (`device_options`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def node_address() -> str:
     if not ray.is_initialized() or sum(n["Alive"] for n in ray.nodes()) < 2:
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
+
+
+def device_options(num_gpus: float) -> dict:
+    """Ray actor options for an actor of `num_gpus` GPUs. Ray leaves an actor that asks for none
+    every GPU of its node (CUDA_VISIBLE_DEVICES untouched): two train ranks both took device 0
+    (nccl refuses that) and engines would pile onto it. On a cluster with GPUs such an actor
+    sees none, so it runs on the host as asked."""
+    import ray
+
+    if num_gpus or not ray.cluster_resources().get("GPU", 0):
+        return {"num_gpus": num_gpus}
+    return {"num_gpus": 0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -13,6 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.cluster.node import device_options
 from miles.train.batching import MicroBatch
 from miles.train.worker import TrainWorker
 
@@ -29,11 +30,7 @@ class TrainGroup:
         try:
             ray.get(self.pg.ready(), timeout=120)
             actor = ray.remote(TrainWorker)
-            opts = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
-            if not opts["num_gpus"] and ray.cluster_resources().get("GPU", 0):
-                # Ray leaves a GPU-less actor every GPU of its node: each rank would take
-                # device 0 (nccl refuses two ranks on one GPU). Hide them: such ranks use gloo.
-                opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+            opts = {"num_cpus": resources.get("CPU", 0), **device_options(resources.get("GPU", 0))}
             self.workers = [actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=i)).remote(i, world_size)
                 for i in range(world_size)]

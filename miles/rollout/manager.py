@@ -21,6 +21,7 @@ import aiohttp
 import httpx
 import ray
 
+from miles.cluster.node import device_options
 from miles.config import RolloutConfig
 from miles.rollout.embedded import EmbeddedEngine
 from miles.rollout.router import Router
@@ -63,7 +64,7 @@ class RolloutManager:
         if c.engine == "sglang" and not spec.get("hf"):
             raise ValueError("rollout.engine: sglang serves a model directory (DeepSeek's HF layout): set its path")
         cls = EmbeddedEngine if c.engine == "embedded" else SGLangEngine
-        self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
+        self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, **device_options(c.gpus_per_engine),
                                                   max_restarts=0)
         self.latest: dict | None = None  # the last weight update, replayed to replacement engines
         self.engines = self._start_engines(c.num_engines)
