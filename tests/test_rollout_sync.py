@@ -137,3 +137,41 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
     finally:
         tp2.shutdown()
         mgr.shutdown()
+
+
+def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(cluster, seed):
+    """A broadcast is not kept to replay: an engine that dies after one is replaced by an engine
+    that copies the weights a live one serves (object-store buckets, MD5s checked). It serves the
+    broadcast's version (its log-probs equal the trainer's) and the manager still knows which
+    version the engines serve (before: the replacement served its start weights until the next
+    sync, and the manager forgot the version)."""
+    import time
+
+    import httpx
+
+    rollout = {"num_engines": 2, "max_running": 8, "max_len": 128, "health_interval": 0.5, "health_timeout": 2.0,
+               "health_failures": 2, "bucket_mb": 1}
+    mgr = RolloutManager(rollout, {"config": CFG.to_dict(), "seed": seed})
+    tp1 = TrainGroup(1)
+    try:
+        tp1.call("build_model", CFG.to_dict(), seed)
+        tp1.call("setup_training", lr=1e-2, total_steps=10)
+        tp1.train_step(replica_micro_batches(SyntheticSource(32, CFG.vocab_size, seed).batch(1, 4), 1, 1))
+        sync_broadcast(tp1, mgr.engine_actors(), BUCKET, version=1)
+        mgr.version = 1  # as update_engines records it
+        dead = mgr.engines[0]
+        ray.kill(dead.actor, no_restart=True)
+        deadline = time.monotonic() + 120
+        while mgr.stats["restarts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mgr.stats["restarts"] == 1, "the dead engine was not replaced"
+        new = mgr.engines[0]
+        assert new.pid != dead.pid and mgr.version == 1
+        reqs = _requests(seed, 30)
+        res = [httpx.post(f"{new.url}/generate", json={k: v for k, v in r.items() if k != "id"}, timeout=60).json()
+               for r in reqs]
+        assert {r["meta_info"]["weight_version"] for r in res} == {1}
+        _agree(tp1, reqs, res, "the replacement engine")
+    finally:
+        tp1.shutdown()
+        mgr.shutdown()

@@ -46,6 +46,14 @@ class EmbeddedEngine:
     def update_from_disk(self, path: str, version: int | None = None) -> dict:
         return self.svc.update_from_disk(path, version)
 
+    def put_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
+        """The weights this engine serves as object-store buckets [(ObjectRef, {name: md5})]:
+        a replacement catches up from a live engine where the last update cannot be replayed
+        (a broadcast is not kept)."""
+        from miles.rollout.weights import cut, put_buckets
+
+        return self.svc.with_weights(lambda w: put_buckets(cut(w, bucket_bytes)))
+
     def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         self.svc.open_group(host, port, rank, size, backend)
 

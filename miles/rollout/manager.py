@@ -134,13 +134,16 @@ class RolloutManager:
         new = self._start_engines(1)[0]
         try:
             with self._update_lock:
-                if self.latest is not None:
+                # A broadcast is not kept to replay: then the new engine copies a live one's weights.
+                behind = self.version is not None and (self.latest or {}).get("version") != self.version
+                if behind and self._copy_from_peer(new):
+                    behind = False
+                elif self.latest is not None:
                     self._apply([new], self.latest)
                 with self._lock:
                     self.engines = [new if e is dead else e for e in self.engines]
                     self.stats["restarts"] += 1
-                if self.version is not None and (self.latest or {}).get("version") != self.version:
-                    # A broadcast is not kept to replay: the next sync brings every engine up to date.
+                if behind:  # the next sync brings every engine up to date
                     log.warning("engine %s serves older weights than version %s until the next weight sync",
                                 new.url, self.version)
                     self.version = None
@@ -148,6 +151,25 @@ class RolloutManager:
             ray.kill(new.actor, no_restart=True)
             raise
         self.router.add(new.url)
+
+    def _copy_from_peer(self, new: EngineSlot) -> bool:
+        """Bring `new` to the weights a live embedded engine serves (object-store buckets, MD5s
+        checked); False where none could give them (SGLang's engines keep no such call)."""
+        if self.cfg.engine != "embedded":
+            return False
+        with self._lock:
+            peers = [e for e in self.engines if e.alive and e is not new]
+        for peer in peers:
+            try:
+                buckets = ray.get(peer.actor.put_weight_buckets.remote(self.cfg.bucket_mb << 20))
+                self._apply([new], {"buckets": buckets, "names": [n for _, s in buckets for n in s],
+                                    "version": self.version})
+            except (ray.exceptions.RayError, WeightSyncError) as err:
+                log.warning("engine %s could not copy the weights of %s: %s", new.url, peer.url, err)
+                continue
+            log.info("engine %s copied version %s from %s", new.url, self.version, peer.url)
+            return True
+        return False
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, buckets: list[tuple], names: list[str], version: int) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 from miles.memory import offload, restore
 from miles.rollout.engine import Engine
-from miles.rollout.weights import Staging, WeightSyncError, bucket_buffer, read_dir
+from miles.rollout.weights import Staging, WeightSyncError, bucket_buffer, read_dir, update_targets
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,13 @@ class EngineService:
 
     def update_from_disk(self, path: str, version: int | None = None) -> dict:
         return self.update_all(read_dir(path), None, version)
+
+    def with_weights(self, fn):
+        """fn(the served tensors by name) with no update swapping them meanwhile."""
+        with self.update_lock:
+            if self._released is not None:
+                raise WeightSyncError("memory is released: the weights are not here to copy")
+            return fn(update_targets(self.model))
 
     # ---- broadcast path: a process group of its own with the trainer's sending ranks
     def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:

@@ -13,6 +13,7 @@ tensors (an engine's weights are small next to its trainer's state).
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
 import torch
@@ -31,12 +32,43 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {k: tensor_md5(v) for k, v in tensors.items()}
 
 
+def update_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an update may set: the model's state_dict entries, by name."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
+def cut(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """`tensors` in order, in buckets of at least `bucket_bytes` (the last may hold less)."""
+    cur, size = {}, 0
+    for name, t in tensors.items():
+        cur[name] = t
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield cur
+            cur, size = {}, 0
+    if cur:
+        yield cur
+
+
+def put_buckets(buckets: Iterable[dict[str, torch.Tensor]]) -> list[tuple]:
+    """The object-store path's buckets, put one at a time: [(ObjectRef of {name: host copy},
+    {name: MD5})]. A copy even on the host: Ray pickles tensors through numpy, which would pin
+    the storages (a sleeping trainer could no longer free them)."""
+    import ray
+
+    out = []
+    for b in buckets:
+        host = {k: v.detach().to("cpu", copy=True) for k, v in b.items()}
+        out.append((ray.put(host), checksums(host)))
+    return out
+
+
 class Staging:
     """One update in progress against `model` (its state_dict names and shapes)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+        self.targets = update_targets(model)
         self.staged: dict[str, torch.Tensor] = {}
         self.bytes = 0
 

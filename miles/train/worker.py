@@ -466,17 +466,9 @@ class TrainWorker:
     def put_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
         """Weight sync through the object store: this rank's buckets put one at a time, as
         [(ObjectRef, {name: md5})]; nothing passes through the driver."""
-        import ray
+        from miles.rollout.weights import put_buckets
 
-        from miles.rollout.weights import checksums
-
-        out = []
-        for b in weight_export.buckets(self.model, bucket_bytes):
-            # A copy even on the host: Ray pickles tensors through numpy, which would pin the
-            # parameters' storages (sleep() could no longer free them).
-            host = {k: v.to("cpu", copy=True) for k, v in b.items()}
-            out.append((ray.put(host), checksums(host)))
-        return out
+        return put_buckets(weight_export.buckets(self.model, bucket_bytes))
 
     def weight_plan(self, bucket_bytes: int) -> list:
         return weight_export.plan(self.model, bucket_bytes)
