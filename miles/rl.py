@@ -205,9 +205,7 @@ def start_engines(job: JobConfig, run_dir: Path, device: str, trainer, version: 
         return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
     path, _ = write_version(trainer, sync_dir(job), job.model.arch, version)
     rollout = job.rollout.model_copy(update={"sglang": sglang_options(job)})
-    engines = RolloutManager(rollout, spec | {"hf": str(path)}, log_dir=str(run_dir))
-    engines.latest, engines.version = {"path": str(path), "version": version}, version
-    return engines
+    return RolloutManager(rollout, spec | {"hf": str(path)}, log_dir=str(run_dir), version=version)
 
 
 def sglang_options(job: JobConfig) -> dict:
@@ -232,7 +230,7 @@ def sync_dir(job: JobConfig) -> Path:
 
 def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     """The trainer's weights into every engine (unless they already serve `version`)."""
-    from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store
+    from miles.rollout.sync import sync_disk, sync_object_store
 
     if engines.version == version:
         return {}
@@ -241,15 +239,13 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
         ray_get_all([e.resume_memory.remote() for e in engines.engine_actors()])
     bucket = job.rollout.bucket_mb << 20
     if job.rollout.sync == "broadcast":
-        res = sync_broadcast(trainer, engines.engine_actors(), bucket, version,
-                             "nccl" if job.cluster.device == "gpu" else "gloo")
+        res = engines.update_by_broadcast(trainer, bucket, version, "nccl" if job.cluster.device == "gpu" else "gloo")
     elif job.rollout.sync == "disk":
         res = sync_disk(trainer, engines, sync_dir(job), job.model.arch, version)
     else:
         res = sync_object_store(trainer, engines, bucket, version)
     if colocated:
         ray_get_all([e.release_memory.remote() for e in engines.engine_actors()])
-    engines.version = version
     return res
 
 

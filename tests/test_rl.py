@@ -59,12 +59,13 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     (trainer asleep while the engine generates, engine memory released while it trains)
     samples the same responses and computes the same losses and gradient norms; it takes its
     weights through the disk (rollout.sync: disk, SGLang's path: files written by the trainer's
-    ranks, loaded by the engine, removed at the end), the other through the object store. The
+    ranks, loaded by the engine, removed at the end), the other by broadcast (the rest of this
+    file's runs take the default, the object store). The
     RL loop keeps the job keys the SFT controller serves: ckpt.save_hf writes hf/,
     log.alignment the gradient checksums, the data source's metrics are logged."""
     runs = {p: tmp_path / p for p in ("disaggregated", "colocated")}
     for placement, run in runs.items():
-        sync = "disk" if placement == "colocated" else "object_store"
+        sync = "disk" if placement == "colocated" else "broadcast"
         _rl(cluster, run, "train.steps=1", f"rollout.placement={placement}", f"rollout.sync={sync}",
             "ckpt.save_hf=true", "log.alignment=true")
         if sync == "disk":

@@ -157,8 +157,7 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
         tp1.call("build_model", CFG.to_dict(), seed)
         tp1.call("setup_training", lr=1e-2, total_steps=10)
         tp1.train_step(replica_micro_batches(SyntheticSource(32, CFG.vocab_size, seed).batch(1, 4), 1, 1))
-        sync_broadcast(tp1, mgr.engine_actors(), BUCKET, version=1)
-        mgr.version = 1  # as update_engines records it
+        mgr.update_by_broadcast(tp1, BUCKET, version=1)
         dead = mgr.engines[0]
         ray.kill(dead.actor, no_restart=True)
         deadline = time.monotonic() + 120

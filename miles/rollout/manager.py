@@ -50,9 +50,11 @@ class EngineSlot:
 
 
 class RolloutManager:
-    def __init__(self, cfg: dict | RolloutConfig, spec: dict, log_dir: str | None = None):
+    def __init__(self, cfg: dict | RolloutConfig, spec: dict, log_dir: str | None = None,
+                 version: int | None = None):
         """cfg: the job's `rollout` section; spec: the EngineSpec fields every engine shares
-        (model config or HF directory, seed, dtype)."""
+        (model config or HF directory, seed, dtype); version: the trainer step whose weights
+        the engines start from (SGLang's: spec's directory), None where they are not the trainer's."""
         self.cfg = cfg if isinstance(cfg, RolloutConfig) else RolloutConfig.model_validate(cfg)
         c = self.cfg
         self.spec = {**spec, "max_running": c.max_running, "max_len": c.max_len, "prefill_tokens": c.prefill_tokens,
@@ -66,12 +68,15 @@ class RolloutManager:
         cls = EmbeddedEngine if c.engine == "embedded" else SGLangEngine
         self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, **device_options(c.gpus_per_engine),
                                                   max_restarts=0)
-        self.latest: dict | None = None  # the last weight update, replayed to replacement engines
+        # The last weight update, replayed to replacement engines; version: the trainer step the
+        # engines' weights come from. Both change only with an update, under the update lock.
+        self.latest: dict | None = ({"path": spec["hf"], "version": version}
+                                    if c.engine == "sglang" and version is not None else None)
+        self.version = version
         self.engines = self._start_engines(c.num_engines)
         self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
                              health_interval=c.health_interval, extra_args=list(c.router_args),
                              log_file=f"{log_dir}/router.log" if log_dir else None)
-        self.version: int | None = None  # the trainer step the engines' weights come from (set by the caller)
         self.stats = {"restarts": 0, "retries": 0, "timeouts": 0}
         self._lock = threading.RLock()
         self._update_lock = threading.RLock()  # an update and a replacement's catch-up never interleave
@@ -185,6 +190,20 @@ class RolloutManager:
         tensor) whole; SGLang's engines take them only this way."""
         return self._update({"path": path, "version": version})
 
+    def update_by_broadcast(self, trainer, bucket_bytes: int, version: int, backend: str = "gloo") -> dict:
+        """Broadcast path (`rollout.sync.sync_broadcast`) to every live engine, under the update
+        lock (a replacement catches up before or after it, never during). Not kept to replay:
+        a later replacement copies a live engine's weights."""
+        from miles.rollout.sync import sync_broadcast
+
+        if self.cfg.engine == "sglang":
+            raise WeightSyncError("broadcast weight sync serves the embedded engine; SGLang engines take weights "
+                                  "from a directory (rollout.sync: disk)")
+        with self._update_lock:
+            res = sync_broadcast(trainer, self.engine_actors(), bucket_bytes, version, backend)
+            self.version = version
+            return res
+
     def _update(self, update: dict) -> dict:
         with self._update_lock:
             with self._lock:
@@ -193,7 +212,7 @@ class RolloutManager:
                 res = self._apply(engines, update)
             except ray.exceptions.RayActorError as e:  # died mid-update: the monitor replaces it
                 raise WeightSyncError(f"an engine died during the weight update: {e}") from None
-            self.latest = update
+            self.latest, self.version = update, update["version"]
             return res
 
     @staticmethod
