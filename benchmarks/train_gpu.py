@@ -331,12 +331,11 @@ def wgrad_tiles_arms():
     32-row steps (`kernels.moe.WGRAD_ROWS`); each arm autotunes its own list."""
     import triton
 
+    from benchmarks.moe_gpu import TILES_64
     from plugins.deepseek_v4.kernels import moe
 
     kern, new = moe._grouped_wgrad, list(moe._grouped_wgrad.configs)
-    old = [triton.Config({"BN": bn, "BK": bk, "BM": 64}, num_warps=w, num_stages=st)
-           for bn, bk, w, st in [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
-                                 (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]]
+    old = [triton.Config({"BN": bn, "BK": bk, "BM": 64}, num_warps=w, num_stages=st) for bn, bk, w, st in TILES_64]
 
     def use(configs):
         def switch(on: bool) -> None:

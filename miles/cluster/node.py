@@ -27,8 +27,9 @@ def node_address() -> str:
 def device_options(num_gpus: float) -> dict:
     """Ray actor options for an actor of `num_gpus` GPUs. Ray leaves an actor that asks for none
     every GPU of its node (CUDA_VISIBLE_DEVICES untouched): two train ranks both took device 0
-    (nccl refuses that) and engines would pile onto it. On a cluster with GPUs such an actor
-    sees none, so it runs on the host as asked."""
+    (nccl refuses that) and engines would pile onto it. On a cluster with GPUs (when the actor
+    starts: a GPU node an autoscaler adds later is not foreseen) such an actor sees none, so it
+    runs on the host as asked. On GPU-less clusters the options are Ray's plain ones."""
     import ray
 
     if num_gpus or not ray.cluster_resources().get("GPU", 0):

@@ -46,13 +46,14 @@ class EmbeddedEngine:
     def update_from_disk(self, path: str, version: int | None = None) -> dict:
         return self.svc.update_from_disk(path, version)
 
-    def put_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
-        """The weights this engine serves as object-store buckets [(ObjectRef, {name: md5})]:
-        a replacement catches up from a live engine where the last update cannot be replayed
-        (a broadcast is not kept)."""
+    def put_weight_buckets(self, bucket_bytes: int) -> dict:
+        """The weights this engine serves: {"version", "buckets": [(ObjectRef, {name: md5})]}
+        (object-store buckets): a replacement catches up from a live engine where the last
+        update cannot be replayed (a broadcast is not kept)."""
         from miles.rollout.weights import cut, put_buckets
 
-        return self.svc.with_weights(lambda w: put_buckets(cut(w, bucket_bytes)))
+        return self.svc.with_weights(lambda w, version: {"version": version,
+                                                         "buckets": put_buckets(cut(w, bucket_bytes))})
 
     def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         self.svc.open_group(host, port, rank, size, backend)

@@ -29,6 +29,7 @@ from miles.rollout.sglang import SGLangEngine
 from miles.rollout.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
+PEER_COPY_TIMEOUT = 600.0  # seconds a live engine may take to put its weights for a replacement
 
 
 def _cause(err: Exception) -> Exception:
@@ -69,7 +70,8 @@ class RolloutManager:
         self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, **device_options(c.gpus_per_engine),
                                                   max_restarts=0)
         # The last weight update, replayed to replacement engines; version: the trainer step the
-        # engines' weights come from. Both change only with an update, under the update lock.
+        # engines' weights come from (None: unknown). Both change under the update lock only:
+        # with an update, or (version) when a replacement could not be brought up to date.
         self.latest: dict | None = ({"path": spec["hf"], "version": version}
                                     if c.engine == "sglang" and version is not None else None)
         self.version = version
@@ -158,20 +160,25 @@ class RolloutManager:
         self.router.add(new.url)
 
     def _copy_from_peer(self, new: EngineSlot) -> bool:
-        """Bring `new` to the weights a live embedded engine serves (object-store buckets, MD5s
-        checked); False where none could give them (SGLang's engines keep no such call)."""
+        """Bring `new` to the weights a live embedded engine serves at `version` (object-store
+        buckets, MD5s checked); False where none could give them (SGLang's engines keep no such
+        call). A peer that fails or hangs is passed over; `new` failing raises."""
         if self.cfg.engine != "embedded":
             return False
         with self._lock:
-            peers = [e for e in self.engines if e.alive and e is not new]
+            peers = [e for e in self.engines if e.alive and e is not new and not e.failures]
         for peer in peers:
             try:
-                buckets = ray.get(peer.actor.put_weight_buckets.remote(self.cfg.bucket_mb << 20))
-                self._apply([new], {"buckets": buckets, "names": [n for _, s in buckets for n in s],
-                                    "version": self.version})
-            except (ray.exceptions.RayError, WeightSyncError) as err:
-                log.warning("engine %s could not copy the weights of %s: %s", new.url, peer.url, err)
+                served = ray.get(peer.actor.put_weight_buckets.remote(self.cfg.bucket_mb << 20),
+                                 timeout=PEER_COPY_TIMEOUT)
+            except ray.exceptions.RayError as err:  # GetTimeoutError is one
+                log.warning("engine %s could not give its weights to %s: %s", peer.url, new.url, err)
                 continue
+            if served["version"] != self.version:  # a sync that reached only some engines
+                continue
+            buckets = served["buckets"]
+            self._apply([new], {"buckets": buckets, "names": [n for _, s in buckets for n in s],
+                                "version": self.version})
             log.info("engine %s copied version %s from %s", new.url, self.version, peer.url)
             return True
         return False
@@ -200,7 +207,10 @@ class RolloutManager:
             raise WeightSyncError("broadcast weight sync serves the embedded engine; SGLang engines take weights "
                                   "from a directory (rollout.sync: disk)")
         with self._update_lock:
-            res = sync_broadcast(trainer, self.engine_actors(), bucket_bytes, version, backend)
+            try:
+                res = sync_broadcast(trainer, self.engine_actors(), bucket_bytes, version, backend)
+            except ray.exceptions.RayActorError as e:  # died mid-update: the monitor replaces it
+                raise WeightSyncError(f"an engine died during the weight broadcast: {e}") from None
             self.version = version
             return res
 

@@ -149,11 +149,11 @@ class EngineService:
         return self.update_all(read_dir(path), None, version)
 
     def with_weights(self, fn):
-        """fn(the served tensors by name) with no update swapping them meanwhile."""
+        """fn(the served tensors by name, their weight version) with no update swapping them meanwhile."""
         with self.update_lock:
             if self._released is not None:
                 raise WeightSyncError("memory is released: the weights are not here to copy")
-            return fn(update_targets(self.model))
+            return fn(update_targets(self.model), self.engine.weight_version)
 
     # ---- broadcast path: a process group of its own with the trainer's sending ranks
     def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:

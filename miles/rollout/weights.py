@@ -37,17 +37,22 @@ def update_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
 
 
-def cut(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """`tensors` in order, in buckets of at least `bucket_bytes` (the last may hold less)."""
-    cur, size = {}, 0
-    for name, t in tensors.items():
-        cur[name] = t
-        size += t.numel() * t.element_size()
+def cut_names(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Names (with their bytes) in order, in buckets of at least `bucket_bytes` (the last may hold less)."""
+    out, cur, size = [], [], 0
+    for name, n in sizes:
+        cur.append(name)
+        size += n
         if size >= bucket_bytes:
-            yield cur
-            cur, size = {}, 0
-    if cur:
-        yield cur
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def cut(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """`tensors` in buckets of at least `bucket_bytes` (cut_names' cut)."""
+    for names in cut_names(((n, t.numel() * t.element_size()) for n, t in tensors.items()), bucket_bytes):
+        yield {n: tensors[n] for n in names}
 
 
 def put_buckets(buckets: Iterable[dict[str, torch.Tensor]]) -> list[tuple]:

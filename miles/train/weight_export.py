@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from miles.ckpt.sharded import model_tensors
+from miles.rollout.weights import cut_names
 
 
 def _items(model) -> Iterator[tuple[str, torch.Tensor, list[int], bool]]:
@@ -31,22 +32,11 @@ def _items(model) -> Iterator[tuple[str, torch.Tensor, list[int], bool]]:
         yield name, t, shape, owned
 
 
-def _cut(sizes: Iterator[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    out, cur, size = [], [], 0
-    for name, n in sizes:
-        cur.append(name)
-        size += n
-        if size >= bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    return out + ([cur] if cur else [])
-
-
 def plan(model, bucket_bytes: int) -> list[list[tuple[str, list[int], str]]]:
     """This rank's buckets as [(name, full shape, dtype)] without moving any data."""
     owned = [(n, s, t.dtype) for n, t, s, own in _items(model) if own]
     meta = {n: (s, d) for n, s, d in owned}
-    cuts = _cut(((n, torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in owned),
+    cuts = cut_names(((n, torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in owned),
                 bucket_bytes)
     return [[(n, meta[n][0], str(meta[n][1]).removeprefix("torch.")) for n in names] for names in cuts]
 
