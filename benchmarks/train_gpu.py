@@ -19,7 +19,9 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --streams   # hc_post's stream gradient added in hc_pre's pass vs by autograd
     python3 benchmarks/train_gpu.py --ab --add-cast  # the MoE's one-pass output sum vs add then cast
     python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's 64- vs 32-row steps
+    python3 benchmarks/train_gpu.py --ab --host-waits  # the host waiting for the GPU mid-step vs not
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
 
@@ -304,6 +306,27 @@ def clip_arms():
             ("CUDA graphs, clip inside fused AdamW (default)", lambda on: None)]
 
 
+def host_wait_arms():
+    """The step with the host waiting for the GPU where it used to (the gradient norm read to
+    the host before the optimizer, the batches' copies pageable and checked again on the
+    device) against none before the step's end (`megatron_gpu.grad_norm`, `MicroBatch.to`)."""
+    from dataclasses import fields, replace
+
+    from miles.train import megatron_gpu
+    from miles.train.batching import MicroBatch
+
+    def read_norm(opt):
+        return torch.tensor(opt.get_grad_norm(), dtype=torch.float64, device="cuda")
+
+    def checked_to(mb, device):
+        return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
+                              if getattr(mb, f.name) is not None})
+
+    norm, batches = _patch(megatron_gpu, "grad_norm", read_norm), _patch(MicroBatch, "to", checked_to)
+    return [("CUDA graphs, host waits (norm, batches)", lambda on: (norm(on), batches(on))),
+            ("CUDA graphs, no wait before the step's end", lambda on: None)]
+
+
 def out_proj_arms():
     """The attention's grouped output projection (forward, and its input gradient) as einsum,
     which permutes both operands into copies, against one bmm over strided group views."""
@@ -496,17 +519,19 @@ def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
 
 
 # ---------------------------------------------------------------------------- diagnostics
-def profile_step(w, mbs, shapes: bool = False) -> None:
+def profile_step(w, mbs, shapes: bool = False, gaps: bool = False, trace: str | None = None) -> None:
     """Where one step's time goes (CUDA time per op, host syncs, GPU idle) and what the
     first micro-batch's forward keeps for the backward (saved tensors by module). With
     `shapes`, also the CUDA time per (op, input shapes): the shapes name the projection or
-    the elementwise chain (eager only; inside CUDA graphs the profiler sees kernels, not ops)."""
+    the elementwise chain (eager only; inside CUDA graphs the profiler sees kernels, not ops).
+    With `gaps`, where the GPU waits for the host (`idle_gaps`; the stacks slow the host, so the
+    gaps read longer than in an unprofiled step). `trace`: a Chrome trace of the step to that file."""
     w.train_step(mbs)
     w.train_step(mbs)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA],
-                                record_shapes=shapes) as prof:
+                                record_shapes=shapes, with_stack=gaps) as prof:
         t = time.perf_counter()
         w.train_step(mbs)
         torch.cuda.synchronize()
@@ -524,6 +549,10 @@ def profile_step(w, mbs, shapes: bool = False) -> None:
     if shapes:
         print(prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_device_time_total", row_limit=110, max_name_column_width=40, max_shapes_column_width=90))
+    if gaps:
+        idle_gaps(prof)
+    if trace:
+        prof.export_chrome_trace(trace)
 
     # saved tensors of one micro-batch's forward, by the innermost module that saved them
     stack, saved = ["(top)"], {}
@@ -649,6 +678,41 @@ def memory_sites(w, mbs, graphs: bool) -> None:
               ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in n.items()))
 
 
+def idle_gaps(prof, top: int = 15, least_us: float = 20.0) -> None:
+    """Where the profiled step's GPU waits for its host: the gaps between GPU activity (kernels,
+    copies, memsets) from the step's first host op to its last GPU op, the longest first, each
+    with the innermost host op spanning it (a sync, a long host op) or, when none does (a
+    launch-bound stretch), the ops most often started inside it. The Python frames around a
+    gap are in the Chrome trace (--trace; the profiler's own buffer requests read as gaps too)."""
+    evs = list(prof.events())
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in evs
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    cpu = [e for e in evs if e.device_type == torch.autograd.DeviceType.CPU]
+    if not gpu or not cpu:
+        print("no GPU or host events profiled")
+        return
+    start = min(e.time_range.start for e in cpu)
+    gaps, t = [], start
+    for a, b in gpu:
+        if a - t > least_us:
+            gaps.append((t, a))
+        t = max(t, b)
+    print(f"\nGPU idle in the step: {sum(b - a for a, b in gaps) / 1e3:.1f} ms of {(t - start) / 1e3:.1f} ms in "
+          f"{len(gaps)} gaps over {least_us:.0f} us; the longest (ms, at ms into the step), with what the host "
+          f"ran through each:")
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        spanning = [e for e in cpu if e.time_range.start <= a and e.time_range.end >= b]
+        if spanning:
+            what = "inside " + max(spanning, key=lambda e: e.time_range.start).name
+        else:
+            inside: dict[str, int] = {}
+            for e in cpu:
+                if a <= e.time_range.start < b:
+                    inside[e.name] = inside.get(e.name, 0) + 1
+            what = ", ".join(f"{n} {k[:40]}" for k, n in sorted(inside.items(), key=lambda kv: -kv[1])[:4])
+        print(f"  {(b - a) / 1e3:7.3f} at {(a - start) / 1e3:6.1f}  {what}")
+
+
 def sync_sites(w, mbs) -> None:
     """Where one step makes the host wait for the GPU (torch's sync debug mode: .item(),
     pageable host-to-device copies, nonzero, ...), counted by the innermost frame of this
@@ -697,6 +761,9 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true", help="the step with each speed change undone, in one process")
     ap.add_argument("--graphs", action="store_true", help="with --profile or --syncs: CUDA graphs on")
     ap.add_argument("--shapes", action="store_true", help="with --profile: CUDA time per op and input shapes")
+    ap.add_argument("--gaps", action="store_true", help="with --profile: where the GPU waits for the host")
+    ap.add_argument("--trace", help="with --profile: write the step's Chrome trace to this file")
+    ap.add_argument("--host-waits", action="store_true", help="with --ab: only the step's host waits vs none")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
@@ -753,7 +820,7 @@ def main() -> None:
         return
     if a.profile or a.syncs:
         build("triton", graphs=a.graphs)
-        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes)
+        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes, a.gaps, a.trace)
         return
     if a.compile != "none":
         build("triton")
@@ -767,7 +834,8 @@ def main() -> None:
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
                "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
-               "add_cast": ("MoE output sum", add_cast_arms)}  # --ab --FLAG: that change's arms, graphs on
+               "add_cast": ("MoE output sum", add_cast_arms),
+               "host_waits": ("host waits", host_wait_arms)}  # --ab --FLAG: that change's arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from dataclasses import fields
 
 import pytest
 import torch
 
 from miles.cluster.placement import plan_bundles
 from miles.data.sample import Sample
-from miles.train.batching import micro_batches, pack, positions, to_micro_batch
+from miles.train.batching import MicroBatch, micro_batches, pack, positions, to_micro_batch
 from plugins.deepseek_v4.model import IGNORE_INDEX
 
 
@@ -60,6 +61,29 @@ def test_to_micro_batch_pads_as_padding():
     pad = mb.doc_ids == -1
     assert (mb.labels[pad] == IGNORE_INDEX).all() and (mb.loss_mask[pad] == 0).all() and (mb.input_ids[pad] == 0).all()
     assert to_micro_batch([[a], [Sample([1, 2, 3, 4], [0, 0, 1, 1])]]).doc_ids is None
+
+
+def test_a_micro_batch_is_checked_when_made_and_moved_whole():
+    """A micro-batch whose fields disagree fails when made, naming the field; `to` moves every
+    field (values kept, optional fields left None) without checking again, and onto a GPU
+    without a pageable copy's wait (pinned memory)."""
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    with pytest.raises(ValueError, match="loss_mask has shape"):
+        MicroBatch(ids, labels, torch.ones(2, 6))
+    with pytest.raises(ValueError, match="loss_mask trains positions whose label is IGNORE_INDEX"):
+        MicroBatch(ids, labels, torch.ones(2, 7))
+    mb = MicroBatch.lm(ids, labels)
+    mb = MicroBatch(mb.input_ids, mb.labels, mb.loss_mask, advantages=torch.randn(2, 7))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    moved = mb.to(torch.device(device))
+    for f in fields(mb):
+        a, b = getattr(mb, f.name), getattr(moved, f.name)
+        assert (a is None) == (b is None), f.name
+        if a is not None:
+            assert b.device.type == device and b.dtype == a.dtype and torch.equal(b.cpu(), a), f.name
+    assert mb.to(None) is mb
 
 
 def test_micro_batches_respect_the_token_budget(seed):

@@ -10,6 +10,7 @@ cross samples (the model derives positions and masks from the document ids).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -73,15 +74,27 @@ class MicroBatch:
         return tuple(self.input_ids.shape)
 
     def to(self, device: torch.device | None) -> MicroBatch:
+        """This micro-batch on `device`. Not validated again (it was when made; on a GPU the
+        check would make the host wait for the copy); host tensors reach a GPU from pinned
+        memory without the host waiting for them either."""
         if device is None:
             return self
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if getattr(self, f.name) is not None})
+        moved = copy.copy(self)
+        for f in fields(self):
+            if (t := getattr(self, f.name)) is not None:
+                object.__setattr__(moved, f.name, _to_device(t, torch.device(device)))
+        return moved
 
     def rows(self, start: int, stop: int) -> MicroBatch:
         """Rows [start, stop) as a micro-batch of their own."""
         return replace(self, **{f.name: getattr(self, f.name)[start:stop] for f in fields(self)
                                 if getattr(self, f.name) is not None})
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device.type == "cpu" and device.type == "cuda":  # the pinned copy lives until the transfer ends
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def positions(sample: Sample) -> int:

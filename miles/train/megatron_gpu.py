@@ -130,41 +130,59 @@ def _fused_adams(opt) -> list[torch.optim.AdamW] | None:
     return inner if inner and fused else None
 
 
-_SMALLEST_FACTOR = 1e-30  # below it 1 / factor is past fp32's range (3.4e38) or near it
+def grad_norm(opt) -> torch.Tensor:
+    """Megatron's get_grad_norm (L2) left on the device: a float64 [] tensor, the same value.
+    Megatron reads it to the host (.item()) at once, so the host waits there for the whole
+    backward and the GPU then idles while the host launches the optimizer (~3 ms of the ~1B
+    step on an H200); `step` keeps the clip on the device and the caller reads the norm after
+    the step."""
+    from megatron.core.optimizer import clip_grads
+
+    def norm(o, grads) -> torch.Tensor:  # get_grad_norm_fp32's sum over its group, as float64 sqrt
+        if grads:
+            n, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl,
+                                                   torch.zeros(1, dtype=torch.int, device=grads[0].device),
+                                                   [grads], False)
+            sq = n ** 2.0
+        else:
+            sq = torch.zeros(1, dtype=torch.float, device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(sq, group=o.get_grad_stats_parallel_group())
+        return sq.double().sqrt().reshape(())
+
+    subs = getattr(opt, "chained_optimizers", [opt])
+    if len(subs) == 1:
+        return norm(subs[0], subs[0].get_main_grads_for_grad_norm())
+    if opt.grads_states_parallel_group_is_shared():
+        return norm(subs[0], [g for o in subs for g in o.get_main_grads_for_grad_norm()])
+    return torch.stack([norm(o, o.get_main_grads_for_grad_norm()) for o in subs]).square().sum().sqrt()
 
 
-def step(opt) -> tuple[bool, float | None]:
+def step(opt) -> tuple[bool, torch.Tensor | float | None]:
     """Megatron's optimizer step (main gradients prepared, their global norm, clipping, AdamW,
-    weights copied back) with the clipping folded into fused AdamW: the clip factor reaches
-    the kernel as its `grad_scale` (a divisor it applies as it reads each gradient, storing
-    the scaled gradient back as the clip would have) instead of a pass that scales every
-    gradient in place before it (a read and a write of 4 bytes a parameter: ~4 ms of the ~1B
-    step on an H100). The factor is Megatron's (clip / (norm + 1e-6), applied below 1).
+    weights copied back) with the clipping folded into fused AdamW and nothing read to the
+    host: the clip's divisor reaches the kernel as its `grad_scale` (it divides each gradient
+    as it reads it, storing the scaled gradient back as the clip would have) instead of a pass
+    that scales every gradient in place before it (a read and a write of 4 bytes a parameter:
+    ~4 ms of the ~1B step on an H100), and the norm stays on the device (`grad_norm`). The
+    factor is Megatron's, clip / (norm + 1e-6) applied below 1, in float64: the divisor is
+    (norm + 1e-6) / clip where the norm exceeds the clip, else 1 (a NaN norm: 1, no clip, as
+    Megatron; an infinite one: inf, the gradients scaled to 0 as Megatron's clip by 0 does).
     Where an optimizer is not torch's fused AdamW (CPU: foreach), Megatron's own step.
-    Returns (ok, grad_norm) as opt.step()'s first two; the norm is measured with clipping
-    off too (Megatron's step measures it only to clip)."""
+    Returns (ok, grad_norm) as opt.step()'s first two, the norm a float64 [] tensor on the
+    device with fused AdamW (a float otherwise); the norm is measured with clipping off too
+    (Megatron's step measures it only to clip)."""
     adams = _fused_adams(opt)
     if adams is None:
         ok, norm, _ = opt.step()
         return ok, (opt.get_grad_norm() if ok and opt.config.clip_grad == 0 else norm)
     if opt.prepare_grads():  # inf/NaN found by a loss scaler (fp16): Megatron skips the step
         return False, None
-    norm = opt.get_grad_norm()
+    norm = grad_norm(opt)
     clip = opt.config.clip_grad
-    coef = clip / (norm + 1.0e-6) if clip > 0 else 1.0  # NaN for a NaN norm: no clip, as Megatron
-    if 0.0 <= coef < _SMALLEST_FACTOR:  # an inf or huge norm: 1 / coef would overflow; Megatron's own scaling
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        for o in getattr(opt, "chained_optimizers", [opt]):
-            params = o.get_parameters()
-            if params:
-                clip_grad_by_total_norm_fp32(params, clip, norm)
-        coef = 1.0
+    scale = (torch.where(norm + 1.0e-6 > clip, (norm + 1.0e-6) / clip, 1.0).float() if clip > 0 else None)
     try:
         for o in adams:
-            params = [p for g in o.param_groups for p in g["params"]]
-            o.grad_scale = (torch.full((), 1.0 / coef, device=params[0].device, dtype=torch.float32)
-                            if coef < 1.0 and params else None)
+            o.grad_scale = scale
         ok = opt.step_with_ready_grads()
     finally:
         for o in adams:
