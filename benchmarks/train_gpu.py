@@ -309,11 +309,14 @@ def clip_arms():
 def host_wait_arms():
     """The step with the host waiting for the GPU where it used to (the gradient norm read to
     the host before the optimizer, the batches' copies pageable and checked again on the
-    device) against none before the step's end (`megatron_gpu.grad_norm`, `MicroBatch.to`)."""
+    device) against none before the step's end (`megatron_gpu.grad_norm`, `MicroBatch.to`);
+    and the loss terms' counts taken on the device's copies (small launches the GPU idles
+    through before the forward) against the host's (`TrainWorker._global_counts`)."""
     from dataclasses import fields, replace
 
     from miles.train import megatron_gpu
     from miles.train.batching import MicroBatch
+    from miles.train.worker import TrainWorker
 
     def read_norm(opt):
         return torch.tensor(opt.get_grad_norm(), dtype=torch.float64, device="cuda")
@@ -322,9 +325,12 @@ def host_wait_arms():
         return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
                               if getattr(mb, f.name) is not None})
 
+    host_counts = TrainWorker._global_counts
     norm, batches = _patch(megatron_gpu, "grad_norm", read_norm), _patch(MicroBatch, "to", checked_to)
-    return [("CUDA graphs, host waits (norm, batches)", lambda on: (norm(on), batches(on))),
-            ("CUDA graphs, no wait before the step's end", lambda on: None)]
+    counts = _patch(TrainWorker, "_global_counts", lambda w, mbs: host_counts(w, w._to_device(mbs)))
+    return [("CUDA graphs, host waits, device counts", lambda on: (norm(on), batches(on), counts(on))),
+            ("CUDA graphs, no wait, device counts", counts),
+            ("CUDA graphs, no wait, host counts (default)", lambda on: None)]
 
 
 def out_proj_arms():

@@ -207,7 +207,8 @@ class TrainWorker:
     def _global_counts(self, mbs: list[MicroBatch]) -> dict[str, torch.Tensor]:
         """Each loss term's positions in the global batch (losses.counts), summed over the
         data-parallel replicas (the TP/PP/CP peers of a replica hold the same micro-batches);
-        at least 1, so an empty term is 0, not NaN."""
+        at least 1, so an empty term is 0, not NaN. Counted from the host's micro-batches (a few
+        small ops each: on a GPU they would be launches it idles through), then one copy."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_group()
@@ -219,7 +220,7 @@ class TrainWorker:
                                  f"data-parallel rank, got {[int(c) for c in n]}")
         per = [losses.counts(self.model, mb) for mb in mbs]
         keys = sorted(per[0])
-        total = torch.stack([sum(c[k] for c in per).double() for k in keys])
+        total = torch.stack([sum(c[k] for c in per).double() for k in keys]).to(self.device or "cpu")
         dist.all_reduce(total, group=dp)
         return {k: v.float().clamp_min(1) for k, v in zip(keys, total, strict=True)}
 
@@ -326,10 +327,10 @@ class TrainWorker:
         with the DistributedOptimizer each data-parallel rank holds the reduced values of its
         own shard) and the embedding's sum over first and last stage. Returns what _schedule
         returns."""
-        mbs = self._to_device(micro_batches)
+        mbs, counts = self._to_device(micro_batches), self._global_counts(micro_batches)
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        res, aux = self._schedule(self.ddp, mbs, self._global_counts(mbs), forward_only=False)
+        res, aux = self._schedule(self.ddp, mbs, counts, forward_only=False)
         self.ddp.finish_grad_sync()
         if self.model.embed is not None:
             self._sync_embedding_grads([self.model.embed.weight.main_grad])
