@@ -144,7 +144,8 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
     that copies the weights a live one serves (object-store buckets, MD5s checked). It serves the
     broadcast's version (its log-probs equal the trainer's) and the manager still knows which
     version the engines serve (before: the replacement served its start weights until the next
-    sync, and the manager forgot the version)."""
+    sync, and the manager forgot the version). A live engine serving another version than the
+    manager's (a partial sync) is not copied from: the replacement waits for the next sync."""
     import time
 
     import httpx
@@ -171,6 +172,26 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
                for r in reqs]
         assert {r["meta_info"]["weight_version"] for r in res} == {1}
         _agree(tp1, reqs, res, "the replacement engine")
+
+        # A sync that reached only some engines: the survivor serves version 2 (staged into it
+        # directly), the manager still records 1. The next replacement must not copy version 2
+        # as if it were 1: it keeps its start weights and the manager forces the next sync.
+        other = mgr.engines[1]
+        served = ray.get(other.actor.put_weight_buckets.remote(1 << 20))
+        ray.get(other.actor.begin_update.remote())
+        for ref, sums in served["buckets"]:
+            ray.get(other.actor.stage.remote(ref, sums))
+        ray.get(other.actor.commit.remote([n for _, s in served["buckets"] for n in s], 2))
+        ray.kill(new.actor, no_restart=True)
+        deadline = time.monotonic() + 120
+        while mgr.stats["restarts"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mgr.stats["restarts"] == 2, "the second dead engine was not replaced"
+        newer = mgr.engines[0]
+        assert newer.pid not in (dead.pid, new.pid) and mgr.version is None
+        res = [httpx.post(f"{newer.url}/generate", json={k: v for k, v in r.items() if k != "id"}, timeout=60).json()
+               for r in reqs[:2]]
+        assert {r["meta_info"]["weight_version"] for r in res}.isdisjoint({1, 2}), res[0]["meta_info"]
     finally:
         tp1.shutdown()
         mgr.shutdown()
