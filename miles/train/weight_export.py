@@ -36,8 +36,8 @@ def plan(model, bucket_bytes: int) -> list[list[tuple[str, list[int], str]]]:
     """This rank's buckets as [(name, full shape, dtype)] without moving any data."""
     owned = [(n, s, t.dtype) for n, t, s, own in _items(model) if own]
     meta = {n: (s, d) for n, s, d in owned}
-    cuts = cut_names(((n, torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in owned),
-                bucket_bytes)
+    sizes = ((n, torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in owned)
+    cuts = cut_names(sizes, bucket_bytes)
     return [[(n, meta[n][0], str(meta[n][1]).removeprefix("torch.")) for n in names] for names in cuts]
 
 
