@@ -180,7 +180,17 @@ CLIP_IN_ADAM = 0.05  # below every step's gradient norm: each step clips
 
 
 def _spawn(worker, tmp_path, seed, *extra) -> list[dict]:
-    mp.spawn(worker, args=(_port(), seed, str(tmp_path), *extra), nprocs=2)
+    # The workers are the CPU processes under test (the bridge stays off where CUDA exists):
+    # on a GPU machine they see none.
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        mp.spawn(worker, args=(_port(), seed, str(tmp_path), *extra), nprocs=2)
+    finally:
+        if hidden is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
     return [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
 
 
