@@ -159,17 +159,25 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
         tp1.call("setup_training", lr=1e-2, total_steps=10)
         tp1.train_step(replica_micro_batches(SyntheticSource(32, CFG.vocab_size, seed).batch(1, 4), 1, 1))
         mgr.update_by_broadcast(tp1, BUCKET, version=1)
-        dead = mgr.engines[0]
-        ray.kill(dead.actor, no_restart=True)
-        deadline = time.monotonic() + 120
-        while mgr.stats["restarts"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert mgr.stats["restarts"] == 1, "the dead engine was not replaced"
-        new = mgr.engines[0]
-        assert new.pid != dead.pid and mgr.version == 1
+
+        def replace_first(restarts: int):  # kill engines[0]; the monitor's replacement
+            dead = mgr.engines[0]
+            ray.kill(dead.actor, no_restart=True)
+            deadline = time.monotonic() + 120
+            while mgr.stats["restarts"] < restarts and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert mgr.stats["restarts"] == restarts, f"dead engine {restarts} was not replaced"
+            assert mgr.engines[0].pid != dead.pid
+            return mgr.engines[0]
+
+        def served(slot, reqs):
+            return [httpx.post(f"{slot.url}/generate", json={k: v for k, v in r.items() if k != "id"},
+                               timeout=60).json() for r in reqs]
+
+        new = replace_first(1)
+        assert mgr.version == 1
         reqs = _requests(seed, 30)
-        res = [httpx.post(f"{new.url}/generate", json={k: v for k, v in r.items() if k != "id"}, timeout=60).json()
-               for r in reqs]
+        res = served(new, reqs)
         assert {r["meta_info"]["weight_version"] for r in res} == {1}
         _agree(tp1, reqs, res, "the replacement engine")
 
@@ -177,20 +185,14 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
         # directly), the manager still records 1. The next replacement must not copy version 2
         # as if it were 1: it keeps its start weights and the manager forces the next sync.
         other = mgr.engines[1]
-        served = ray.get(other.actor.put_weight_buckets.remote(1 << 20))
+        own = ray.get(other.actor.put_weight_buckets.remote(1 << 20))
         ray.get(other.actor.begin_update.remote())
-        for ref, sums in served["buckets"]:
+        for ref, sums in own["buckets"]:
             ray.get(other.actor.stage.remote(ref, sums))
-        ray.get(other.actor.commit.remote([n for _, s in served["buckets"] for n in s], 2))
-        ray.kill(new.actor, no_restart=True)
-        deadline = time.monotonic() + 120
-        while mgr.stats["restarts"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert mgr.stats["restarts"] == 2, "the second dead engine was not replaced"
-        newer = mgr.engines[0]
-        assert newer.pid not in (dead.pid, new.pid) and mgr.version is None
-        res = [httpx.post(f"{newer.url}/generate", json={k: v for k, v in r.items() if k != "id"}, timeout=60).json()
-               for r in reqs[:2]]
+        ray.get(other.actor.commit.remote([n for _, s in own["buckets"] for n in s], 2))
+        newer = replace_first(2)
+        assert mgr.version is None
+        res = served(newer, reqs[:2])
         assert {r["meta_info"]["weight_version"] for r in res}.isdisjoint({1, 2}), res[0]["meta_info"]
     finally:
         tp1.shutdown()
