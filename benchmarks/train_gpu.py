@@ -325,9 +325,19 @@ def host_wait_arms():
         return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
                               if getattr(mb, f.name) is not None})
 
-    host_counts = TrainWorker._global_counts
+    def device_counts(w, micro_batches):  # reduced_gradients as it was: counts of the moved batches
+        mbs = w._to_device(micro_batches)
+        counts = w._global_counts(mbs)
+        w.ddp.zero_grad_buffer()
+        w.opt.zero_grad()
+        res, aux = w._schedule(w.ddp, mbs, counts, forward_only=False)
+        w.ddp.finish_grad_sync()
+        if w.model.embed is not None:
+            w._sync_embedding_grads([w.model.embed.weight.main_grad])
+        return res, aux
+
     norm, batches = _patch(megatron_gpu, "grad_norm", read_norm), _patch(MicroBatch, "to", checked_to)
-    counts = _patch(TrainWorker, "_global_counts", lambda w, mbs: host_counts(w, w._to_device(mbs)))
+    counts = _patch(TrainWorker, "reduced_gradients", device_counts)
     return [("CUDA graphs, host waits, device counts", lambda on: (norm(on), batches(on), counts(on))),
             ("CUDA graphs, no wait, device counts", counts),
             ("CUDA graphs, no wait, host counts (default)", lambda on: None)]
@@ -537,7 +547,7 @@ def profile_step(w, mbs, shapes: bool = False, gaps: bool = False, trace: str | 
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA],
-                                record_shapes=shapes, with_stack=gaps) as prof:
+                                record_shapes=shapes, with_stack=gaps or bool(trace)) as prof:
         t = time.perf_counter()
         w.train_step(mbs)
         torch.cuda.synchronize()
@@ -691,8 +701,9 @@ def idle_gaps(prof, top: int = 15, least_us: float = 20.0) -> None:
     launch-bound stretch), the ops most often started inside it. The Python frames around a
     gap are in the Chrome trace (--trace; the profiler's own buffer requests read as gaps too)."""
     evs = list(prof.events())
-    gpu = sorted((e.time_range.start, e.time_range.end) for e in evs
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in evs  # GPU work, not annotated ranges
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                 and not getattr(e, "is_user_annotation", False))
     cpu = [e for e in evs if e.device_type == torch.autograd.DeviceType.CPU]
     if not gpu or not cpu:
         print("no GPU or host events profiled")

@@ -63,7 +63,7 @@ def test_to_micro_batch_pads_as_padding():
     assert to_micro_batch([[a], [Sample([1, 2, 3, 4], [0, 0, 1, 1])]]).doc_ids is None
 
 
-def test_a_micro_batch_is_checked_when_made_and_moved_whole():
+def test_a_micro_batch_is_checked_when_made_and_moved_whole(monkeypatch):
     """A micro-batch whose fields disagree fails when made, naming the field; `to` moves every
     field (values kept, optional fields left None) without checking again, and onto a GPU
     without a pageable copy's wait (pinned memory)."""
@@ -77,7 +77,17 @@ def test_a_micro_batch_is_checked_when_made_and_moved_whole():
     mb = MicroBatch.lm(ids, labels)
     mb = MicroBatch(mb.input_ids, mb.labels, mb.loss_mask, advantages=torch.randn(2, 7))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    pinned = []
+    pin = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: pinned.append(t.shape) or pin(t, *a))
+
+    def check(self):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(MicroBatch, "__post_init__", check)  # made already: `to` must not check
     moved = mb.to(torch.device(device))
+    present = sum(getattr(mb, f.name) is not None for f in fields(mb))  # 4: ids, labels, mask, advantages
+    assert len(pinned) == (present if device == "cuda" else 0), pinned
     for f in fields(mb):
         a, b = getattr(mb, f.name), getattr(moved, f.name)
         assert (a is None) == (b is None), f.name

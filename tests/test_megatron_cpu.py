@@ -5,6 +5,7 @@ added into DDP's main_grad by megatron_gpu's GEMM (gradient_accumulation_fusion)
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import warnings
@@ -137,6 +138,47 @@ def _dp_worker(rank: int, port: int, seed: int, out: str, clip_in_adam: bool = F
         assert ok
         norms.append(float(gn))
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "norms": norms}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _norm_worker(rank: int, port: int, seed: int, out: str) -> None:
+    """megatron_gpu.grad_norm and Megatron's get_grad_norm on stand-ins for Megatron's
+    optimizers (their gradients and statistics groups; Megatron's own methods): one optimizer,
+    a chain sharing one group, a chain whose groups differ (the world, each rank alone) with a
+    member holding no gradients."""
+    _init(rank, port)
+    from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
+    from miles.train import megatron_gpu
+
+    alone = [dist.new_group([r]) for r in range(2)][rank]  # every rank makes every group
+    world = dist.group.WORLD
+    g = torch.Generator().manual_seed(seed + rank)  # each rank its own gradients
+
+    class Sub:
+        get_grad_norm = MegatronOptimizer.get_grad_norm
+
+        def __init__(self, sizes, group):
+            self.grads, self.group = [torch.randn(n, generator=g) * 10 ** torch.randn(()) for n in sizes], group
+
+        def get_main_grads_for_grad_norm(self):
+            return self.grads
+
+        def get_grad_stats_parallel_group(self):
+            return self.group
+
+    class Chain:
+        grads_states_parallel_group_is_shared = ChainedOptimizer.grads_states_parallel_group_is_shared
+        get_grad_stats_parallel_group = ChainedOptimizer.get_grad_stats_parallel_group
+        get_grad_norm = ChainedOptimizer.get_grad_norm
+
+        def __init__(self, subs):
+            self.chained_optimizers = subs
+
+    cases = {"one": Sub([7, 300], world), "shared": Chain([Sub([5, 64], world), Sub([33], world)]),
+             "apart": Chain([Sub([5, 64], world), Sub([33, 2], alone), Sub([], alone)])}
+    res = {k: (megatron_gpu.grad_norm(o).item(), float(o.get_grad_norm())) for k, o in cases.items()}
+    torch.save(res, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -273,10 +315,26 @@ def test_ddp_distributed_optimizer_matches_single_process_adam(tmp_path, seed, c
         assert r[rank]["norms"] == pytest.approx(norms, rel=1e-5)
 
 
+def test_the_device_grad_norm_is_megatrons(tmp_path, seed):
+    """megatron_gpu.grad_norm (kept on the device) equals Megatron's get_grad_norm to 1 ulp for
+    one optimizer and both of ChainedOptimizer's branches: one shared statistics group, or
+    groups apart (each member's norm over its own group; EP's expert optimizer shares the
+    dense one's group in Megatron 0.16.1, so no layout run reaches that branch)."""
+    r = _spawn(_norm_worker, tmp_path, seed)
+    for rank in range(2):
+        for case, (mine, theirs) in r[rank].items():
+            assert math.isfinite(theirs) and theirs > 0, (rank, case, theirs)
+            assert mine == pytest.approx(theirs, rel=3e-16, abs=0), (rank, case)
+    # the groups matter: ranks agree where every member reduces over the world, and not where
+    # a member's gradients are each rank's own
+    assert r[0]["shared"][1] == r[1]["shared"][1] and r[0]["apart"][1] != r[1]["apart"][1]
+
+
 def test_clip_in_adam_meets_an_infinite_norm_as_megatron_does(tmp_path, seed):
     """A step whose gradient norm overflows to inf: with the clip inside fused AdamW the
-    step scales the gradients as Megatron's own clip does (by clip / inf = 0; 1 / 0 as AdamW's
-    grad_scale would divide by zero) and the run goes on as Megatron's (foreach AdamW)."""
+    step scales the gradients as Megatron's own clip does (Megatron multiplies by clip / inf =
+    0; fused AdamW divides by its grad_scale, inf) and the run goes on as Megatron's (foreach
+    AdamW)."""
     mine = _spawn(_dp_worker, tmp_path, seed, True, CLIP_IN_ADAM, True)
     theirs = _spawn(_dp_worker, tmp_path, seed, False, CLIP_IN_ADAM, True)
     for rank in range(2):

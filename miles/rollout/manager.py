@@ -147,13 +147,14 @@ class RolloutManager:
                     behind = False
                 elif self.latest is not None:
                     self._apply([new], self.latest)
-                with self._lock:
-                    self.engines = [new if e is dead else e for e in self.engines]
-                    self.stats["restarts"] += 1
                 if behind:  # the next sync brings every engine up to date
                     log.warning("engine %s serves older weights than version %s until the next weight sync",
                                 new.url, self.version)
-                    self.version = None
+                with self._lock:  # one change as the monitor's readers see it
+                    if behind:
+                        self.version = None
+                    self.engines = [new if e is dead else e for e in self.engines]
+                    self.stats["restarts"] += 1
         except BaseException:  # not left running beside the next try
             ray.kill(new.actor, no_restart=True)
             raise

@@ -131,7 +131,8 @@ def _fused_adams(opt) -> list[torch.optim.AdamW] | None:
 
 
 def grad_norm(opt) -> torch.Tensor:
-    """Megatron's get_grad_norm (L2) left on the device: a float64 [] tensor, the same value.
+    """Megatron's get_grad_norm (L2) left on the device: a float64 [] tensor, its value to 1 ulp
+    (a sqrt where Megatron takes the host's pow(x, 0.5); the chained optimizers' branches as its).
     Megatron reads it to the host (.item()) at once, so the host waits there for the whole
     backward and the GPU then idles while the host launches the optimizer (~3 ms of the ~1B
     step on an H200); `step` keeps the clip on the device and the caller reads the norm after
