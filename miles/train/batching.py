@@ -82,7 +82,7 @@ class MicroBatch:
         moved = copy.copy(self)
         for f in fields(self):
             if (t := getattr(self, f.name)) is not None:
-                object.__setattr__(moved, f.name, _to_device(t, torch.device(device)))
+                object.__setattr__(moved, f.name, to_device(t, device))
         return moved
 
     def rows(self, start: int, stop: int) -> MicroBatch:
@@ -91,7 +91,12 @@ class MicroBatch:
                                 if getattr(self, f.name) is not None})
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """t on `device` (None: as it is); from the host to a GPU through pinned memory, so the host
+    does not wait for the copy (nor for the GPU's queue before it)."""
+    if device is None:
+        return t
+    device = torch.device(device)
     if t.device.type == "cpu" and device.type == "cuda":  # the pinned copy lives until the transfer ends
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from miles.memory import offload, restore, unique_storages
 from miles.observe.alignment import grad_checksums
 from miles.train import losses, weight_export
-from miles.train.batching import MicroBatch
+from miles.train.batching import MicroBatch, to_device
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.checksum import named_md5
 from plugins.deepseek_v4.model import Gate
@@ -220,7 +220,7 @@ class TrainWorker:
                                  f"data-parallel rank, got {[int(c) for c in n]}")
         per = [losses.counts(self.model, mb) for mb in mbs]
         keys = sorted(per[0])
-        total = torch.stack([sum(c[k] for c in per).double() for k in keys]).to(self.device or "cpu")
+        total = to_device(torch.stack([sum(c[k] for c in per).double() for k in keys]), self.device)
         dist.all_reduce(total, group=dp)
         return {k: v.float().clamp_min(1) for k, v in zip(keys, total, strict=True)}
 
