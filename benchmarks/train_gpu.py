@@ -325,19 +325,21 @@ def host_wait_arms():
         return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
                               if getattr(mb, f.name) is not None})
 
-    def device_counts(w, micro_batches):  # reduced_gradients as it was: counts of the moved batches
-        mbs = w._to_device(micro_batches)
-        counts = w._global_counts(mbs)
-        w.ddp.zero_grad_buffer()
-        w.opt.zero_grad()
-        res, aux = w._schedule(w.ddp, mbs, counts, forward_only=False)
-        w.ddp.finish_grad_sync()
-        if w.model.embed is not None:
-            w._sync_embedding_grads([w.model.embed.weight.main_grad])
-        return res, aux
+    # as before: the counts of the batches reduced_gradients has just moved (it moves them first)
+    move, count, moved = TrainWorker._to_device, TrainWorker._global_counts, {}
+
+    def remember(w, micro_batches):
+        moved["mbs"] = move(w, micro_batches)
+        return moved["mbs"]
 
     norm, batches = _patch(megatron_gpu, "grad_norm", read_norm), _patch(MicroBatch, "to", checked_to)
-    counts = _patch(TrainWorker, "reduced_gradients", device_counts)
+    to_dev = _patch(TrainWorker, "_to_device", remember)
+    on_dev = _patch(TrainWorker, "_global_counts", lambda w, _host: count(w, moved["mbs"]))
+
+    def counts(on: bool) -> None:
+        to_dev(on)
+        on_dev(on)
+
     return [("CUDA graphs, host waits, device counts", lambda on: (norm(on), batches(on), counts(on))),
             ("CUDA graphs, no wait, device counts", counts),
             ("CUDA graphs, no wait, host counts (default)", lambda on: None)]
