@@ -1327,3 +1327,95 @@ def test_graphed_training_steps_equal_eager_steps_bitwise(seed, monkeypatch):
         assert a["grad_md5"] and all(math.isfinite(v) for v in a.values() if isinstance(v, float)), step
         a.pop("step_time"), b.pop("step_time")
         assert a == b, step
+
+
+def _adamw_case(seed: int, aligned: bool, steps: list[int]):
+    """An AdamW over tensors of sizes around the kernel's block and a program's span (one
+    element to 3 programs and a part block) in two groups (decay and lr differ), each a view
+    into a shared buffer (16-byte aligned, or 4 bytes off), with random moments and step
+    counts, gradients of scales from 1e-3 to 1e3, and bf16 copies (NaN first) for all but one
+    tensor."""
+    from miles.train import adamw
+
+    g = torch.Generator().manual_seed(seed)
+    b, span = adamw.BLOCK, adamw.BLOCK * adamw.ITERS  # a program: ITERS blocks
+    sizes = [1, 17, b + 1, span, span + 1, 3 * span + b + 5]
+    off = 0 if aligned else 1
+
+    def views(dtype, fill):
+        flat = fill(sum(n + 4 for n in sizes) + 4).to(dtype)
+        out, at = [], off
+        for n in sizes:
+            out.append(flat[at:at + n])
+            at += n + 4  # the next view starts 16 bytes on (fp32)
+        return out
+
+    def randn(n):
+        return torch.randn(n, generator=g)
+
+    params = [torch.nn.Parameter(v.to(DEV)) for v in views(torch.float32, randn)]
+    grads = [v.to(DEV) * 10 ** (torch.rand((), generator=g) * 6 - 3) for v in views(torch.float32, randn)]
+    exp_avgs = [v.to(DEV) * 0.1 for v in views(torch.float32, randn)]
+    exp_avg_sqs = [v.to(DEV) ** 2 * 0.01 for v in views(torch.float32, randn)]
+    outs = [v.to(DEV) for v in views(torch.bfloat16, lambda n: torch.full((n,), float("nan")))]
+    outs[2] = None
+    opt = torch.optim.AdamW([{"params": params[:3], "weight_decay": 0.1, "lr": 3e-3},
+                             {"params": params[3:], "weight_decay": 0.0, "lr": 1e-2}], betas=(0.9, 0.95), eps=1e-8)
+    for p, gr, m, v, st in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        p.grad = gr
+        opt.state[p] = {"step": torch.tensor(float(st), device=DEV), "exp_avg": m, "exp_avg_sq": v}
+    return opt, params, {id(p): o for p, o in zip(params, outs, strict=True)}
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("clip", [False, True])
+def test_adamw_kernel_matches_float64_adamw_and_torchs_fused(seed, aligned, clip):
+    """One step of miles.train.adamw's kernel (which also writes the bf16 weights) against
+    float64 AdamW from the same state and against torch's fused AdamW (impl="torch"): the
+    weights and moments within fp32 rounding of float64 (the kernel computes torch's fused
+    arithmetic), the moments within it of torch's too, the bf16 copies exactly the fp32 weights rounded to nearest
+    even (NaN first: every element written), the step counts advanced, the gradients left
+    as they were (the clip's divisor is applied as they are read)."""
+    from miles.train import adamw
+
+    steps = [1, 2, 7, 100, 3, 1000]
+    mine, params, outs = _adamw_case(seed, aligned, steps)
+    theirs, params2, outs2 = _adamw_case(seed, aligned, steps)
+    scale = torch.tensor(3.7, device=DEV) if clip else None
+    before = [(p.detach().double(), p.grad.clone(), mine.state[p]["exp_avg"].double(),
+               mine.state[p]["exp_avg_sq"].double()) for p in params]
+    adamw.update(mine, outs, scale, impl="triton")
+    adamw.update(theirs, outs2, scale, impl="torch")
+    eps32 = torch.finfo(torch.float32).eps
+    for i, (p, p2, (w0, g0, m0, v0), st) in enumerate(zip(params, params2, before, steps, strict=True)):
+        group = mine.param_groups[0 if i < 3 else 1]
+        lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        gs = g0.double() / (3.7 if clip else 1.0)
+        m = b1 * m0 + (1 - b1) * gs
+        v = b2 * v0 + (1 - b2) * gs * gs
+        step = (lr / (1 - b1 ** (st + 1))) * m / (v.sqrt() / math.sqrt(1 - b2 ** (st + 1)) + eps)
+        w = w0 * (1 - lr * wd) - step
+        what = f"tensor {i} ({p.numel()} elements)"
+        assert float(mine.state[p]["step"]) == st + 1, what
+        assert torch.equal(p.grad, g0), what
+        got_m, got_v = mine.state[p]["exp_avg"], mine.state[p]["exp_avg_sq"]
+        # fp32 rounding: the decay and the last subtraction half an ulp each; the step's term
+        # ~4.75 (its factors' roundings: step size, moment, square root, bias corrections,
+        # divisions): 1, 5, 1 with a margin. The moments are float64 rounded once, as torch's
+        # (so within two bounds of torch's too); torch's fp32 weights on CUDA land up to ~2.4
+        # bounds from float64 (measured on an H100), so the weights are held to float64 alone.
+        checks = (("weights", p.detach(), None, w, eps32 * (w0.abs() + 5 * step.abs() + w.abs())),
+                  ("exp_avg", got_m, theirs.state[p2]["exp_avg"], m, eps32 * (m.abs() + gs.abs())),
+                  ("exp_avg_sq", got_v, theirs.state[p2]["exp_avg_sq"], v, eps32 * (v.abs() + gs * gs)))
+        assert_finite(p2.detach(), what=what)
+        for name, got, torch_s, want, bound in checks:
+            assert_finite(got, what=what)
+            refs = [("float64", want, 1)]
+            if torch_s is not None:
+                refs.append(("torch's fused AdamW", torch_s.double(), 2))
+            for ref, other, k in refs:
+                err = (got.double() - other).abs()
+                worst = (err / (k * bound).clamp_min(1e-300)).max().item()
+                assert (err <= k * bound).all(), f"{what} {name} vs {ref}: {worst:.2f}x its bound"
+        if outs[id(p)] is not None:
+            assert torch.equal(outs[id(p)].view(torch.int16), p.detach().to(torch.bfloat16).view(torch.int16)), what

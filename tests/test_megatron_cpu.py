@@ -141,6 +141,59 @@ def _dp_worker(rank: int, port: int, seed: int, out: str, clip_in_adam: bool = F
     dist.destroy_process_group()
 
 
+def _bf16_worker(rank: int, port: int, seed: int, out: str, mine: bool) -> None:
+    """DP=2 with bf16 weights (fp32 main shards), weight decay on the weights and not on the
+    biases (two parameter groups), a clip below every norm, 3 steps: megatron_gpu.step (the
+    AdamW kernel writes the bf16 weights) when `mine`, else Megatron's own step. After each of
+    mine, Megatron's own copy of the main shards into the parameter buffer and its all-gather
+    run again: what they change is what the kernel failed to write."""
+    _init(rank, port)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    from miles.train import megatron_gpu
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).to(torch.bfloat16)
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                            bf16=True, params_dtype=torch.bfloat16)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                     grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=CLIP_IN_ADAM,
+                                                 bf16=True, params_dtype=torch.bfloat16,
+                                                 use_distributed_optimizer=True), [ddp])
+    subs = getattr(opt, "chained_optimizers", [opt])
+    if mine:
+        for o in subs:
+            for group in o.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+        copies = [megatron_gpu.model_copies(o) for o in subs]
+        assert all(cp and all(d is not None and d.dtype == torch.bfloat16 for d in cp.values()) for cp in copies)
+    start = [p.detach().clone() for p in model.parameters()]
+    data = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16)
+    norms, stale = [], []
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(data[step, rank * 4:(rank + 1) * 4]).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        ok, gn = megatron_gpu.step(opt) if mine else opt.step()[:2]
+        assert ok
+        norms.append(float(gn))
+        if mine:
+            written = [p.detach().clone() for p in model.parameters()]
+            for o in subs:
+                o._copy_main_params_to_model_params()
+                for chunk in o.model_chunks:
+                    chunk.start_param_sync()
+            stale.append(sum(int((a != b.detach()).sum()) for a, b in zip(written, model.parameters(), strict=True)))
+    mains = [p.detach().clone() for o in subs for g in o.shard_fp32_from_float16_groups for p in g]
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "start": start, "mains": mains,
+                "norms": norms, "stale": stale}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
 def _norm_worker(rank: int, port: int, seed: int, out: str) -> None:
     """megatron_gpu.grad_norm and Megatron's get_grad_norm on stand-ins for Megatron's
     optimizers (their gradients and statistics groups; Megatron's own methods): one optimizer,
@@ -342,6 +395,29 @@ def test_clip_in_adam_meets_an_infinite_norm_as_megatron_does(tmp_path, seed):
         assert mine[rank]["norms"] == pytest.approx(theirs[rank]["norms"], rel=1e-5)
         for got, want in zip(mine[rank]["params"], theirs[rank]["params"], strict=True):
             assert_close(got, want, atol=1e-6, what=f"rank {rank} params")
+
+
+def test_the_adamw_kernel_writes_the_bf16_weights_megatron_would_copy(tmp_path, seed):
+    """bf16 weights, DP=2 (each rank's main shards, two parameter groups): the AdamW kernel
+    that megatron_gpu.step runs in place of AdamW and Megatron's copy leaves the weights that
+    Megatron's own copy and all-gather write (they change no element after any step), and the
+    run equals Megatron's own step (foreach AdamW, its clip, its copy)."""
+    mine = _spawn(_bf16_worker, tmp_path, seed, True)
+    theirs = _spawn(_bf16_worker, tmp_path, seed, False)
+    for rank in range(2):
+        assert mine[rank]["stale"] == [0, 0, 0]
+        assert all(n > CLIP_IN_ADAM for n in theirs[rank]["norms"])  # every step clips
+        assert mine[rank]["norms"] == pytest.approx(theirs[rank]["norms"], rel=1e-5)
+        assert mine[rank]["mains"], "no fp32 main shard on this rank"
+        for got, want in zip(mine[rank]["mains"], theirs[rank]["mains"], strict=True):
+            assert_close(got, want, atol=1e-6, what=f"rank {rank} main weights")
+        moved = 0
+        for got, want, start in zip(mine[rank]["params"], theirs[rank]["params"], mine[rank]["start"], strict=True):
+            assert got.dtype == torch.bfloat16
+            # one bf16 step apart at most, where the fp32 weights round to either side
+            assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7, what=f"rank {rank} bf16 weights")
+            moved += int((got != start).sum())
+        assert moved > 0
 
 
 def test_pipeline_1f1b_matches_single_process(tmp_path, seed):

@@ -5,9 +5,10 @@ form and to Python loops for the gradient norm and the clipping scale: the norm 
 every gradient's norm into a Python float (one host sync per tensor, ~1,000 a step for
 the ~1B config) and the scale is one launch per tensor. `apply()` swaps those two
 fallbacks for torch's multi-tensor ops (`_foreach_norm`, `_foreach_mul_`), and
-`fuse_adam(opt)` switches the optimizer's AdamW to torch's fused CUDA kernel (called
-after the optimizer is built and after its state is loaded), and `step(opt)` runs
-Megatron's optimizer step with the gradient clipping folded into that kernel. All do
+`fuse_adam(opt)` switches the optimizer's AdamW to a fused kernel (called after the
+optimizer is built and after its state is loaded), and `step(opt)` runs Megatron's
+optimizer step with the gradient clipping, AdamW and the copy of the weights into the
+bf16 parameter buffer as that one kernel (miles.train.adamw). All do
 nothing where TE or apex is installed (Megatron then uses theirs) or CUDA is absent
 (megatron_cpu covers CPU). `fuse_wgrad_accumulation()` supplies the one apex extension
 Megatron's linears call under gradient_accumulation_fusion (device-neutral: the CPU
@@ -15,6 +16,9 @@ trainer runs the same path). No other module patches Megatron-core on GPU.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 
@@ -102,9 +106,10 @@ def fuse_wgrad_accumulation() -> None:
 
 
 def fuse_adam(opt) -> int:
-    """Switch every torch AdamW inside a Megatron optimizer (chained or not) to the fused
-    CUDA implementation (one kernel for all parameters of a group, in place of foreach).
-    Returns the number of parameter groups switched."""
+    """Switch every torch AdamW inside a Megatron optimizer (chained or not) to a fused kernel:
+    `step` then updates it with miles.train.adamw (torch's fused CUDA AdamW where it is
+    stepped directly), its step counts on the device as both keep them. Returns the number of
+    parameter groups switched."""
     n = 0
     for o in getattr(opt, "chained_optimizers", [opt]):
         inner = getattr(o, "optimizer", None)
@@ -158,22 +163,80 @@ def grad_norm(opt) -> torch.Tensor:
     return torch.stack([norm(o, o.get_main_grads_for_grad_norm()) for o in subs]).square().sum().sqrt()
 
 
+def model_copies(o) -> dict[int, torch.Tensor | None] | None:
+    """Where Megatron's DistributedOptimizer copies each of its main shards after the step
+    (`_copy_main_params_to_model_params`): id(main shard) -> its slice of the parameter
+    buffer, bf16, or None where the shard is the fp32 weight itself (the copy is onto
+    itself). None where `o` is another optimizer or copies otherwise (precision-aware, FSDP,
+    fp8 or MXFP8 parameters)."""
+    from megatron.core.fp8_utils import is_float8tensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(o, DistributedOptimizer):
+        return None
+    out: dict[int, torch.Tensor | None] = {}
+    if o.is_stub_optimizer:  # no parameters on this rank: Megatron's step skips it
+        return out
+    if (o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or o.ddp_config.use_megatron_fsdp
+            or o.config.reuse_grad_buf_for_mxfp8_param_ag):
+        return None
+    for shard_groups, model_groups in ((o.shard_fp32_from_float16_groups, o.model_float16_groups),
+                                       (o.shard_fp32_groups, o.model_fp32_groups)):
+        for shards, params in zip(shard_groups, model_groups, strict=True):
+            for shard, param in zip(shards, params, strict=True):
+                gbuf, _, bucket = o.model_param_gbuf_map[param]
+                data = o.buffers[gbuf].buckets[bucket].param_data
+                if is_float8tensor(param) or data is None:
+                    return None
+                world = o._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                dst = data.view(-1)[world.start:world.end]
+                if dst.data_ptr() == shard.data_ptr():
+                    out[id(shard)] = None
+                elif dst.dtype == torch.bfloat16:
+                    out[id(shard)] = dst
+                else:
+                    return None
+    return out
+
+
+@contextlib.contextmanager
+def _update_writes_weights(subs, copies, scale):
+    """Megatron's step_with_ready_grads with each optimizer's inner step swapped for
+    adamw.update (which writes the bf16 weights as it steps) and its copy of the main shards
+    into the parameter buffer skipped; the rest of Megatron's step (the parameters'
+    all-gather, the chained optimizers' order) runs as it is."""
+    from miles.train import adamw
+
+    live = [(o, cp) for o, cp in zip(subs, copies, strict=True) if not o.is_stub_optimizer]
+    for o, cp in live:
+        o.optimizer.step = functools.partial(adamw.update, o.optimizer, cp, scale)
+        o._copy_main_params_to_model_params = lambda: None
+    try:
+        yield
+    finally:
+        for o, _ in live:
+            del o.optimizer.step, o._copy_main_params_to_model_params  # the class's methods again
+
+
 def step(opt) -> tuple[bool, torch.Tensor | float | None]:
     """Megatron's optimizer step (main gradients prepared, their global norm, clipping, AdamW,
-    weights copied back) with the clipping folded into fused AdamW and nothing read to the
-    host: the clip's divisor reaches the kernel as its `grad_scale` (it divides each gradient
-    as it reads it, storing the scaled gradient back as the clip would have) instead of a pass
-    that scales every gradient in place before it (a read and a write of 4 bytes a parameter:
-    ~4 ms of the ~1B step on an H100), and the norm stays on the device (`grad_norm`). The
-    factor is Megatron's, clip / (norm + 1e-6) applied below 1, in float64: the divisor is
-    (norm + 1e-6) / clip where the norm exceeds the clip, else 1 (a NaN norm: 1, no clip, as
-    Megatron; an infinite one: inf, the gradients scaled to 0 as Megatron's clip by 0 does).
-    Where an optimizer is not torch's fused AdamW (CPU: foreach), Megatron's own step.
+    weights copied back, parameters all-gathered) with nothing read to the host and the
+    clipping, AdamW and the copy back as one kernel (miles.train.adamw): the clip's divisor
+    reaches it as a device tensor (it divides each gradient as it reads it, instead of a pass
+    that scales every gradient in place before it: a read and a write of 4 bytes a parameter,
+    ~4 ms of the ~1B step on an H100), it writes the bf16 weights as it updates the fp32 ones
+    (instead of Megatron's second read of them), and the norm stays on the device
+    (`grad_norm`). The factor is Megatron's, clip / (norm + 1e-6) applied below 1, in float64:
+    the divisor is (norm + 1e-6) / clip where the norm exceeds the clip, else 1 (a NaN norm:
+    1, no clip, as Megatron; an infinite one: inf, the gradients scaled to 0 as Megatron's
+    clip by 0 does). Where an optimizer is not a DistributedOptimizer over torch's AdamW
+    switched by `fuse_adam` (CPU: foreach), Megatron's own step.
     Returns (ok, grad_norm) as opt.step()'s first two, the norm a float64 [] tensor on the
-    device with fused AdamW (a float otherwise); the norm is measured with clipping off too
+    device on the fused path (a float otherwise); the norm is measured with clipping off too
     (Megatron's step measures it only to clip)."""
-    adams = _fused_adams(opt)
-    if adams is None:
+    subs = getattr(opt, "chained_optimizers", [opt])
+    copies = [model_copies(o) for o in subs] if _fused_adams(opt) is not None else [None]
+    if any(cp is None for cp in copies):
         ok, norm, _ = opt.step()
         return ok, (opt.get_grad_norm() if ok and opt.config.clip_grad == 0 else norm)
     if opt.prepare_grads():  # inf/NaN found by a loss scaler (fp16): Megatron skips the step
@@ -181,11 +244,6 @@ def step(opt) -> tuple[bool, torch.Tensor | float | None]:
     norm = grad_norm(opt)
     clip = opt.config.clip_grad
     scale = (torch.where(norm + 1.0e-6 > clip, (norm + 1.0e-6) / clip, 1.0).float() if clip > 0 else None)
-    try:
-        for o in adams:
-            o.grad_scale = scale
+    with _update_writes_weights(subs, copies, scale):
         ok = opt.step_with_ready_grads()
-    finally:
-        for o in adams:
-            o.grad_scale = None
     return ok, norm
