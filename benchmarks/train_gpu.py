@@ -20,6 +20,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --add-cast  # the MoE's one-pass output sum vs add then cast
     python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's 64- vs 32-row steps
     python3 benchmarks/train_gpu.py --ab --host-waits  # the host waiting for the GPU mid-step vs not
+    python3 benchmarks/train_gpu.py --ab --adamw     # torch's fused AdamW + Megatron's copy vs one kernel
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
@@ -303,7 +304,7 @@ def clip_arms():
     from miles.train import megatron_gpu
 
     return [("CUDA graphs, clip as its own pass", _patch(megatron_gpu, "step", lambda opt: opt.step()[:2])),
-            ("CUDA graphs, clip inside fused AdamW (default)", lambda on: None)]
+            ("CUDA graphs, clip inside the AdamW kernel (default)", lambda on: None)]
 
 
 def host_wait_arms():
@@ -343,6 +344,29 @@ def host_wait_arms():
     return [("CUDA graphs, host waits, device counts", lambda on: (norm(on), batches(on), counts(on))),
             ("CUDA graphs, no wait, device counts", counts),
             ("CUDA graphs, no wait, host counts (default)", lambda on: None)]
+
+
+def adamw_arms():
+    """AdamW as torch's fused kernel (the clip's divisor as its grad_scale, which stores the
+    gradients back) followed by Megatron's copy of every main shard into the bf16 parameter
+    buffer, against one kernel that updates and writes the bf16 weights (`miles.train.adamw`)."""
+    import contextlib
+
+    from miles.train import megatron_gpu
+
+    @contextlib.contextmanager
+    def torch_fused(subs, _copies, scale):  # the step as it was: the inner step is torch's
+        for o in subs:
+            o.optimizer.grad_scale = scale
+        try:
+            yield
+        finally:
+            for o in subs:
+                o.optimizer.grad_scale = None
+
+    return [("CUDA graphs, torch's fused AdamW + Megatron's copy",
+             _patch(megatron_gpu, "_update_writes_weights", torch_fused)),
+            ("CUDA graphs, one AdamW kernel writing bf16 (default)", lambda on: None)]
 
 
 def out_proj_arms():
@@ -783,6 +807,7 @@ def main() -> None:
     ap.add_argument("--gaps", action="store_true", help="with --profile: where the GPU waits for the host")
     ap.add_argument("--trace", help="with --profile: write the step's Chrome trace to this file")
     ap.add_argument("--host-waits", action="store_true", help="with --ab: only the step's host waits vs none")
+    ap.add_argument("--adamw", action="store_true", help="with --ab: only torch's AdamW + copy vs one kernel")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
@@ -854,7 +879,8 @@ def main() -> None:
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
                "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
                "add_cast": ("MoE output sum", add_cast_arms),
-               "host_waits": ("host waits", host_wait_arms)}  # --ab --FLAG: that change's arms, graphs on
+               "host_waits": ("host waits", host_wait_arms),
+               "adamw": ("AdamW", adamw_arms)}  # --ab --FLAG: that change's arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)
