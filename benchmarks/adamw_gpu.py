@@ -68,6 +68,8 @@ def main() -> None:
     rows = [("torch fused AdamW (grad_scale) + copies", torch_step, 38)]
     real_table = adamw._table
 
+    defaults = adamw.BLOCK, adamw.ITERS
+
     def kernel(block: int, iters: int, hints: bool) -> None:
         adamw.BLOCK, adamw.ITERS = block, iters
         adamw._table = real_table if hints else lambda *args: (real_table(*args)[0], False)
@@ -75,6 +77,7 @@ def main() -> None:
             adamw.update(opt, outs, scale, impl="triton")
         finally:
             adamw._table = real_table
+            adamw.BLOCK, adamw.ITERS = defaults
 
     for block, iters, hints in ((512, 1, True), (512, 2, True), (512, 4, True), (512, 8, True), (256, 4, True),
                                 (1024, 2, True), (512, 4, False)):

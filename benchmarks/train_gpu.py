@@ -349,7 +349,8 @@ def host_wait_arms():
 def adamw_arms():
     """AdamW as torch's fused kernel (the clip's divisor as its grad_scale, which stores the
     gradients back) followed by Megatron's copy of every main shard into the bf16 parameter
-    buffer, against one kernel that updates and writes the bf16 weights (`miles.train.adamw`)."""
+    buffer, against one kernel that updates and writes the bf16 weights (`miles.train.adamw`).
+    (The first arm still maps the copies' destinations, host work the old step did not do.)"""
     import contextlib
 
     from miles.train import megatron_gpu

@@ -118,7 +118,7 @@ def _dp_worker(rank: int, port: int, seed: int, out: str, clip_in_adam: bool = F
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0,
                                                  clip_grad=clip,
                                                  use_distributed_optimizer=True), [ddp])
-    if clip_in_adam:  # torch's fused AdamW (CPU has one too), the clip as its grad_scale
+    if clip_in_adam:  # megatron_gpu.step's path: the AdamW kernel (Triton's interpreter), the clip inside it
         from miles.train import megatron_gpu
 
         for o in getattr(opt, "chained_optimizers", [opt]):
@@ -276,16 +276,18 @@ CLIP_IN_ADAM = 0.05  # below every step's gradient norm: each step clips
 
 def _spawn(worker, tmp_path, seed, *extra) -> list[dict]:
     # The workers are the CPU processes under test (the bridge stays off where CUDA exists):
-    # on a GPU machine they see none.
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # on a GPU machine they see none, and run the Triton kernels (the AdamW) in the interpreter
+    # as on a CPU machine.
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
+    os.environ.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     try:
         mp.spawn(worker, args=(_port(), seed, str(tmp_path), *extra), nprocs=2)
     finally:
-        if hidden is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     return [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -5,13 +5,15 @@ step: a second read of the fp32 weights and 78 more launches for the ~1B config)
 
 Per element the kernel reads the fp32 weight, the gradient and both moments and writes the
 weight, the moments and the bf16 weight: 30 bytes, where fused AdamW with the clip's
-grad_scale (which stores the scaled gradient back) and the copy move 38. The arithmetic
-follows torch's fused AdamW (ADAMW mode): the clip's division (a float64 reciprocal), the
-decay and the moments in float64 rounded to fp32, the bias corrections from each tensor's own
-device step count, the step in fp32 with correctly rounded division and square root. (On an
-H100 torch's fp32 weights land up to ~2.4 rounding bounds from float64 AdamW where these stay
-within one: tests/test_kernels.py.) The tensors are separate allocations, so each program
-reads their addresses from its row of a table, built once per set of tensors.
+grad_scale (which stores the scaled gradient back) and the copy move 38. The update is torch's
+fused AdamW's (ADAMW mode: decoupled decay, eps outside the square root, bias corrections from
+each tensor's own device step count), computed at least as exactly: the clip (a float64
+reciprocal), the decay and the moments in float64 rounded to fp32, the step in fp32 with
+correctly rounded division and square root, eps added in float64. (On an H100 torch's
+weights land up to ~2.4 fp32 rounding bounds from float64 AdamW where these stay within one,
+and most of its moments differ from these in the last bit: tests/test_kernels.py.) The tensors
+are separate allocations, so each program reads their addresses from its row of a table, built
+once per set of tensors.
 
 `update` runs the kernel where Triton can run (CUDA, or its interpreter under
 TRITON_INTERPRET=1), else `impl="torch"`: torch's fused AdamW, then the copies (the oracle).
@@ -19,7 +21,6 @@ TRITON_INTERPRET=1), else `impl="torch"`: torch's fused AdamW, then the copies (
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -31,12 +32,11 @@ _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def triton_runs(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on `device`."""
-    import importlib.util
+    """Whether the kernel can run for tensors on `device` (a GPU's, or the CPU's under Triton's
+    interpreter)."""
+    from plugins.deepseek_v4 import kernels
 
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return kernels.available() and (device.type == "cuda") != kernels.INTERPRET
 
 
 def _check(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None]) -> list[list[torch.Tensor]]:
@@ -71,8 +71,16 @@ def _state(opt: torch.optim.AdamW, p: torch.Tensor) -> dict:
         st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    elif not st["step"].is_floating_point() or st["step"].device != p.device:
-        st["step"] = st["step"].to(p.device, torch.float32)
+    missing = {"step", "exp_avg", "exp_avg_sq"} - set(st)
+    if missing:
+        raise ValueError(f"miles.train.adamw: the AdamW state of a weight {list(p.shape)} lacks {sorted(missing)}")
+    if not torch.is_tensor(st["step"]) or st["step"].dtype != torch.float32 or st["step"].device != p.device:
+        st["step"] = torch.as_tensor(st["step"]).to(p.device, torch.float32)  # the kernel reads it as fp32
+    for name in ("exp_avg", "exp_avg_sq"):
+        t = st[name]
+        if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
+            raise ValueError(f"miles.train.adamw: {name} of a weight {list(p.shape)} is {t.dtype} {list(t.shape)} "
+                             f"on {t.device}; it must be contiguous fp32 like the weight")
     return st
 
 

@@ -49,15 +49,15 @@ def adamw_kernel(blocks, hyper, scale_ptr, HAS_SCALE: tl.constexpr, ALIGNED: tl.
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        # the clip, the decay and the moments in float64, rounded to fp32 as torch's fused AdamW
-        if HAS_SCALE:  # the clipped gradient rounded to fp32, as torch stores it
+        # the clip, the decay and the moments in float64, rounded to fp32
+        if HAS_SCALE:  # the clipped gradient rounded to fp32 (torch's grad_scale stores it so)
             g = (g.to(tl.float64) * inv_scale).to(tl.float32)
         if lr_wd != 0.0:  # decoupled decay
             w = (w.to(tl.float64) - lr_wd * w.to(tl.float64)).to(tl.float32)
         g64 = g.to(tl.float64)
         m = (beta1 * m.to(tl.float64) + (1.0 - beta1) * g64).to(tl.float32)
         v = (beta2 * v.to(tl.float64) + (1.0 - beta2) * g64 * g64).to(tl.float32)
-        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps.to(tl.float32)
+        denom = (tl.div_rn(tl.sqrt_rn(v), bias2_sqrt).to(tl.float64) + eps).to(tl.float32)  # torch adds eps in float64
         w = w - tl.div_rn(step_size * m, denom)
         tl.store(w_ptr + offs, w, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
@@ -72,8 +72,9 @@ def adamw_kernel(blocks, hyper, scale_ptr, HAS_SCALE: tl.constexpr, ALIGNED: tl.
 @triton.jit
 def _bf16_bits(x):
     """fp32 -> bf16 bits, rounded to nearest even (NaN stays NaN). Written out because
-    Triton's interpreter truncates in `.to(tl.bfloat16)`; on the GPU it is the same rounding
-    as the cast's."""
+    Triton 3.6's interpreter does not round `.to(tl.bfloat16)` to nearest even (it truncates,
+    and its fp_downcast_rounding="rtne" adds the first dropped bit); on the GPU it is the
+    cast's own rounding."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
     return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)

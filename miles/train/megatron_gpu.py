@@ -196,7 +196,9 @@ def model_copies(o) -> dict[int, torch.Tensor | None] | None:
                     out[id(shard)] = dst
                 else:
                     return None
-    return out
+    # every parameter the inner AdamW steps has its destination (its copy is skipped): else Megatron's step
+    stepped = {id(p) for g in o.optimizer.param_groups for p in g["params"]}
+    return out if stepped == set(out) else None
 
 
 @contextlib.contextmanager
@@ -207,15 +209,21 @@ def _update_writes_weights(subs, copies, scale):
     all-gather, the chained optimizers' order) runs as it is."""
     from miles.train import adamw
 
-    live = [(o, cp) for o, cp in zip(subs, copies, strict=True) if not o.is_stub_optimizer]
-    for o, cp in live:
-        o.optimizer.step = functools.partial(adamw.update, o.optimizer, cp, scale)
-        o._copy_main_params_to_model_params = lambda: None
+    # (torch's optimizer step hooks and its profiler label do not run for the kernel)
+    patches = [(o.optimizer, "step", functools.partial(adamw.update, o.optimizer, cp, scale))
+               for o, cp in zip(subs, copies, strict=True) if not o.is_stub_optimizer]
+    patches += [(o, "_copy_main_params_to_model_params", lambda: None) for o in subs if not o.is_stub_optimizer]
+    saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in patches]  # instance attributes already there
+    for obj, name, value in patches:
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        for o, _ in live:
-            del o.optimizer.step, o._copy_main_params_to_model_params  # the class's methods again
+        for obj, name, before in saved:
+            if before is None:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, before)
 
 
 def step(opt) -> tuple[bool, torch.Tensor | float | None]:
