@@ -35,11 +35,13 @@ def adamw_kernel(blocks, hyper, scale_ptr, HAS_SCALE: tl.constexpr, ALIGNED: tl.
     step_size = (lr / bias1.to(tl.float64)).to(tl.float32)
     inv_scale = 1.0 / tl.load(scale_ptr).to(tl.float64) if HAS_SCALE else 1.0  # the clip's factor
 
+    o_ptr = out.to(tl.pointer_type(tl.uint16))  # the bf16 copy's bits (unused where out is 0)
     if ALIGNED:  # every address 16-byte aligned (the host checked): vector loads and stores
         w_ptr = tl.multiple_of(w_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
         m_ptr = tl.multiple_of(m_ptr, 16)
         v_ptr = tl.multiple_of(v_ptr, 16)
+        o_ptr = tl.multiple_of(o_ptr, 16)
     for i in range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         if ALIGNED:
@@ -63,9 +65,6 @@ def adamw_kernel(blocks, hyper, scale_ptr, HAS_SCALE: tl.constexpr, ALIGNED: tl.
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if out != 0:  # the bf16 weight, rounded to nearest even as torch's copy_ rounds it
-            o_ptr = out.to(tl.pointer_type(tl.uint16))
-            if ALIGNED:
-                o_ptr = tl.multiple_of(o_ptr, 16)
             tl.store(o_ptr + offs, _bf16_bits(w), mask=mask)
 
 
