@@ -21,6 +21,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's 64- vs 32-row steps
     python3 benchmarks/train_gpu.py --ab --host-waits  # the host waiting for the GPU mid-step vs not
     python3 benchmarks/train_gpu.py --ab --adamw     # torch's fused AdamW + Megatron's copy vs one kernel
+    python3 benchmarks/train_gpu.py --ab --mixes-prec  # the mHC mixes' dots: tf32x3 vs fn in three bf16 pieces
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
@@ -368,6 +369,21 @@ def adamw_arms():
     return [("CUDA graphs, torch's fused AdamW + Megatron's copy",
              _patch(megatron_gpu, "_update_writes_weights", torch_fused)),
             ("CUDA graphs, one AdamW kernel writing bf16 (default)", lambda on: None)]
+
+
+def mixes_prec_arms():
+    """mHC's gate inputs (`mhc.stream_mixes`) with three TF32 products of both operands on the
+    old tiles, against fn split into three exact bf16 pieces on the bf16 streams (the default)."""
+    from plugins.deepseek_v4.kernels import mhc
+
+    new = (mhc.MIX_PREC, mhc.MIX_FWD, mhc.MIX_BWD)
+    old = ("tf32x3", dict(BS=16, BK=64, SPLIT=1, warps=4), dict(BS=16, BK=64, GROUPS=8, warps=4))
+
+    def use(values):
+        mhc.MIX_PREC, mhc.MIX_FWD, mhc.MIX_BWD = values
+
+    return [("CUDA graphs, mixes tf32x3 (old tiles)", lambda on: use(old if on else new)),
+            ("CUDA graphs, mixes bf16x3 (default)", lambda on: None)]
 
 
 def out_proj_arms():
@@ -811,6 +827,8 @@ def main() -> None:
     ap.add_argument("--adamw", action="store_true", help="with --ab: only torch's AdamW + copy vs one kernel")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
+    ap.add_argument("--mixes-prec", action="store_true",
+                    help="with --ab: the mHC mixes' tf32x3 dots vs bf16x3 (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
     ap.add_argument("--split", action="store_true", help="with --ab: only split-bf16 vs TF32 projection backward")
     ap.add_argument("--wgrad", action="store_true", help="with --ab: only the expert wgrad into main_grad vs an add")
@@ -881,7 +899,8 @@ def main() -> None:
                "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
                "add_cast": ("MoE output sum", add_cast_arms),
                "host_waits": ("host waits", host_wait_arms),
-               "adamw": ("AdamW", adamw_arms)}  # --ab --FLAG: that change's arms, graphs on
+               "adamw": ("AdamW", adamw_arms),
+               "mixes_prec": ("mHC mixes' dots", mixes_prec_arms)}  # --ab --FLAG: that change's arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)

@@ -323,21 +323,52 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # masked_fill, a mul and casts over [R, K] fp32: ~22 ms of the ~1B step's 250 on an H100)
 # plus a separate [R, K] gradient from the projection. Here one pass reads the streams each
 # way: mm and nrm forward; dx = dmm @ fn + (dnrm / nrm) x and fn's gradient (per-program
-# partials over row groups, one sum: deterministic) backward. The dots run "tf32x3" (three
-# TF32 products: fp32-accurate on tensor cores, 2.4e-7 relative on the H100 against the TF32
-# projection's 2.1e-4); "ieee" FMA dots measured 4x slower forward.
-# Tiles (H100, [4096, 6144] bf16 streams, m = 24, `benchmarks/mixes_gpu.py`, us including the
-# autograd call's host time): torch 163 forward / 648 backward; these tiles 105 / 256-313.
+# partials over row groups, one sum: deterministic) backward.
+# The dots: bf16 streams are exact in bf16, so "bf16x3" splits only the fp32 operand (fn
+# forward, dmm in fn's gradient) into three bf16 pieces that sum to it exactly and runs three
+# bf16 dots: exact products summed in fp32, at the bf16 tensor-core rate. The streams'
+# gradient dmm @ fn (both fp32, an inner dimension of m) runs "tf32x3" (three TF32 products:
+# 2.4e-7 relative on the H100 against the TF32 projection's 2.1e-4), as fp32 streams do.
+# "ieee" FMA dots measured 4x slower forward.
+# Tiles (H100, [4096, 6144] bf16 streams, m = 24, `benchmarks/mixes_gpu.py`, the kernels alone
+# in CUDA graphs, the backward with hc_pre's extra gradients): tf32x3 at BS 16 BK 64 (8 row
+# groups backward) 99 us forward / 189 backward; bf16x3 there 79 / 190; bf16x3 at these tiles
+# 33 / 150 (the forward's bound ~17: a 50 MB read; the backward moves ~165 MB).
 # The forward may split K over SPLIT programs a row block (per-split partials, one sum); each
 # backward program owns a column block of a row group (GROUPS groups; fn's partials per group).
-MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=16, BK=64, SPLIT=1, warps=4)
-MIX_BWD = dict(BS=16, BK=16, GROUPS=2, warps=4) if INTERPRET else dict(BS=16, BK=64, GROUPS=8, warps=4)
-MIX_PREC = "tf32x3"
+MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=64, BK=64, SPLIT=8, warps=4)
+MIX_BWD = dict(BS=16, BK=16, GROUPS=2, warps=4) if INTERPRET else dict(BS=64, BK=64, GROUPS=8, warps=4, stages=2)
+MIX_PREC = "bf16x3"
+
+
+@triton.jit
+def _bf16x3(v):
+    """Three bf16 tensors summing exactly to fp32 v (each piece takes the next 8 significant
+    bits; exact for normal v whether .to rounds or truncates, as Triton's interpreter does)."""
+    hi = v.to(tl.bfloat16)
+    rest = v - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(a0, a1, a2, b0, b1, b2, UPCAST: tl.constexpr):
+    """sum_i a_i @ b_i of bf16 operands (exact products, fp32 sums): one side is the three
+    pieces of `_bf16x3`, the other the same bf16 tensor thrice. From a zero accumulator, the
+    small pieces first: the caller adds the result to its running sum in fp32. The H100's MMA
+    loses low bits when it accumulates (measured: chaining a 6144-long row's products through
+    its accumulator erred by 2.1e-5, halving with each halving of the chain), so a long sum
+    must not run inside it. UPCAST: Triton 3.6's interpreter misreads bf16 dot operands
+    (garbage, measured), so there the same exact values go in as fp32."""
+    if UPCAST:
+        a0, a1, a2 = a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32)
+        b0, b1, b2 = b0.to(tl.float32), b1.to(tl.float32), b2.to(tl.float32)
+    return tl.dot(a0, b0, tl.dot(a1, b1, tl.dot(a2, b2)))
 
 
 @triton.jit
 def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Program (row block, K split): partial mm [BS, m] and sum of squares [BS] of its slab."""
     r = tl.program_id(0) * BS + tl.arange(0, BS)
     part = tl.program_id(1)
@@ -348,18 +379,27 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
     for k0 in range(part * kspan, tl.minimum(part * kspan + kspan, K), BK):
         c = k0 + tl.arange(0, BK)
         x = tl.load(X + r.to(tl.int64)[:, None] * K + c[None, :], mask=rows[:, None] & (c < K)[None, :],
-                    other=0.0).to(tl.float32)  # [BS, BK]
+                    other=0.0)  # [BS, BK]
         w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PREC)  # [BS, MP]
-        sq += tl.sum(x * x, 1)
+        xf = x.to(tl.float32)
+        if PREC == "bf16x3":
+            hi, mid, lo = _bf16x3(tl.trans(w))  # [BK, MP] each
+            acc += _dot3(x, x, x, hi, mid, lo, UPCAST)  # [BS, MP]
+        else:
+            acc += tl.dot(xf, tl.trans(w), input_precision=PREC)  # [BS, MP]
+        sq += tl.sum(xf * xf, 1)
     tl.store(MM + (part * R + r)[:, None] * m + j[None, :], acc, mask=rows[:, None] & (j < m)[None, :])
     tl.store(SQ + part * R + r, sq, mask=rows)
 
 
 @triton.jit
 def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
-               BK: tl.constexpr, PREC: tl.constexpr, ADD_WDU: tl.constexpr, ADD_DXP: tl.constexpr):
+               BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ADD_WDU: tl.constexpr,
+               ADD_DXP: tl.constexpr):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
+    dx's dmm @ fn runs tf32x3 under "bf16x3" too. Its bf16 pieces (g0 w0 + g0 w1 + g1 w0, w's
+    split out of the loop) tied at these tiles on the H100 (150 us either way); they were
+    faster only at BS 32 BK 128 (135 us, where tf32x3 took 274), not kept for 10%.
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
     n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre. ADD_DXP: and DXP [R, K],
     the gradient of X from its use after hc_pre (hc_post's), added in fp32 before the store."""
@@ -374,10 +414,11 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
         rows = r < R
         offs = r.to(tl.int64)[:, None] * K + c[None, :]
         mask = rows[:, None] & cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        xs = tl.load(X + offs, mask=mask, other=0.0)
+        x = xs.to(tl.float32)
         g = tl.load(DMM + r[:, None] * m + j[None, :], mask=rows[:, None] & (j < m)[None, :], other=0.0)
         s = tl.load(C + r, mask=rows, other=0.0)
-        dx = tl.dot(g, w, input_precision=PREC) + s[:, None] * x  # [BS, BK]
+        dx = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC) + s[:, None] * x  # [BS, BK]
         if ADD_WDU:
             wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)
             du = tl.load(DU + r.to(tl.int64)[:, None] * d + (c % d)[None, :], mask=mask, other=0.0)
@@ -385,8 +426,17 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
         if ADD_DXP:
             dx += tl.load(DXP + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
+        if PREC == "bf16x3":
+            hi, mid, lo = _bf16x3(tl.trans(g))  # [MP, BS] each
+            dw += _dot3(hi, mid, lo, xs, xs, xs, UPCAST)  # [MP, BK]
+        else:
+            dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
     tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
+
+
+def _precision(x: torch.Tensor) -> str:
+    """MIX_PREC, except that "bf16x3" needs bf16 streams (fp32 streams take tf32x3)."""
+    return "tf32x3" if MIX_PREC == "bf16x3" and x.dtype != torch.bfloat16 else MIX_PREC
 
 
 def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
@@ -401,7 +451,8 @@ def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
     if r:
         _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
                                                      MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                     BK=t["BK"], PREC=MIX_PREC, num_warps=t["warps"])
+                                                     BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET,
+                                                     num_warps=t["warps"], num_stages=t.get("stages", 3))
     mm, nrm = (mm[0], sq[0].sqrt()) if parts == 1 else (mm.sum(0), sq.sum(0).sqrt())
     return mm.view(*lead, m), nrm.view(lead), (x2, fn32, nrm)
 
@@ -430,8 +481,9 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
                                                       c if dxp is None else dxp.reshape(r, k).contiguous(),
                                                       r, k, m, span, n, k // n,
                                                       MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                      BK=t["BK"], PREC=MIX_PREC, ADD_WDU=add,
-                                                      ADD_DXP=dxp is not None, num_warps=t["warps"])
+                                                      BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, ADD_WDU=add,
+                                                      ADD_DXP=dxp is not None, num_warps=t["warps"],
+                                                      num_stages=t.get("stages", 3))
     else:
         dfn.zero_()
     return dx, dfn.sum(0).to(fn_dtype)
