@@ -2,7 +2,8 @@
 [R, n d] (train_gpu's ~1B shape: R = 4096, n d = 6144, bf16; m = 24 for hc_pre, 4 for
 hc_head), forward and backward, torch's path (a TF32 projection of an fp32 copy and torch's
 norm, as the model ran before `mhc.stream_mixes`) against the kernel's dot precisions and
-tiles. The kernels are timed alone, replayed in a CUDA graph (no host time), the backward as
+tiles (and the stream-sum gradient's loads gathered per element, as before `_in_stream`). The
+kernels are timed alone, replayed in a CUDA graph (no host time), the backward as
 `pre_streams` runs it (it also adds the stream sum's and hc_post's gradients of the streams);
 torch's row includes its autograd call's host time. Each row also checks its results against
 float64 (largest relative error of mm, nrm, the streams' gradient and fn's).
@@ -89,35 +90,37 @@ def main() -> None:
                      dxp=torch.randn(a.rows, a.width, device="cuda").bfloat16())
         print(f"\n{torch.cuda.get_device_name()}  streams [{a.rows}, {a.width}] bf16, m = {m}; us (median); "
               f"relative error vs float64: mm / nrm / dx / dfn")
-        print(f"{'variant':70s} {'fwd':>7s} {'bwd':>7s}   errors")
+        print(f"{'variant':80s} {'fwd':>7s} {'bwd':>7s}   errors")
         fwd0, bwd0 = torch_times(x, fn, cots)
         errs = errors(torch_mixes, x, fn, cots, refs)
-        print(f"{'torch: TF32 projection + vector_norm (with host time)':70s} {fwd0:7.1f} {bwd0:7.1f}   "
+        print(f"{'torch: TF32 projection + vector_norm (with host time)':80s} {fwd0:7.1f} {bwd0:7.1f}   "
               + " / ".join(f"{e:.1e}" for e in errs))
-        rows = [old, keep]
+        rows = [(*old, True), (*keep, True), (*keep, False)]  # last: gathered stream-sum loads or not
         if not a.quick and m == 24:  # the sweep at hc_pre's width; hc_head's m = 4 on the defaults
             fwds = [dict(BS=bs, BK=bk, SPLIT=sp, warps=wp) for bs, bk, sp, wp in
                     itertools.product([64, 128], [64, 128], [4, 8], [4, 8])]
             bwds = [dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=st) for bs, bk, gr, wp, st in
                     itertools.product([32, 64, 128], [64, 128], [8, 16], [4, 8], [1, 2, 3])]
-            rows += [("bf16x3", f, keep[2]) for f in fwds] + [("bf16x3", keep[1], b) for b in bwds]
-        base, best_f, best_b = None, None, None
+            rows += [("bf16x3", f, keep[2], False) for f in fwds] + [("bf16x3", keep[1], b, False) for b in bwds]
+        base, best_f, best_b, in_stream = None, None, None, mhc._in_stream
         try:
-            for prec, ft, bt in rows:
+            for prec, ft, bt, gather in rows:
                 mhc.MIX_PREC, mhc.MIX_FWD, mhc.MIX_BWD = prec, ft, bt
+                mhc._in_stream = (lambda d, bk: False) if gather else in_stream
                 errs = errors(mhc.stream_mixes, x, fn, cots, refs)
                 fwd, bwd = kernel_times(x, fn, cots, extra)
                 base = base or (fwd, bwd)
                 name = (f"{prec} fwd BS {ft['BS']} BK {ft['BK']} split {ft['SPLIT']} w{ft['warps']}; "
                         f"bwd BS {bt['BS']} BK {bt['BK']} groups {bt['GROUPS']} w{bt['warps']} "
-                        f"s{bt.get('stages', 3)}")
-                print(f"{name:70s} {fwd:7.1f} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
+                        f"s{bt.get('stages', 3)}" + (" gathered" if gather else ""))
+                print(f"{name:80s} {fwd:7.1f} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
                       + f"   {(base[0] + base[1]) / (fwd + bwd):.2f}x")
                 if max(errs[0], errs[1], errs[3]) < 1e-5 and errs[2] < 2.0 ** -8:  # dx is bf16
                     best_f = min(best_f or (fwd, name), (fwd, name))
                     best_b = min(best_b or (bwd, name), (bwd, name))
         finally:
             mhc.MIX_PREC, mhc.MIX_FWD, mhc.MIX_BWD = keep
+            mhc._in_stream = in_stream
         print(f"fastest forward: {best_f[1]} ({best_f[0]:.1f} us); backward: {best_b[1]} ({best_b[0]:.1f} us); "
               f"the old tf32x3 tiles {base[0]:.1f} / {base[1]:.1f}")
 

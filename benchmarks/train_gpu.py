@@ -373,7 +373,9 @@ def adamw_arms():
 
 def mixes_prec_arms():
     """mHC's gate inputs (`mhc.stream_mixes`) with three TF32 products of both operands on the
-    old tiles, against fn split into three exact bf16 pieces on the bf16 streams (the default)."""
+    old tiles, against fn split into three exact bf16 pieces on the bf16 streams, with the
+    stream sum's gradient loaded per element as before or as one column and a contiguous run
+    per stream (the default)."""
     from plugins.deepseek_v4.kernels import mhc
 
     new = (mhc.MIX_PREC, mhc.MIX_FWD, mhc.MIX_BWD)
@@ -382,7 +384,14 @@ def mixes_prec_arms():
     def use(values):
         mhc.MIX_PREC, mhc.MIX_FWD, mhc.MIX_BWD = values
 
-    return [("CUDA graphs, mixes tf32x3 (old tiles)", lambda on: use(old if on else new)),
+    gathered = _patch(mhc, "_in_stream", lambda d, bk: False)  # the stream sum's gradient per element
+
+    def as_before(on):
+        use(old if on else new)
+        gathered(on)
+
+    return [("CUDA graphs, mixes tf32x3 (old tiles)", as_before),
+            ("CUDA graphs, mixes bf16x3, gathered loads", gathered),
             ("CUDA graphs, mixes bf16x3 (default)", lambda on: None)]
 
 

@@ -454,8 +454,10 @@ def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m, dtyp
         mhc.stream_mixes(ins[0], ins[1][:, 1:])
 
 
+# d: the model's (each of the backward's column blocks in one stream) and one that is not
+@pytest.mark.parametrize("d", [1536, 200] if CUDA else [32, 40])
 @pytest.mark.parametrize("full", [True, False])
-def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
+def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full, d):
     """ops.hc_pre / ops.hc_head on the kernels (kernels.mhc.pre_streams: the projection and
     norm, the gates, the stream sum as one autograd node whose x gradient takes both uses of
     x) against float64 autograd of the unfused formula, all gradients; with hc_pre, hc_post
@@ -463,7 +465,7 @@ def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full):
     inside pre_streams' backward)."""
     from plugins.deepseek_v4.ops import hc_head, hc_post, hc_pre
 
-    n, d = 4, (1536 if CUDA else 40)
+    n = 4
     m = n * (n + 2) if full else n
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 37, n, d, generator=g).to(DTYPE).float()  # rounded once: both sides see the same x

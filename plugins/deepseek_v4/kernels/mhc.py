@@ -395,14 +395,17 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
 @triton.jit
 def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ADD_WDU: tl.constexpr,
-               ADD_DXP: tl.constexpr):
+               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
     dx's dmm @ fn runs tf32x3 under "bf16x3" too. Its bf16 pieces (g0 w0 + g0 w1 + g1 w0, w's
     split out of the loop) tied at these tiles on the H100 (150 us either way); they were
     faster only at BS 32 BK 128 (135 us, where tf32x3 took 274), not kept for 10%.
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
-    n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre. ADD_DXP: and DXP [R, K],
-    the gradient of X from its use after hc_pre (hc_post's), added in fp32 before the store."""
+    n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre; IN_STREAM: each column
+    block lies in one stream (BK divides d), so W is one column and DU's columns are a
+    contiguous run (loads the compiler can vectorise; c // d and c % d hide that). ADD_DXP:
+    and DXP [R, K], the gradient of X from its use after hc_pre (hc_post's), added in fp32
+    before the store."""
     c = tl.program_id(0) * BK + tl.arange(0, BK)
     grp = tl.program_id(1)
     j = tl.arange(0, MP)
@@ -420,8 +423,14 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
         s = tl.load(C + r, mask=rows, other=0.0)
         dx = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC) + s[:, None] * x  # [BS, BK]
         if ADD_WDU:
-            wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)
-            du = tl.load(DU + r.to(tl.int64)[:, None] * d + (c % d)[None, :], mask=mask, other=0.0)
+            if IN_STREAM:
+                stream = tl.program_id(0) * BK // d
+                wi = tl.load(W + r * n + stream, mask=rows, other=0.0)[:, None]  # [BS, 1]
+                e = tl.program_id(0) * BK - stream * d + tl.arange(0, BK)  # columns within the stream
+            else:
+                wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)  # [BS, BK]
+                e = c % d
+            du = tl.load(DU + r.to(tl.int64)[:, None] * d + e[None, :], mask=mask, other=0.0)
             dx += wi * du.to(tl.float32)
         if ADD_DXP:
             dx += tl.load(DXP + offs, mask=mask, other=0.0).to(tl.float32)
@@ -432,6 +441,11 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
         else:
             dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
     tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
+
+
+def _in_stream(d: int, bk: int) -> bool:
+    """Whether each BK-wide column block of the flat streams lies within one stream of d."""
+    return d % bk == 0
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -482,7 +496,8 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
                                                       r, k, m, span, n, k // n,
                                                       MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
                                                       BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, ADD_WDU=add,
-                                                      ADD_DXP=dxp is not None, num_warps=t["warps"],
+                                                      ADD_DXP=dxp is not None,
+                                                      IN_STREAM=_in_stream(k // n, t["BK"]), num_warps=t["warps"],
                                                       num_stages=t.get("stages", 3))
     else:
         dfn.zero_()
