@@ -333,7 +333,8 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # Tiles (H100, [4096, 6144] bf16 streams, m = 24, `benchmarks/mixes_gpu.py`, the kernels alone
 # in CUDA graphs, the backward with hc_pre's extra gradients): tf32x3 at BS 16 BK 64 (8 row
 # groups backward) 99 us forward / 189 backward; bf16x3 there 79 / 190; bf16x3 at these tiles
-# 33 / 150 (the forward's bound ~17: a 50 MB read; the backward moves ~165 MB).
+# 34 / 131 (151 with the stream sum's gradient loaded per element: see IN_STREAM). Bounds: the
+# forward ~17 (a 50 MB read), the backward ~55 (~165 MB).
 # The forward may split K over SPLIT programs a row block (per-split partials, one sum); each
 # backward program owns a column block of a row group (GROUPS groups; fn's partials per group).
 MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=64, BK=64, SPLIT=8, warps=4)
