@@ -22,6 +22,8 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --host-waits  # the host waiting for the GPU mid-step vs not
     python3 benchmarks/train_gpu.py --ab --adamw     # torch's fused AdamW + Megatron's copy vs one kernel
     python3 benchmarks/train_gpu.py --ab --mixes-prec  # the mHC mixes' dots: tf32x3 vs fn in three bf16 pieces
+    python3 benchmarks/train_gpu.py --ab --pre-launches  # mHC pre's partial sums, norm factor: torch vs its kernels
+    python3 benchmarks/train_gpu.py --ab --rope-inplace  # o's gradient rotated into a copy vs in place
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
@@ -556,6 +558,40 @@ def add_cast_arms():
             ("CUDA graphs, MoE sum: add_cast (default)", lambda on: None)]
 
 
+def pre_launches_arms():
+    """mHC pre's small launches: the mixes' K-split partials summed by torch and the norm's
+    factor dnrm / nrm by torch (a sum each for mm and |x|^2 forward; a div, a compare and a
+    where backward: ~5 launches a site, 40 sites) against both inside the gates kernels."""
+    from plugins.deepseek_v4.kernels import mhc
+
+    partials, gates_backward = mhc._mixes_partials, mhc._gates_backward
+
+    def summed(x, fn):
+        mm, sq, x2, fn32 = partials(x, fn)
+        return mm.sum(0, keepdim=True), sq.sum(0, keepdim=True), x2, fn32
+
+    def c_by_torch(kept, args, dpre, dpost, dcomb, as_c=False):
+        dmm, dnrm, dbase, dscale = gates_backward(kept, args, dpre, dpost, dcomb)
+        nrm = kept[1].view(dnrm.shape)
+        return dmm, torch.where(nrm > 0, dnrm / nrm, 0.0), dbase, dscale
+
+    as_before = [_patch(mhc, "_mixes_partials", summed), _patch(mhc, "_gates_backward", c_by_torch)]
+    return [("CUDA graphs, mHC pre: parts and c by torch", lambda on: [f(on) for f in as_before]),
+            ("CUDA graphs, mHC pre: in the gates kernels (default)", lambda on: None)]
+
+
+def rope_inplace_arms():
+    """The out-projection's backward rotating the gradient of o into a copy (all D columns
+    read and written) against in place (its 2 x 32 rotated columns only)."""
+    from plugins.deepseek_v4 import ops
+
+    def copy(x, cos, sin, inverse=False, fused=False):
+        return ops.apply_rope(x, cos, sin, inverse, fused)
+
+    return [("CUDA graphs, o's gradient rotated into a copy", _patch(ops, "apply_rope_", copy)),
+            ("CUDA graphs, rotated in place (default)", lambda on: None)]
+
+
 def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
     from plugins.deepseek_v4 import ops
 
@@ -836,6 +872,10 @@ def main() -> None:
     ap.add_argument("--adamw", action="store_true", help="with --ab: only torch's AdamW + copy vs one kernel")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
+    ap.add_argument("--pre-launches", action="store_true",
+                    help="with --ab: only mHC pre's partial sums and norm factor by torch vs in its kernels")
+    ap.add_argument("--rope-inplace", action="store_true",
+                    help="with --ab: only o's gradient rotated into a copy vs in place")
     ap.add_argument("--mixes-prec", action="store_true",
                     help="with --ab: the mHC mixes' tf32x3 dots vs bf16x3 (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
@@ -909,7 +949,9 @@ def main() -> None:
                "add_cast": ("MoE output sum", add_cast_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
-               "mixes_prec": ("mHC mixes' dots", mixes_prec_arms)}  # --ab --FLAG: that change's arms, graphs on
+               "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),
+               "pre_launches": ("mHC pre's small launches", pre_launches_arms),
+               "rope_inplace": ("o's gradient rotation", rope_inplace_arms)}  # --ab --FLAG: its arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)

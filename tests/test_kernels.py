@@ -457,14 +457,18 @@ def test_stream_mixes_kernel_matches_float64_reference(seed, lead, n, d, m, dtyp
 # d: the model's (each of the backward's column blocks in one stream) and one that is not
 @pytest.mark.parametrize("d", [1536, 200] if CUDA else [32, 40])
 @pytest.mark.parametrize("full", [True, False])
-def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full, d):
+def test_hc_pre_and_head_with_fused_gates_match_float64_reference(seed, full, d, monkeypatch):
     """ops.hc_pre / ops.hc_head on the kernels (kernels.mhc.pre_streams: the projection and
     norm, the gates, the stream sum as one autograd node whose x gradient takes both uses of
     x) against float64 autograd of the unfused formula, all gradients; with hc_pre, hc_post
     reads the streams hc_pre passes through, so x's gradient takes hc_post's too (added
-    inside pre_streams' backward)."""
+    inside pre_streams' backward). The mixes' K is split in parts, which the gates sum (the
+    GPU's tiles split it 8 ways; the interpreter's would not split it at all)."""
+    from plugins.deepseek_v4.kernels import mhc
     from plugins.deepseek_v4.ops import hc_head, hc_post, hc_pre
 
+    if not CUDA:
+        monkeypatch.setattr(mhc, "MIX_FWD", dict(mhc.MIX_FWD, SPLIT=3))
     n = 4
     m = n * (n + 2) if full else n
     g = torch.Generator().manual_seed(seed)
@@ -802,6 +806,10 @@ def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
     assert rel(gx.float().cpu(), gx_ref) < TOL
     keep = xs[-1] - 2 * cs[-1]
     assert torch.equal(out[..., :keep].cpu(), x[..., :keep].to(DTYPE))
+    # in place (a backward's fresh gradient): the same bits, touching the rotated columns only
+    y = x.to(DEV, DTYPE)
+    assert ew.apply_rope_(y, cos.to(DEV), sin.to(DEV), inverse) is y
+    assert torch.equal(y.cpu(), out.detach().cpu())
 
 
 @pytest.mark.parametrize("xs,cs", [c for c in ROPE_CASES if len(c[0]) == 4])  # queries [B, S, H, D]

@@ -280,6 +280,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat((nope, out.to(x.dtype)), dim=-1)
 
 
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+                fused: bool = False) -> torch.Tensor:
+    """apply_rope in place, for a tensor outside autograd (a gradient inside a backward): its
+    rotated columns only, where apply_rope copies the whole of x. x contiguous."""
+    if fused:
+        from .kernels.elementwise import apply_rope_ as kernel
+
+        return kernel(x, cos, sin, inverse)
+    rd = 2 * cos.shape[-1]
+    x[..., x.shape[-1] - rd:] = apply_rope(x[..., x.shape[-1] - rd:], cos, sin, inverse)
+    return x
+
+
 # --------------------------------------------------------------------------- Hadamard
 @lru_cache(maxsize=16)
 def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
@@ -780,9 +793,9 @@ class _UnropeOutProj(torch.autograd.Function):
         og = og.flatten(0, 1)  # [T, G, K]
         dyg = dy.reshape(og.shape[0], ctx.groups, -1)  # [T, G, R]
         dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
-        do = _group_mm(dyg, w).reshape(o.shape)
+        do = _group_mm(dyg, w).reshape(o.shape)  # a fresh tensor: rotated in place
         # the inverse rotation's adjoint is the forward rotation
-        return apply_rope(do, cos, sin, fused=ctx.fused), dw.reshape(wo_a.shape).to(wo_a.dtype), None, None, None, None
+        return apply_rope_(do, cos, sin, fused=ctx.fused), dw.reshape(wo_a.shape).to(wo_a.dtype), None, None, None, None
 
 
 def unrope_out_proj(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,

@@ -158,25 +158,31 @@ def _rotation(COS, SIN, r, R, H, HALF, sign, HP: tl.constexpr):
 
 
 @triton.jit
-def _rope(X, COS, SIN, Y, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr):
-    """Y = X with its last 2*HALF columns rotated (the others copied)."""
+def _rope(X, COS, SIN, Y, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
+          COPY: tl.constexpr):
+    """Y = X with its last 2*HALF columns rotated (the others copied where COPY; Y is X
+    otherwise: a rotation in place, which touches only the rotated columns)."""
     r, c, start, row, m = _row_tile(R, D, HALF, BR, DP)
-    keep = m & (c < start)[None, :]
-    tl.store(Y + row + c[None, :], tl.load(X + row + c[None, :], mask=keep), mask=keep)
+    if COPY:
+        keep = m & (c < start)[None, :]
+        tl.store(Y + row + c[None, :], tl.load(X + row + c[None, :], mask=keep), mask=keep)
     j, mj, cs, sn = _rotation(COS, SIN, r, R, H, HALF, sign, HP)
     a, b = _pair_tiles(X, row, start, j, mj)
     _store_rotated(Y, row, start, j, mj, a, b, cs, sn)
 
 
-def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, sign: float) -> torch.Tensor:
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, sign: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x rotated into a new tensor, or into out = x (in place: the tile spans the rotated
+    columns only, so a row costs its 2*half columns, not d)."""
     d, half = x.shape[-1], cos.shape[-1]
     r = x.numel() // d if d else 0
-    y = new_output(x.shape, x, x.dtype)
+    y = new_output(x.shape, x, x.dtype) if out is None else out
     if r:
-        dp = triton.next_power_of_2(d)
-        br = _tile_rows(dp)
-        _rope[(triton.cdiv(r, br),)](x, cos, sin, y, r, heads, d, half, sign, BR=br, DP=dp,
-                                     HP=triton.next_power_of_2(max(half, 1)))
+        hp = triton.next_power_of_2(max(half, 1))
+        dp = triton.next_power_of_2(d) if out is None else 2 * hp
+        _rope[(triton.cdiv(r, _tile_rows(dp)),)](x, cos, sin, y, r, heads, d, half, sign, BR=_tile_rows(dp), DP=dp,
+                                                 HP=hp, COPY=out is None)
     return y
 
 
@@ -221,6 +227,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     broadcast over the trailing ones (heads). cos and sin carry no gradient."""
     cos_t, sin_t, heads = rope_tables(x, cos, sin)
     return _Rope.apply(x, cos_t, sin_t, heads, -1.0 if inverse else 1.0)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """apply_rope in place on a contiguous x outside autograd (a gradient a backward has just
+    made): only the rotated columns are read and written."""
+    if not x.is_contiguous():
+        raise ValueError("apply_rope_: x must be contiguous")
+    cos_t, sin_t, heads = rope_tables(x, cos, sin)
+    return _rope_launch(x, cos_t, sin_t, heads, -1.0 if inverse else 1.0, out=x)
 
 
 # --------------------------------------------------------------------------- RMSNorm then RoPE

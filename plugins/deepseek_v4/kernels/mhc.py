@@ -169,57 +169,83 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 # b[:n]) + hc_eps; post = 2 sigmoid(mix[n:2n] s1 + b[n:2n]); comb = Sinkhorn(mix[2n:] s2 +
 # b[2n:]) [n, n]. The reference takes about 13 launches forward and 45 backward around its
 # Sinkhorn per site; here one each way, plus the sums of the per-program base and scale
-# gradients. FULL = False is hc_head's gate (m = n: pre only).
+# gradients. FULL = False is hc_head's gate (m = n: pre only). PARTS: mm and the squared norm
+# come as the mixes kernel's P partial sums over K ([P, R, m], [P, R]); the forward sums them
+# in order, takes the root, and stores mm and nrm for the backward (two sums and a root
+# fewer launches a site than summing them through torch).
 
 
 @triton.jit
-def _gate_inputs(MM, NRM, BASE, SCALE, r0, R, n, m, K, norm_eps, NP: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_parts(PTR, offs, mask, P, stride):
+    """sum_p PTR[p stride + offs] in the order p = 0, 1, .. (fp32)."""
+    acc = tl.load(PTR + offs, mask=mask, other=0.0)
+    for p in range(1, P):
+        acc += tl.load(PTR + p * stride + offs, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _gate_inputs(MM, NRM, BASE, SCALE, r0, R, n, m, K, norm_eps, P, NP: tl.constexpr, BLOCK: tl.constexpr,
+                 PARTS: tl.constexpr):
     """Rows r0..: their row index r, norm nrm, rs = rsqrt(nrm^2 / K + eps), the pre group's
-    mask, raw mm and logits [BLOCK, NP]."""
+    mask, raw mm and logits [BLOCK, NP]. PARTS: MM and NRM hold P partial sums of mm and of
+    nrm^2."""
     r = (r0 + tl.arange(0, BLOCK)).to(tl.int64)
     i = tl.arange(0, NP)
-    nrm = tl.load(NRM + r, mask=r < R, other=0.0)
+    if PARTS:
+        nrm = tl.sqrt_rn(_sum_parts(NRM, r, r < R, P, R))
+    else:
+        nrm = tl.load(NRM + r, mask=r < R, other=0.0)
     rs = tl.rsqrt(nrm * nrm / K + norm_eps)
     vm = (r < R)[:, None] & (i < n)[None, :]
-    raw = tl.load(MM + r[:, None] * m + i[None, :], mask=vm, other=0.0)
+    raw = _sum_parts(MM, r[:, None] * m + i[None, :], vm, P, R * m)
     logit = raw * rs[:, None] * tl.load(SCALE) + tl.load(BASE + i, mask=i < n, other=0.0)[None, :]
     return r, nrm, rs, vm, raw, logit
 
 
 @triton.jit
-def _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, NP: tl.constexpr):
+def _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, P, NP: tl.constexpr):
     """comb's [BLOCK, NP, NP] tile: offsets ij within a matrix, mask, raw mm and logits."""
     i = tl.arange(0, NP)
     ij = i[:, None] * n + i[None, :]
     mask = (r < R)[:, None, None] & ((i < n)[:, None] & (i < n)[None, :])[None]
-    raw = tl.load(MM + r[:, None, None] * m + 2 * n + ij[None], mask=mask, other=0.0)
+    raw = _sum_parts(MM, r[:, None, None] * m + 2 * n + ij[None], mask, P, R * m)
     b = tl.load(BASE + 2 * n + ij, mask=(i < n)[:, None] & (i < n)[None, :], other=0.0)
     logit = tl.where(mask, raw * rs[:, None, None] * tl.load(SCALE + 2) + b[None], float("-inf"))
     return ij, mask, raw, logit
 
 
 @triton.jit
-def _gates_fwd(MM, NRM, BASE, SCALE, PRE, POST, COMB, R, n, m, K, iters, hc_eps, norm_eps,
-               NP: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+def _gates_fwd(MM, NRM, BASE, SCALE, PRE, POST, COMB, MMS, NRMS, R, n, m, K, P, iters, hc_eps, norm_eps,
+               NP: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr, PARTS: tl.constexpr):
+    """PARTS: MM, NRM are partial sums (see `_gate_inputs`); mm and nrm go to MMS, NRMS."""
     r, nrm, rs, vm, raw, a = _gate_inputs(MM, NRM, BASE, SCALE, tl.program_id(0) * BLOCK, R, n, m, K, norm_eps,
-                                          NP, BLOCK)
+                                          P, NP, BLOCK, PARTS)
     i = tl.arange(0, NP)
     tl.store(PRE + r[:, None] * n + i[None, :], tl.sigmoid(a) + hc_eps, mask=vm)
+    if PARTS:
+        tl.store(NRMS + r, nrm, mask=r < R)
+        tl.store(MMS + r[:, None] * m + i[None, :], raw, mask=vm)
     if FULL:
-        raw_b = tl.load(MM + r[:, None] * m + n + i[None, :], mask=vm, other=0.0)
+        raw_b = _sum_parts(MM, r[:, None] * m + n + i[None, :], vm, P, R * m)
         b = raw_b * rs[:, None] * tl.load(SCALE + 1) + tl.load(BASE + n + i, mask=i < n, other=0.0)[None, :]
         tl.store(POST + r[:, None] * n + i[None, :], 2 * tl.sigmoid(b), mask=vm)
-        ij, mask, raw_c, c = _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, NP)
+        ij, mask, raw_c, c = _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, P, NP)
         comb = _sinkhorn_tile(_softmax(c, mask), mask, iters, hc_eps)
         tl.store(COMB + r[:, None, None] * n * n + ij[None], comb, mask=mask)
+        if PARTS:
+            tl.store(MMS + r[:, None] * m + n + i[None, :], raw_b, mask=vm)
+            tl.store(MMS + r[:, None, None] * m + 2 * n + ij[None], raw_c, mask=mask)
 
 
 @triton.jit
 def _gates_bwd(MM, NRM, BASE, SCALE, DPRE, DPOST, DCOMB, DMM, DNRM, DBASE, DSCALE, BUF, R, n, m, K, iters,
-               hc_eps, norm_eps, NP: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+               hc_eps, norm_eps, NP: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr, AS_C: tl.constexpr):
+    """AS_C: DNRM takes dnrm / nrm (0 where nrm = 0), the factor of x in the norm's gradient
+    (what the mixes' backward takes), instead of dnrm."""
     pid = tl.program_id(0)
     r0 = pid * BLOCK
-    r, nrm, rs, vm, raw, a = _gate_inputs(MM, NRM, BASE, SCALE, r0, R, n, m, K, norm_eps, NP, BLOCK)
+    r, nrm, rs, vm, raw, a = _gate_inputs(MM, NRM, BASE, SCALE, r0, R, n, m, K, norm_eps, 1, NP, BLOCK, False)
     i = tl.arange(0, NP)
     sa = tl.sigmoid(a)
     da = tl.load(DPRE + r[:, None] * n + i[None, :], mask=vm, other=0.0) * sa * (1 - sa)  # d logit
@@ -238,7 +264,7 @@ def _gates_bwd(MM, NRM, BASE, SCALE, DPRE, DPOST, DCOMB, DMM, DNRM, DBASE, DSCAL
         tl.store(DSCALE + pid * 3 + 1, tl.sum(tl.sum(db * raw_b, 1) * rs, 0))
         tl.store(DMM + r[:, None] * m + n + i[None, :], db * s1 * rs[:, None], mask=vm)
         drs += tl.sum(db * s1 * raw_b, 1)
-        ij, mask, raw_c, c = _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, NP)
+        ij, mask, raw_c, c = _comb_inputs(MM, BASE, SCALE, r, R, n, m, rs, 1, NP)
         s2 = tl.load(SCALE + 2)
         sbuf, live = _scratch(r0, R, iters, NP, BLOCK)
         dy = tl.load(DCOMB + r[:, None, None] * n * n + ij[None], mask=mask, other=0.0)
@@ -250,28 +276,43 @@ def _gates_bwd(MM, NRM, BASE, SCALE, DPRE, DPOST, DCOMB, DMM, DNRM, DBASE, DSCAL
     else:
         tl.store(DSCALE + pid, tl.sum(tl.sum(da * raw, 1) * rs, 0))
     # rs = (nrm^2 / K + eps)^(-1/2): d nrm = d rs * (-rs^3 nrm / K)
-    tl.store(DNRM + r, -drs * rs * rs * rs * nrm / K, mask=r < R)
+    dnrm = -drs * rs * rs * rs * nrm / K
+    if AS_C:  # d|x| / dx = x / |x| (0 at x = 0, as torch's norm backward)
+        dnrm = tl.where(nrm > 0, tl.div_rn(dnrm, tl.where(nrm > 0, nrm, 1.0)), 0.0)
+    tl.store(DNRM + r, dnrm, mask=r < R)
 
 
-def _gates_forward(mm, nrm, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float, width: int):
-    """(pre, post, comb) fp32 and what the backward keeps (tensors, then the arguments)."""
-    *lead, m = mm.shape
+def _gates_forward(mm, nrm, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float, width: int,
+                   sq: torch.Tensor | None = None):
+    """(pre, post, comb) fp32 and what the backward keeps (tensors, then the arguments): the
+    first two kept tensors are mm [R, m] and nrm [R]. With sq, mm [P, ..., m] and sq [P, ...]
+    are P partial sums of mm and of nrm^2 (fp32; nrm is not read)."""
+    parts = sq is not None
+    p = mm.shape[0] if parts else 1
+    *lead, m = mm.shape[1:] if parts else mm.shape
     full = m != n
-    mm2, nrm2 = mm.float().reshape(-1, m).contiguous(), nrm.float().reshape(-1).contiguous()
+    if parts:
+        mmp, nrmp = mm.reshape(p, -1, m).contiguous(), sq.reshape(p, -1).contiguous()
+        r = nrmp.shape[1]
+        mm2, nrm2 = new_output((r, m), mmp, torch.float32), new_output((r,), mmp, torch.float32)
+    else:
+        mm2, nrm2 = mm.float().reshape(-1, m).contiguous(), nrm.float().reshape(-1).contiguous()
+        mmp, nrmp, r = mm2, nrm2, nrm2.numel()
     base, scale = base.float().contiguous(), scale.float().contiguous()
-    r = nrm2.numel()
     pre = new_output((*lead, n), mm2, torch.float32)
     post = new_output((*lead, n if full else 0), mm2, torch.float32)
     comb = new_output((*lead, n if full else 0, n if full else 0), mm2, torch.float32)
     if r:
-        _gates_fwd[(triton.cdiv(r, BLOCK_R),)](mm2, nrm2, base, scale, pre, post, comb, r, n, m, float(width),
-                                               iters, hc_eps, norm_eps, NP=triton.next_power_of_2(n),
-                                               BLOCK=BLOCK_R, FULL=full)
-    return pre, post, comb, (mm2, nrm2, base, scale), (n, iters, hc_eps, norm_eps, width, full, mm.shape, nrm.shape)
+        _gates_fwd[(triton.cdiv(r, BLOCK_R),)](mmp, nrmp, base, scale, pre, post, comb, mm2, nrm2, r, n, m,
+                                               float(width), p, iters, hc_eps, norm_eps,
+                                               NP=triton.next_power_of_2(n), BLOCK=BLOCK_R, FULL=full, PARTS=parts)
+    return pre, post, comb, (mm2, nrm2, base, scale), (n, iters, hc_eps, norm_eps, width, full, (*lead, m),
+                                                       tuple(lead))
 
 
-def _gates_backward(kept, args, dpre, dpost, dcomb):
-    """(dmm, dnrm, dbase, dscale) from the forward's kept tensors and arguments."""
+def _gates_backward(kept, args, dpre, dpost, dcomb, as_c: bool = False):
+    """(dmm, dnrm, dbase, dscale) from the forward's kept tensors and arguments; as_c: dnrm /
+    nrm (0 where nrm = 0) in dnrm's place."""
     mm2, nrm2, base, scale = kept
     n, iters, hc_eps, norm_eps, width, full, mm_shape, nrm_shape = args
     r, m = mm2.shape
@@ -284,7 +325,7 @@ def _gates_backward(kept, args, dpre, dpost, dcomb):
                           dtype=torch.float32)
         _gates_bwd[(progs,)](mm2, nrm2, base, scale, dpre.float().contiguous(), dpost.float().contiguous(),
                              dcomb.float().contiguous(), dmm, dnrm, dbase, dscale, buf, r, n, m, float(width),
-                             iters, hc_eps, norm_eps, NP=np_, BLOCK=BLOCK_R, FULL=full)
+                             iters, hc_eps, norm_eps, NP=np_, BLOCK=BLOCK_R, FULL=full, AS_C=as_c)
     return dmm.view(mm_shape), dnrm.view(nrm_shape), dbase.sum(0), dscale.sum(0)
 
 
@@ -454,10 +495,10 @@ def _precision(x: torch.Tensor) -> str:
     return "tf32x3" if MIX_PREC == "bf16x3" and x.dtype != torch.bfloat16 else MIX_PREC
 
 
-def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
-    """(mm [..., m], nrm [...]) fp32 of flat streams x [..., K], and what the backward keeps."""
-    *lead, k = x.shape
-    m = fn.shape[0]
+def _mixes_partials(x: torch.Tensor, fn: torch.Tensor):
+    """P partial sums over K of mm = flat(X) @ fn^T [P, R, m] and of the squared norm [P, R]
+    (fp32), the flat streams x2 [R, K] and fn32 [m, K] (what the backward keeps)."""
+    k, m = x.shape[-1], fn.shape[0]
     x2, fn32 = x.reshape(-1, k).contiguous(), fn.float().contiguous()
     r, t = x2.shape[0], MIX_FWD
     kspan = tile_span(k, t["SPLIT"], t["BK"])
@@ -468,22 +509,31 @@ def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
                                                      MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
                                                      BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET,
                                                      num_warps=t["warps"], num_stages=t.get("stages", 3))
-    mm, nrm = (mm[0], sq[0].sqrt()) if parts == 1 else (mm.sum(0), sq.sum(0).sqrt())
+    return mm, sq, x2, fn32
+
+
+def _mixes_forward(x: torch.Tensor, fn: torch.Tensor):
+    """(mm [..., m], nrm [...]) fp32 of flat streams x [..., K], and what the backward keeps."""
+    *lead, m = (*x.shape[:-1], fn.shape[0])
+    mm, sq, x2, fn32 = _mixes_partials(x, fn)
+    mm, nrm = (mm[0], sq[0].sqrt()) if mm.shape[0] == 1 else (mm.sum(0), sq.sum(0).sqrt())
     return mm.view(*lead, m), nrm.view(lead), (x2, fn32, nrm)
 
 
 def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | None = None,
-                    du: torch.Tensor | None = None, dxp: torch.Tensor | None = None
+                    du: torch.Tensor | None = None, dxp: torch.Tensor | None = None, c: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [R, K] in x's dtype, dfn [m, K]) from the forward's `kept`; with w [R, n] and du
     [R, d] (K = n d), dx also takes w[r, i] du[r, :] in stream i (the stream sum's gradient);
-    with dxp [R, K], dx also takes it (x's gradient from its other users)."""
+    with dxp [R, K], dx also takes it (x's gradient from its other users); c [R] fp32 in
+    place of dnrm: dnrm / nrm, as `_gates_backward(as_c=True)` gives it."""
     x2, fn32, nrm = kept
     (r, k), m, t = x2.shape, fn32.shape[0], MIX_BWD
     dmm = torch.zeros(r, m, device=x2.device) if dmm is None else dmm.float().reshape(r, m).contiguous()
     # d|x| / dx = x / |x| (0 at x = 0, as torch's norm backward)
-    c = (torch.zeros_like(nrm) if dnrm is None
-         else torch.where(nrm > 0, dnrm.float().reshape(r) / nrm, 0.0).contiguous())
+    if c is None:
+        c = (torch.zeros_like(nrm) if dnrm is None
+             else torch.where(nrm > 0, dnrm.float().reshape(r) / nrm, 0.0).contiguous())
     span = tile_span(r, t["GROUPS"], t["BS"])
     groups = triton.cdiv(max(r, 1), span)
     dx = new_output((r, k), x2, x2.dtype)
@@ -673,12 +723,14 @@ class _PreStreams(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # no zeros for an unused output (the view, hc_head's post)
         x = x.contiguous()
         flat = x.flatten(-2)  # [..., n d]
-        mm, nrm, kept_m = _mixes_forward(flat, fn)
-        pre, post, comb, kept_g, ctx.args = _gates_forward(mm, nrm, base, scale, n, iters, hc_eps, norm_eps,
-                                                           flat.shape[-1])
+        mm, sq, x2, fn32 = _mixes_partials(flat, fn)  # [P, R, m], [P, R]: the gates sum them
+        lead = flat.shape[:-1]
+        pre, post, comb, kept_g, ctx.args = _gates_forward(mm.view(-1, *lead, mm.shape[-1]), None, base, scale, n,
+                                                           iters, hc_eps, norm_eps, flat.shape[-1],
+                                                           sq=sq.view(-1, *lead))
         # detached: a saved view of an output (x is one when the input was not contiguous) would
         # hold this node through its base until the backward ran
-        ctx.save_for_backward(kept_m[0].detach(), *kept_m[1:], *kept_g, pre)
+        ctx.save_for_backward(x2.detach(), fn32, kept_g[1], *kept_g, pre)
         ctx.shapes, ctx.gate_shapes = (x.shape, fn.dtype), (post.shape, comb.shape)
         return _wsum_forward(pre, x), post, comb, x
 
@@ -693,10 +745,10 @@ class _PreStreams(torch.autograd.Function):
         dpost = pre.new_zeros(post_shape) if dpost is None else dpost
         dcomb = pre.new_zeros(comb_shape) if dcomb is None else dcomb
         dpre, _ = _wsum_backward(pre, x, du, write_dx=False)
-        dmm, dnrm, dbase, dscale = _gates_backward(kept_g, ctx.args, dpre, dpost, dcomb)
+        dmm, c, dbase, dscale = _gates_backward(kept_g, ctx.args, dpre, dpost, dcomb, as_c=True)
         n = x_shape[-2]
-        dx, dfn = _mixes_backward(kept_m, dmm, dnrm, fn_dtype, w=pre.reshape(-1, n),
-                                  du=du.reshape(-1, x_shape[-1]), dxp=dxp)
+        dx, dfn = _mixes_backward(kept_m, dmm, None, fn_dtype, w=pre.reshape(-1, n),
+                                  du=du.reshape(-1, x_shape[-1]), dxp=dxp, c=c.reshape(-1))
         return dx.view(x_shape), dfn, dbase, dscale, None, None, None, None
 
 
