@@ -8,7 +8,7 @@ kernels are timed alone, replayed in a CUDA graph (no host time), the backward a
 torch's row includes its autograd call's host time. Each row also checks its results against
 float64 (largest relative error of mm, nrm, the streams' gradient and fn's).
 
-    python3 benchmarks/mixes_gpu.py [--rows 4096] [--width 6144] [--quick]
+    python3 benchmarks/mixes_gpu.py [--rows 4096] [--width 6144] [--quick | --prefetch]
 """
 
 from __future__ import annotations
@@ -66,11 +66,31 @@ def kernel_times(x, fn, cots, extra) -> tuple[float, float]:
     return fwd * 1e3, bwd * 1e3
 
 
+def prefetch_rows(x, fn, cots, refs, extra, keep) -> None:
+    """The backward with and without the next row step's loads issued before its work."""
+    tiles = [dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=st) for bs, bk, gr, wp, st in
+             [(64, 64, 8, 4, 2), (64, 64, 8, 4, 1), (32, 64, 8, 4, 1), (32, 64, 8, 4, 2), (32, 64, 16, 4, 1),
+              (32, 64, 4, 4, 1), (32, 128, 8, 4, 1), (32, 64, 8, 2, 1), (16, 64, 8, 4, 1), (64, 64, 16, 4, 1)]]
+    try:
+        for t in tiles:
+            for pf in (False, True):
+                mhc.MIX_BWD = dict(t, prefetch=pf)
+                errs = errors(mhc.stream_mixes, x, fn, cots, refs)
+                _, bwd = kernel_times(x, fn, cots, extra)
+                name = (f"bwd BS {t['BS']} BK {t['BK']} groups {t['GROUPS']} w{t['warps']} s{t['stages']}"
+                        + (" prefetch" if pf else ""))
+                print(f"{name:80s} {'':7s} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs))
+    finally:
+        mhc.MIX_BWD = keep[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--width", type=int, default=6144)
     ap.add_argument("--quick", action="store_true", help="the defaults and the old tf32x3 tiles only")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="only the backward's tiles with the next row step's loads issued early and not")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     old = ("tf32x3", dict(BS=16, BK=64, SPLIT=1, warps=4), dict(BS=16, BK=64, GROUPS=8, warps=4))
@@ -91,6 +111,9 @@ def main() -> None:
         print(f"\n{torch.cuda.get_device_name()}  streams [{a.rows}, {a.width}] bf16, m = {m}; us (median); "
               f"relative error vs float64: mm / nrm / dx / dfn")
         print(f"{'variant':80s} {'fwd':>7s} {'bwd':>7s}   errors")
+        if a.prefetch:
+            prefetch_rows(x, fn, cots, refs, extra, keep)
+            continue
         fwd0, bwd0 = torch_times(x, fn, cots)
         errs = errors(torch_mixes, x, fn, cots, refs)
         print(f"{'torch: TF32 projection + vector_norm (with host time)':80s} {fwd0:7.1f} {bwd0:7.1f}   "

@@ -24,6 +24,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --mixes-prec  # the mHC mixes' dots: tf32x3 vs fn in three bf16 pieces
     python3 benchmarks/train_gpu.py --ab --pre-launches  # mHC pre's partial sums, norm factor: torch vs its kernels
     python3 benchmarks/train_gpu.py --ab --rope-inplace  # o's gradient rotated into a copy vs in place
+    python3 benchmarks/train_gpu.py --ab --mixes-prefetch  # the mixes' backward: loads in their step vs prefetched
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
@@ -580,6 +581,16 @@ def pre_launches_arms():
             ("CUDA graphs, mHC pre: in the gates kernels (default)", lambda on: None)]
 
 
+def mixes_prefetch_arms():
+    """The mHC mixes' backward on last session's tile (64-row steps, 2 stages, each step's
+    loads waited for in the step) against the next step's loads issued first (32-row steps)."""
+    from plugins.deepseek_v4.kernels import mhc
+
+    old = dict(BS=64, BK=64, GROUPS=8, warps=4, stages=2, prefetch=False)
+    return [("CUDA graphs, mixes backward: loads in their step", _patch(mhc, "MIX_BWD", old)),
+            ("CUDA graphs, mixes backward: prefetched (default)", lambda on: None)]
+
+
 def rope_inplace_arms():
     """The out-projection's backward rotating the gradient of o into a copy (all D columns
     read and written) against in place (its 2 x 32 rotated columns only)."""
@@ -874,6 +885,8 @@ def main() -> None:
     ap.add_argument("--mixes", action="store_true", help="with --ab: only the mHC mixes kernel vs torch (graphs)")
     ap.add_argument("--pre-launches", action="store_true",
                     help="with --ab: only mHC pre's partial sums and norm factor by torch vs in its kernels")
+    ap.add_argument("--mixes-prefetch", action="store_true",
+                    help="with --ab: only the mixes' backward with its loads in their step vs prefetched")
     ap.add_argument("--rope-inplace", action="store_true",
                     help="with --ab: only o's gradient rotated into a copy vs in place")
     ap.add_argument("--mixes-prec", action="store_true",
@@ -951,7 +964,8 @@ def main() -> None:
                "adamw": ("AdamW", adamw_arms),
                "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),
                "pre_launches": ("mHC pre's small launches", pre_launches_arms),
-               "rope_inplace": ("o's gradient rotation", rope_inplace_arms)}  # --ab --FLAG: its arms, graphs on
+               "rope_inplace": ("o's gradient rotation", rope_inplace_arms),
+               "mixes_prefetch": ("mHC mixes' backward loads", mixes_prefetch_arms)}  # --ab --FLAG: its arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)

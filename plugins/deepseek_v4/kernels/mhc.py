@@ -374,12 +374,15 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # Tiles (H100, [4096, 6144] bf16 streams, m = 24, `benchmarks/mixes_gpu.py`, the kernels alone
 # in CUDA graphs, the backward with hc_pre's extra gradients): tf32x3 at BS 16 BK 64 (8 row
 # groups backward) 99 us forward / 189 backward; bf16x3 there 79 / 190; bf16x3 at these tiles
-# 34 / 131 (151 with the stream sum's gradient loaded per element: see IN_STREAM). Bounds: the
+# 34 / 114 (151 with the stream sum's gradient loaded per element: see IN_STREAM; 131 at BS 64
+# stages 2 without PREFETCH, the best tile without it; m = 4: 90 against 115). Bounds: the
 # forward ~17 (a 50 MB read), the backward ~55 (~165 MB).
-# The forward may split K over SPLIT programs a row block (per-split partials, one sum); each
-# backward program owns a column block of a row group (GROUPS groups; fn's partials per group).
+# The forward may split K over SPLIT programs a row block (per-split partials, summed by the
+# gates kernel); each backward program owns a column block of a row group (GROUPS groups;
+# fn's partials per group).
 MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=64, BK=64, SPLIT=8, warps=4)
-MIX_BWD = dict(BS=16, BK=16, GROUPS=2, warps=4) if INTERPRET else dict(BS=64, BK=64, GROUPS=8, warps=4, stages=2)
+MIX_BWD = (dict(BS=16, BK=16, GROUPS=2, warps=4, prefetch=True) if INTERPRET else
+           dict(BS=32, BK=64, GROUPS=8, warps=4, stages=1, prefetch=True))
 MIX_PREC = "bf16x3"
 
 
@@ -435,9 +438,37 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
 
 
 @triton.jit
+def _bwd_loads(X, DMM, C, W, DU, DXP, r0, hi, K, m, n, d, c, cols, j, e, stream, BS: tl.constexpr,
+               ADD_WDU: tl.constexpr, ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr):
+    """One row step's loads of `_mixes_bwd` (rows r0.. below hi), raw: a prefetch of the next
+    step is consumed only in that step."""
+    r = r0 + tl.arange(0, BS)
+    rows = r < hi
+    offs = r.to(tl.int64)[:, None] * K + c[None, :]
+    mask = rows[:, None] & cols[None, :]
+    xs = tl.load(X + offs, mask=mask, other=0.0)
+    g = tl.load(DMM + r[:, None] * m + j[None, :], mask=rows[:, None] & (j < m)[None, :], other=0.0)
+    s = tl.load(C + r, mask=rows, other=0.0)
+    if ADD_WDU:
+        if IN_STREAM:
+            wi = tl.load(W + r * n + stream, mask=rows, other=0.0)[:, None] + tl.zeros([BS, 1], tl.float32)
+        else:
+            wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)
+        du = tl.load(DU + r.to(tl.int64)[:, None] * d + e[None, :], mask=mask, other=0.0)
+    else:
+        wi = tl.zeros([BS, 1], tl.float32)
+        du = xs
+    if ADD_DXP:
+        dxp = tl.load(DXP + offs, mask=mask, other=0.0)
+    else:
+        dxp = xs
+    return xs, g, s, wi, du, dxp
+
+
+@triton.jit
 def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ADD_WDU: tl.constexpr,
-               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr):
+               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
     dx's dmm @ fn runs tf32x3 under "bf16x3" too. Its bf16 pieces (g0 w0 + g0 w1 + g1 w0, w's
     split out of the loop) tied at these tiles on the H100 (150 us either way); they were
@@ -447,41 +478,49 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
     block lies in one stream (BK divides d), so W is one column and DU's columns are a
     contiguous run (loads the compiler can vectorise; c // d and c % d hide that). ADD_DXP:
     and DXP [R, K], the gradient of X from its use after hc_pre (hc_post's), added in fp32
-    before the store."""
+    before the store. PREFETCH: the next row step's loads go out before this step's work
+    (Triton's pipelining covers the dots' operands only; dxp, du and w waited each step)."""
     c = tl.program_id(0) * BK + tl.arange(0, BK)
     grp = tl.program_id(1)
     j = tl.arange(0, MP)
     cols, fm = c < K, (j < m)[:, None] & (c < K)[None, :]
     w = tl.load(FN + j[:, None] * K + c[None, :], mask=fm, other=0.0)  # [MP, BK]
     dw = tl.zeros([MP, BK], tl.float32)
-    for r0 in range(grp * span, tl.minimum(grp * span + span, R), BS):
+    if IN_STREAM:
+        stream = tl.program_id(0) * BK // d
+        e = tl.program_id(0) * BK - stream * d + tl.arange(0, BK)  # columns within the stream
+    else:
+        stream = 0
+        e = c % d
+    lo = grp * span
+    hi = tl.minimum(lo + span, R)
+    if PREFETCH:
+        xs, g, s, wi, du, dxp = _bwd_loads(X, DMM, C, W, DU, DXP, lo, hi, K, m, n, d, c, cols, j, e, stream, BS,
+                                           ADD_WDU, ADD_DXP, IN_STREAM)
+    for r0 in range(lo, hi, BS):
+        if PREFETCH:
+            nx = _bwd_loads(X, DMM, C, W, DU, DXP, r0 + BS, hi, K, m, n, d, c, cols, j, e, stream, BS, ADD_WDU,
+                            ADD_DXP, IN_STREAM)
+        else:
+            xs, g, s, wi, du, dxp = _bwd_loads(X, DMM, C, W, DU, DXP, r0, hi, K, m, n, d, c, cols, j, e, stream,
+                                               BS, ADD_WDU, ADD_DXP, IN_STREAM)
         r = r0 + tl.arange(0, BS)
-        rows = r < R
         offs = r.to(tl.int64)[:, None] * K + c[None, :]
-        mask = rows[:, None] & cols[None, :]
-        xs = tl.load(X + offs, mask=mask, other=0.0)
+        mask = (r < hi)[:, None] & cols[None, :]
         x = xs.to(tl.float32)
-        g = tl.load(DMM + r[:, None] * m + j[None, :], mask=rows[:, None] & (j < m)[None, :], other=0.0)
-        s = tl.load(C + r, mask=rows, other=0.0)
         dx = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC) + s[:, None] * x  # [BS, BK]
         if ADD_WDU:
-            if IN_STREAM:
-                stream = tl.program_id(0) * BK // d
-                wi = tl.load(W + r * n + stream, mask=rows, other=0.0)[:, None]  # [BS, 1]
-                e = tl.program_id(0) * BK - stream * d + tl.arange(0, BK)  # columns within the stream
-            else:
-                wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)  # [BS, BK]
-                e = c % d
-            du = tl.load(DU + r.to(tl.int64)[:, None] * d + e[None, :], mask=mask, other=0.0)
             dx += wi * du.to(tl.float32)
         if ADD_DXP:
-            dx += tl.load(DXP + offs, mask=mask, other=0.0).to(tl.float32)
+            dx += dxp.to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         if PREC == "bf16x3":
-            hi, mid, lo = _bf16x3(tl.trans(g))  # [MP, BS] each
-            dw += _dot3(hi, mid, lo, xs, xs, xs, UPCAST)  # [MP, BK]
+            h0, h1, h2 = _bf16x3(tl.trans(g))  # [MP, BS] each
+            dw += _dot3(h0, h1, h2, xs, xs, xs, UPCAST)  # [MP, BK]
         else:
             dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
+        if PREFETCH:
+            xs, g, s, wi, du, dxp = nx
     tl.store(DFN + grp * m * K + j[:, None] * K + c[None, :], dw, mask=fm)
 
 
@@ -548,7 +587,8 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
                                                       MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
                                                       BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, ADD_WDU=add,
                                                       ADD_DXP=dxp is not None,
-                                                      IN_STREAM=_in_stream(k // n, t["BK"]), num_warps=t["warps"],
+                                                      IN_STREAM=_in_stream(k // n, t["BK"]),
+                                                      PREFETCH=t.get("prefetch", False), num_warps=t["warps"],
                                                       num_stages=t.get("stages", 3))
     else:
         dfn.zero_()
