@@ -806,8 +806,8 @@ def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
     assert rel(gx.float().cpu(), gx_ref) < TOL
     keep = xs[-1] - 2 * cs[-1]
     assert torch.equal(out[..., :keep].cpu(), x[..., :keep].to(DTYPE))
-    # in place (a backward's fresh gradient): the same bits, touching the rotated columns only
-    y = x.to(DEV, DTYPE)
+    # in place (as on a backward's fresh gradient): the same bits
+    y = x.to(DEV, DTYPE, copy=True)
     assert ew.apply_rope_(y, cos.to(DEV), sin.to(DEV), inverse) is y
     assert torch.equal(y.cpu(), out.detach().cpu())
 

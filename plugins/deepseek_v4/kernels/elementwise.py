@@ -181,8 +181,8 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     if r:
         hp = triton.next_power_of_2(max(half, 1))
         dp = triton.next_power_of_2(d) if out is None else 2 * hp
-        _rope[(triton.cdiv(r, _tile_rows(dp)),)](x, cos, sin, y, r, heads, d, half, sign, BR=_tile_rows(dp), DP=dp,
-                                                 HP=hp, COPY=out is None)
+        br = _tile_rows(dp)
+        _rope[(triton.cdiv(r, br),)](x, cos, sin, y, r, heads, d, half, sign, BR=br, DP=dp, HP=hp, COPY=out is None)
     return y
 
 

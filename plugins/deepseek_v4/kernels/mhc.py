@@ -471,8 +471,8 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
                ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
     dx's dmm @ fn runs tf32x3 under "bf16x3" too. Its bf16 pieces (g0 w0 + g0 w1 + g1 w0, w's
-    split out of the loop) tied at these tiles on the H100 (150 us either way); they were
-    faster only at BS 32 BK 128 (135 us, where tf32x3 took 274), not kept for 10%.
+    split out of the loop) tied on the H100 at BS 64 without PREFETCH (150 us either way);
+    they were faster only at BS 32 BK 128 (135 us, where tf32x3 took 274), not kept for 10%.
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
     n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre; IN_STREAM: each column
     block lies in one stream (BK divides d), so W is one column and DU's columns are a
