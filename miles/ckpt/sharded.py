@@ -27,6 +27,7 @@ import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from miles.ckpt import safe_metadata
@@ -137,6 +138,12 @@ def save(directory: str, model, optimizer, scheduler, world: int, rank: int,
     hold locks at that instant, can hang in the child while the parent waits on it forever (a
     DP=2 job hung in its second save on CI; Ray advises against forking in actors)."""
     sd = sharded_state_dict(model, optimizer, scheduler, world, rank)
+    # The files are written in this process (_write_here), so their results need no queue
+    # between processes: Megatron's, made on its first use, is a multiprocessing Manager's
+    # (a spawned interpreter: ~2 s at the first save, and every save's results pickled
+    # through it, ~4 s of its CPU in a 3-step tiny job).
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
     request = dist_checkpointing.save(sd, directory, content_metadata=OPTIM_FORMAT, async_sharded_save=True)
     if request.async_fn is not None:  # None: nothing to write on this rank
         multiproc = request.async_fn

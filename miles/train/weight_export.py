@@ -10,13 +10,16 @@ from collections.abc import Iterator
 
 import torch
 
-from miles.ckpt.sharded import model_tensors
 from miles.rollout.weights import cut_names
 
 
 def _items(model) -> Iterator[tuple[str, torch.Tensor, list[int], bool]]:
     """(name, this rank's tensor, full shape, this rank exports it) for every model tensor."""
+    # Megatron loads in the worker's process only: the driver imports this module through
+    # TrainWorker (the actor's class), and Megatron's import is ~4 s of CPU a job.
     from megatron.core import parallel_state as ps
+
+    from miles.ckpt.sharded import model_tensors
 
     dense_owner = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     expert_owner = ps.get_expert_data_parallel_rank() == 0  # each expert lives on one EP rank
