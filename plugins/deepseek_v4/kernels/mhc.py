@@ -451,7 +451,7 @@ def _bwd_loads(X, DMM, C, W, DU, DXP, r0, hi, K, m, n, d, c, cols, j, e, stream,
     s = tl.load(C + r, mask=rows, other=0.0)
     if ADD_WDU:
         if IN_STREAM:
-            wi = tl.load(W + r * n + stream, mask=rows, other=0.0)[:, None] + tl.zeros([BS, 1], tl.float32)
+            wi = tl.load(W + r * n + stream, mask=rows, other=0.0)[:, None]  # [BS, 1]
         else:
             wi = tl.load(W + r[:, None] * n + (c // d)[None, :], mask=mask, other=0.0)
         du = tl.load(DU + r.to(tl.int64)[:, None] * d + e[None, :], mask=mask, other=0.0)
