@@ -9,6 +9,8 @@ every supervised span, fed to the recipe's stream processor, parses back to its 
 from __future__ import annotations
 
 import json
+import random
+import string
 
 import deepseek_recipe as dr
 import pytest
@@ -165,6 +167,45 @@ def test_thinking_without_tools_supervises_the_last_turn_as_generated(tok, name)
         prompt = encode(tok, messages[:t], True, None)
         assert s_ids[:len(prompt)] == prompt and spans(s_mask) == [(len(prompt), len(s_ids))]
         assert_parses_back(tok, s_ids, len(prompt), len(s_ids), messages[t], True, None)
+
+
+def random_text(rng: random.Random) -> str:
+    words = ["".join(rng.choices(string.ascii_letters + string.digits, k=rng.randint(1, 9)))
+             for _ in range(rng.randint(1, 12))]
+    return " ".join(words) + rng.choice(["", ".", "?", "\nso " + rng.choice(words)])
+
+
+@pytest.mark.parametrize("with_calls", [False, True])
+def test_thinking_turn_with_empty_content_closes_its_reasoning(tok, with_calls):
+    """Guards a thinking-mode turn with empty content (reasoning only, or reasoning and tool
+    calls) losing its `</think>`: the recipe's `prefix` continuation of such a turn leaves the
+    reasoning open. Each sample (expand: one per turn, earlier and last) is the recipe's encode
+    of the messages before the turn plus the turn exactly as the recipe renders it complete
+    (where history keeps reasoning: with tools), `<think>` R `</think>` [calls] end of sentence;
+    everything after the header is trained, as for a turn with content, and the whole
+    conversation with tools supervises the same tokens."""
+    rng = random.Random()
+    first = {"role": "assistant", "content": "", "reasoning_content": random_text(rng)}
+    if with_calls:
+        first["tool_calls"] = [call("add", {"a": rng.randint(0, 999), "b": rng.randint(0, 999)})]
+    messages = [{"role": "user", "content": random_text(rng)}, first,
+                {"role": "tool", "tool_call_id": "call_0", "content": str(rng.randint(0, 9999))} if with_calls
+                else {"role": "user", "content": random_text(rng)},
+                {"role": "assistant", "content": "", "reasoning_content": random_text(rng)}]
+    eos, think_end = tok.encode(EOS)[0], tok.encode("</think>")[0]
+    samples = conversation_samples(messages, tok, thinking=True, thinking_turns="expand")
+    assert samples[-1] == tokenize_conversation(messages, tok, thinking=True)
+    whole_ids, whole_mask = tokenize_conversation(messages, tok, thinking=True, tools=TOOLS)
+    assert len(samples) == 2
+    for (ids, mask), t, (a, b) in zip(samples, [1, 3], spans(whole_mask), strict=True):
+        before = encode(tok, messages[:t], True, TOOLS)
+        complete = encode(tok, messages[:t + 1], True, TOOLS)
+        turn = complete[len(before):complete.index(eos, len(before)) + 1]
+        assert turn.count(think_end) == 1 and (turn[-2] == think_end) != bool(messages[t].get("tool_calls"))
+        prompt = encode(tok, messages[:t], True, None)
+        assert ids == prompt + turn and mask == [0] * len(prompt) + [1] * len(turn)
+        assert whole_ids[a:b] == turn
+        assert_parses_back(tok, ids, len(prompt), len(ids), messages[t], True, None)
 
 
 @pytest.mark.parametrize("effort", ["low", "max"])

@@ -18,8 +18,11 @@ is dropped), thinking mode always has some (empty if none is given).
 - Thinking mode without tools: the sample is the encode of the messages before a trained
   turn (ending with its `<think>` header) followed by that turn's completion (reasoning,
   `</think>`, content or tool calls: the recipe's render of the turn as a continued
-  `prefix` message) and the end-of-sentence token; only the completion is supervised. By
-  default the last trained turn makes the sample; `thinking_turns="expand"` makes one per
+  `prefix` message) and the end-of-sentence token; only the completion is supervised. A
+  prefix with empty content continues its reasoning (no `</think>`), so a turn with empty
+  content (reasoning only, or reasoning and tool calls) gets its reasoning closed as the
+  recipe renders a complete turn: `<think>` reasoning `</think>`, tool calls, end of sentence.
+  By default the last trained turn makes the sample; `thinking_turns="expand"` makes one per
   trained turn.
 
 Messages are OpenAI-style dicts: role system/user/assistant/tool, content, optional
@@ -60,12 +63,16 @@ def load_tokenizer(path: str | None = None) -> dr.Tokenizer:
     return dr.Tokenizer.from_file(path)
 
 
+def _special_id(tokenizer: dr.Tokenizer, token: dr.SpecialToken) -> int:
+    ids = tokenizer.encode(token.default_str())
+    if len(ids) != 1:
+        raise ValueError(f"the tokenizer has no single token for {token.default_str()!r}")
+    return ids[0]
+
+
 @functools.lru_cache(maxsize=8)
 def _encoding(tokenizer: dr.Tokenizer) -> tuple[dr.DeepseekV4Encoding, int]:
-    eos = tokenizer.encode(dr.SpecialToken.Eos.default_str())
-    if len(eos) != 1:
-        raise ValueError(f"the tokenizer has no single token for {dr.SpecialToken.Eos.default_str()!r}")
-    return dr.DeepseekV4Encoding().with_tokenizer(tokenizer), eos[0]
+    return dr.DeepseekV4Encoding().with_tokenizer(tokenizer), _special_id(tokenizer, dr.SpecialToken.Eos)
 
 
 # --------------------------------------------------------------------------- messages
@@ -109,8 +116,8 @@ def tool_definitions(tools: list[dict] | None) -> list[dr.ToolDefinition] | None
 
 def _assistant(m: dict, i: int, thinking: bool, prefix: bool = False) -> dr.AssistantMessage:
     """A turn as the model generates it in this mode: in chat mode no reasoning (its header is
-    `</think>`); in thinking mode the reasoning, empty if none (`<think></think>`: without it
-    the recipe would render the turn with chat mode's header)."""
+    `</think>`); in thinking mode the reasoning, empty if none (without it the recipe would
+    render the turn with chat mode's header)."""
     reasoning = m.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise ChatFormatError(f"message {i}: 'reasoning_content' must be a string")
@@ -158,7 +165,8 @@ def conversation_samples(messages: list[dict], tokenizer: dr.Tokenizer | None = 
     """(input_ids, loss_mask) samples of one conversation (see the module's rule).
     `reasoning_effort` (thinking mode: low, high, xhigh, max; None = the recipe's default,
     high) picks the preamble the recipe puts before the conversation."""
-    enc, eos = _encoding(tokenizer or load_tokenizer())
+    tokenizer = tokenizer or load_tokenizer()
+    enc, eos = _encoding(tokenizer)
     msgs, trained = to_messages(messages, thinking)
     defs = tool_definitions(tools)
 
@@ -168,12 +176,24 @@ def conversation_samples(messages: list[dict], tokenizer: dr.Tokenizer | None = 
     effort = reasoning_effort if thinking else None
 
     if thinking and not defs:
+        think_end = _special_id(tokenizer, dr.SpecialToken.ThinkingEnd)
         turns = trained if thinking_turns == "expand" else trained[-1:]
         out = []
         for t in turns:
             prompt = encode(msgs[:t])
-            continued = encode(msgs[:t] + [_assistant(messages[t], t, thinking=True, prefix=True)])
+            turn = _assistant(messages[t], t, thinking=True, prefix=True)
+            continued = encode(msgs[:t] + [turn])
             _check_prefix(prompt, continued, f"message {t}'s completion")
+            if think_end not in continued[len(prompt):]:  # the id never comes from text
+                # Empty content: the prefix continues the reasoning. The complete turn, as the
+                # recipe renders one in history that keeps reasoning, closes it before the
+                # tool calls: the reasoning's continuation, `</think>`, the calls' continuation.
+                reasoning = encode(msgs[:t] + [dr.AssistantMessage("", turn.reasoning_content, prefix=True)])
+                calls = (encode(msgs[:t] + [dr.AssistantMessage("", "", turn.tool_calls, prefix=True)])
+                         if turn.tool_calls else prompt)
+                _check_prefix(prompt, reasoning, f"message {t}'s reasoning")
+                _check_prefix(prompt, calls, f"message {t}'s tool calls")
+                continued = reasoning + [think_end] + calls[len(prompt):]
             out.append((continued + [eos], [0] * len(prompt) + [1] * (len(continued) - len(prompt) + 1)))
         return out
     whole = encode(msgs)
