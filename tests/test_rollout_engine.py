@@ -230,25 +230,64 @@ def _http_response(s: socket.socket) -> bytes:
 
 def test_http_api_serves_sglang_shapes(server):
     """Text in and out with the tokenizer, batches, output_token_logprobs as [logprob, id,
-    None], stop strings trimmed from the text, the info endpoints the router reads."""
+    None], the info endpoints the router reads."""
     svc, client = server
     r = client.post("/generate", json={"text": ["hello", "a b c"], "return_logprob": True,
                                        "sampling_params": {"max_new_tokens": 5, "seed": 1}}).json()
     assert len(r) == 2 and all(len(x["output_ids"]) == len(x["meta_info"]["output_token_logprobs"]) for x in r)
     lp = r[0]["meta_info"]["output_token_logprobs"]
     assert all(x[1] == t and x[0] <= 0 and x[2] is None for x, t in zip(lp, r[0]["output_ids"], strict=True))
-    free = client.post("/generate", json={"text": "hello", "sampling_params": {"temperature": 0,
-                                                                               "max_new_tokens": 12}}).json()
-    stop = free["text"][3:5]
-    if stop:
-        got = client.post("/generate", json={"text": "hello", "sampling_params": {
-            "temperature": 0, "max_new_tokens": 12, "stop": stop}}).json()
-        assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        assert stop not in got["text"]
     for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
         assert client.get(path).json()["vocab_size"] == 512
     assert client.get("/health_generate").status_code == 200
-    assert client.post("/flush_cache").status_code == 200
+
+
+def _stop_piece(tok, out: list[int]) -> tuple[str, int]:
+    """A stop string the greedy continuation `out` hits mid-way: the text of its first whole,
+    non-special token (after the first) that appends cleanly to the text before it and is not
+    already in it; and after how many tokens of `out` it is hit."""
+    for k in range(1, len(out) - 1):
+        head, piece = tok.decode(out[:k], skip_special_tokens=False), tok.decode([out[k]])
+        if piece and "\ufffd" not in piece and piece not in head and \
+                tok.decode(out[: k + 1], skip_special_tokens=False) == head + piece:
+            return piece, k + 1
+    raise AssertionError(f"no token of {out} decodes to a clean new piece of text: pick another prompt")
+
+
+def test_stop_strings_end_generation_and_are_trimmed(server):
+    """A stop string ends a request at the token that completes it (a check that never looked
+    at the text ran on to max_new_tokens), finish_reason names it, and the text ends just
+    before it, or just after with no_stop_trim. The stop string is a piece of what the same
+    greedy request generates without it, so it is hit whatever the model's weights."""
+    svc, client = server
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    free = client.post("/generate", json={"text": "hello", "sampling_params": sp}).json()
+    out = free["output_ids"]
+    assert len(out) == 12
+    stop, n = _stop_piece(svc.tokenizer, out)
+    full = svc.tokenizer.decode(out[:n])
+    assert full.endswith(stop)
+    for no_trim, text in ((False, full[: full.index(stop)]), (True, full)):
+        got = client.post("/generate", json={"text": "hello", "sampling_params": {
+            **sp, "stop": ["\x00never", stop], "no_stop_trim": no_trim}}).json()
+        assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}, f"no_stop_trim={no_trim}"
+        assert got["output_ids"] == out[:n], f"no_stop_trim={no_trim}: did not stop at token {n}"
+        assert got["text"] == text, f"no_stop_trim={no_trim}: {got['text']!r} != {text!r}"
+
+
+def test_flush_cache_leaves_generation_unchanged(server):
+    """SGLang clients (the router, weight-update scripts) call /flush_cache; it must answer
+    success and change nothing that generation depends on: the same greedy tokens and log-probs
+    after it as before (a flush that dropped the slot cache or the weights would break them)."""
+    svc, client = server
+    body = {"input_ids": [7, 8, 9, 10], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+            "return_logprob": True}
+    before = client.post("/generate", json=body).json()
+    r = client.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    after = client.post("/generate", json=body).json()
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
 
 
 def test_flat_buckets_round_trip_mixed_dtypes(seed):
@@ -270,16 +309,52 @@ def test_flat_buckets_round_trip_mixed_dtypes(seed):
 def test_release_and_resume_memory_keep_weights_and_cache(server):
     """Colocation: releasing memory empties the weights' and the slot cache's storages (the
     bytes go to the host), resuming brings them back bit for bit: the same greedy tokens and
-    log-probs as before. A weight update while released is refused, not half-applied."""
+    log-probs as before. A weight update while released is refused by the released guard (an
+    update that succeeds once resumed: the engine's own weights, so only the guard can refuse
+    it), not half-applied."""
+    from miles.rollout.weights import encode_tensors
+
     svc, client = server
     body = {"input_ids": [4, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True}
     before = client.post("/generate", json=body).json()
+    own = svc.with_weights(lambda tensors, _: {k: v.detach().cpu().clone() for k, v in tensors.items()})
+    update = {"serialized_named_tensors": [encode_tensors(own)]}
+    version = svc.engine.weight_version
     r = client.post("/release_memory_occupation").json()
     weights = sum(p.numel() * p.element_size() for p in svc.model.parameters())
     assert r["success"] and r["freed_bytes"] > weights
     assert all(p.untyped_storage().nbytes() == 0 for p in svc.model.parameters())
-    assert client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).status_code == 400
+    r = client.post("/update_weights_from_tensor", json=update)
+    assert r.status_code == 400, f"HTTP {r.status_code} {r.text[:200]}"
+    assert r.json()["message"].startswith("memory is released"), r.text[:200]
+    assert svc.engine.weight_version == version
     assert client.post("/resume_memory_occupation").json()["success"]
     after = client.post("/generate", json=body).json()
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    r = client.post("/update_weights_from_tensor", json=update)
+    assert r.status_code == 200, f"HTTP {r.status_code} {r.text[:200]}"
+    assert r.json()["success"] and r.json()["tensors"] == len(own) and r.json()["weight_version"] == version + 1
+    again = client.post("/generate", json=body).json()
+    assert again["output_ids"] == before["output_ids"]
+    assert again["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+
+def test_sampled_log_probs_are_those_of_the_tempered_distribution(seed):
+    """Guards the engine reporting temperature-1 log-probs while sampling at another
+    temperature (the RL trainer computes log-probs at the rollouts' temperature): each row's
+    log-prob is log_softmax(logits / T) of its token, before top-k / top-p cut the
+    distribution (as SGLang reports them); greedy rows (temperature 0) report temperature 1's."""
+    from miles.rollout.sampling import sample
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 50, generator=g) * 3
+    params = [SamplingParams(temperature=0.7, seed=seed), SamplingParams(temperature=1.6, top_k=5, seed=seed + 1),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_p=0.8, seed=seed + 2)]
+    tokens, logp = sample(logits, params, [p.generator(logits.device) for p in params])
+    assert torch.isfinite(logp).all()
+    temps = torch.tensor([0.7, 1.6, 1.0, 0.5])[:, None]
+    want = torch.log_softmax(logits.double() / temps, -1).gather(-1, tokens[:, None])[:, 0]
+    assert_close(logp, want.float(), atol=1e-6, what="tempered log-probs")
+    assert tokens[2] == logits[2].argmax()
+    assert (torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] - logp).abs()[[0, 1, 3]].min() > 1e-3
