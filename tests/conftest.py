@@ -17,8 +17,6 @@ from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 
 
 def pytest_addoption(parser):
-    parser.addoption("--all-layouts", action="store_true",
-                     help="run every combined parallel layout (make test runs a rotating subset)")
     parser.addoption("--bf16", action="store_true",
                      help="test_parallel_layouts in bf16 against one process's bf16 errors, as on GPUs")
 
