@@ -168,11 +168,13 @@ def test_aux_losses_do_not_change_when_positions_are_masked_as_prompt(seed):
     assert n_first["lm"] != n_base["lm"] and n_first["mtp"] == n_base["mtp"]
 
 
-def test_policy_loss_in_the_trainer_is_the_algo_formula(seed):
-    """The trainer's policy loss (weights of the global batch in the micro-batch) equals
-    miles.algo.losses.policy_loss on the model's own log-probs, loss and gradient; the
-    entropy metric equals the softmax's."""
-    from miles.algo.losses import aggregation_weights, policy_loss
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
+    """The trainer's policy loss with the RL loop's token weights (response_weights, GRPO's
+    per-response mean) equals the clipped objective (ALGORITHMS.md) written out here in
+    float64 from the logits at the rollouts' temperature, log_softmax(z / T): loss, head
+    gradient, clip fraction; the entropy metric is the tempered softmax's too."""
+    from miles.algo.losses import response_weights
 
     model = tiny_model(seed)
     ids = random_ids(seed, 3, 24)
@@ -186,29 +188,37 @@ def test_policy_loss_in_the_trainer_is_the_algo_formula(seed):
         lp0 = losses.compute(model, MicroBatch(ids, lab, mask))[1].logprobs
     old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
     adv = torch.tensor([1.3, -0.8, 0.4])
-    opts = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 3.0}
+    weights = torch.tensor(response_weights([int(n) for n in mask.sum(1)], "seq_mean_token_mean", 24))
+    opts = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 3.0, "temperature": temperature}
     mb = MicroBatch(ids, lab, mask, advantages=adv[:, None].expand_as(mask).contiguous() * mask, old_logprobs=old,
-                    token_weights=aggregation_weights(mask, "seq_mean_token_mean").float())
+                    token_weights=(weights[:, None] * mask).float())
     out, res = losses.compute(model, mb, losses.LossCoefs(mtp=0.0, indexer=0.0), name="policy", options=opts)
     (gw,) = torch.autograd.grad(res.loss, [model.head.weight], retain_graph=True)
-    lp = losses.label_logprobs(model.ctx, out.logits, mb)
-    want, metrics = policy_loss(lp, old, adv, mask, agg="seq_mean_token_mean", **opts)
+    z = out.logits.double() / temperature  # [B, S, V]
+    lp = torch.log_softmax(z, -1).gather(-1, lab.clamp_min(0)[..., None])[..., 0]
+    ratio, a = torch.exp(lp - old.double()), adv.double()[:, None]
+    pg = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.28))
+    pg = torch.where(a < 0, torch.minimum(pg, -a * 3.0), pg)  # dual clip
+    want = (pg * weights.double()[:, None] * mask).sum()
     (gw_want,) = torch.autograd.grad(want, [model.head.weight])
     assert_close(res.loss, want.detach(), atol=1e-6, what="loss")
     assert_close(gw, gw_want, atol=1e-6, what="head gradient")
-    assert res.metrics["pg_clipfrac"].item() == metrics["pg_clipfrac"].item() > 0
-    p = torch.softmax(out.logits.detach().double(), -1)
+    clipped = ((-a * ratio.clamp(0.8, 1.28) > -a * ratio).double() * mask).sum() / mask.sum()
+    assert res.metrics["pg_clipfrac"].item() == pytest.approx(clipped.item(), abs=1e-6) and clipped > 0
+    p = torch.softmax(z.detach(), -1)
     entropy = (-(p * p.log()).sum(-1) * mask).sum() / mask.sum()
     assert abs(res.metrics["entropy"].item() - entropy.item()) <= 1e-5 * entropy.item()
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 1, 7])
-def test_chunked_head_logprobs_equal_the_full_logits(seed, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("chunk_rows, temperature, fused", [(None, 1.0, False), (1, 1.0, False), (7, 1.0, False),
+                                                             (None, 0.7, False), (7, 1.3, False), (7, 0.7, True)])
+def test_chunked_head_logprobs_equal_the_full_logits(seed, chunk_rows, temperature, fused, monkeypatch):
     """ctx.head_logprobs / head_entropy (the trainer's path: no [N, V] logits kept) against
-    log-softmax of the whole logits: values and the gradients of the hidden state and the
-    head weight (fp32, fresh asymmetric inputs, ignored labels, one chunk, 7-row chunks
-    with a ragged last one, 1-row chunks). One chunk's log-probabilities are the full path's
-    bits; the gradients are the head's own in-place formula (1e-5)."""
+    log-softmax of the whole logits divided by the temperature: values and the gradients of
+    the hidden state and the head weight (fp32, fresh asymmetric inputs, ignored labels, one
+    chunk, 7-row chunks with a ragged last one, 1-row chunks; the fused kernels too). At
+    temperature 1 one chunk's log-probabilities are the full path's bits; the gradients are
+    the head's own in-place formula (1e-5)."""
     from plugins.deepseek_v4 import parallel
     from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
 
@@ -224,14 +234,15 @@ def test_chunked_head_logprobs_equal_the_full_logits(seed, chunk_rows, monkeypat
     runs = []
     for chunked in (False, True):
         y, w = y0.clone().requires_grad_(), w0.clone().requires_grad_()
-        head = VocabHead(y, w, ctx)
-        lp = ctx.head_logprobs(head, labels) if chunked else ctx.token_logprobs(head.logits(), labels)
-        ent = ctx.head_entropy(head) if chunked else ctx.token_entropy(head.logits())
+        head = VocabHead(y, w, ctx, fused=fused)
+        lp = (ctx.head_logprobs(head, labels, temperature) if chunked
+              else ctx.token_logprobs(head.logits() / temperature, labels))
+        ent = ctx.head_entropy(head, temperature) if chunked else ctx.token_entropy(head.logits() / temperature)
         lp = torch.where(labels != IGNORE_INDEX, lp, 0.0)
         (lp * cot).sum().backward()
         runs.append((lp.detach(), ent, y.grad, w.grad))
     for name, a, b in zip(("logprobs", "entropy", "d y", "d w"), runs[1], runs[0], strict=True):
         assert_close(a, b, atol=1e-5, rtol=1e-5, what=name)
-        if chunk_rows is None and name == "logprobs":  # one chunk: the very operations of the full path
+        if chunk_rows is None and temperature == 1 and name == "logprobs":  # one chunk: the full path's operations
             assert torch.equal(a, b), f"{name}: one chunk is not bitwise the full logits' path"
     assert runs[0][2].abs().sum() > 0 and runs[0][3].abs().sum() > 0

@@ -1,9 +1,10 @@
 """The clipped policy-gradient loss with DAPO's options (ALGORITHMS.md).
 
 One formula per token (`token_terms`) and the aggregation as per-token weights
-(`sequence_weight`): the loss is sum_t weight_t * pg_t. The trainer's workers use the same two
-pieces on micro-batches, with the weights computed once over the whole global batch, so the
-aggregation does not depend on how the batch is split.
+(`response_weights`): the loss is sum_t weight_t * pg_t. The RL loop computes the weights once
+per optimizer step's batch (miles.rl.to_samples) and the trainer's workers apply token_terms
+to their micro-batches (miles.train.losses.policy_loss), so the aggregation does not depend on
+how the batch is split.
 """
 
 from __future__ import annotations
@@ -39,27 +40,20 @@ def token_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return pg, clipped
 
 
-def sequence_weight(tokens: int, total_tokens: int, sequences: int, agg: str, norm_len: int) -> float:
-    """The weight of each token of a response of `tokens` tokens in a batch of `sequences`
-    responses and `total_tokens` tokens:
-      token_mean              1 / total_tokens             (DAPO: every token counts alike);
-      seq_mean_token_mean     1 / (tokens * sequences)     (GRPO: every response counts alike);
-      seq_mean_token_sum_norm 1 / (norm_len * sequences)   (Dr. GRPO: a constant length)."""
+def response_weights(trained: list[int], agg: str, norm_len: int) -> list[float]:
+    """The weight of each token of each response in one optimizer step's batch, from the
+    responses' trained-token counts:
+      token_mean              1 / the batch's trained tokens   (DAPO: every token counts alike);
+      seq_mean_token_mean     1 / (tokens * responses)         (GRPO: every response counts alike);
+      seq_mean_token_sum_norm 1 / (norm_len * responses)       (Dr. GRPO: a constant length).
+    `responses` counts those with a trained token: one with none (a multi-turn response whose
+    turns were all the environment's) has no mean to average, and its weight is 0."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {agg!r}; known: {', '.join(AGGREGATIONS)}")
-    if tokens == 0:
-        return 0.0
+    total, rows = sum(trained), sum(n > 0 for n in trained)
     if agg == "token_mean":
-        return 1.0 / total_tokens
-    return 1.0 / ((tokens if agg == "seq_mean_token_mean" else norm_len) * sequences)
-
-
-def aggregation_weights(mask: torch.Tensor, agg: str, norm_len: int | None = None) -> torch.Tensor:
-    """mask [B, T] (1 = a response token, one response per row) -> per-token weights [B, T]."""
-    m = mask.to(torch.float64)
-    tokens, rows = m.sum(1), int((m.sum(1) > 0).sum())
-    w = [sequence_weight(int(n), int(tokens.sum()), rows, agg, norm_len or mask.shape[1]) for n in tokens.tolist()]
-    return m * torch.tensor(w, dtype=torch.float64)[:, None]
+        return [1.0 / total if n else 0.0 for n in trained]
+    return [1.0 / ((n if agg == "seq_mean_token_mean" else norm_len) * rows) if n else 0.0 for n in trained]
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -73,22 +67,3 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     if kind == "k3":
         return torch.exp(-d) - 1 + d
     raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
-
-
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float | None = None,
-                agg: str = "token_mean", rollout_logp: torch.Tensor | None = None, tis_cap: float | None = None,
-                norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss over a batch of [B, T] tensors (one response per row; advantages [B, T] or [B]),
-    mask [B, T] (1 = a response token), aggregated as `agg` (see sequence_weight; Dr. GRPO's
-    norm_len defaults to T). Returns the loss and the token means pg_clipfrac and ppo_kl
-    (detached)."""
-    a = advantages[:, None] if advantages.dim() == 1 else advantages
-    pg, clipped = token_terms(logp, old_logp, a, eps_low, eps_high, dual_clip, rollout_logp, tis_cap)
-    w = aggregation_weights(mask, agg, norm_len).to(pg.dtype)
-    loss = (pg * w).sum()
-    with torch.no_grad():
-        m = mask.to(logp.dtype)
-        n = m.sum().clamp_min(1)
-        metrics = {"pg_clipfrac": (clipped.to(m.dtype) * m).sum() / n, "ppo_kl": ((old_logp - logp) * m).sum() / n}
-    return loss, metrics

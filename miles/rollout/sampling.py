@@ -1,8 +1,10 @@
 """Sampling parameters (SGLang's names) and token sampling with a generator per request.
 
 Each request draws from its own torch.Generator, so a seeded request samples the same
-tokens whatever else shares its batch. Log-probs are those of the model's distribution
-(log_softmax of the raw logits, temperature 1), what the trainer's forward computes.
+tokens whatever else shares its batch. Log-probs are those of the distribution sampled from
+at its temperature, log_softmax(logits / temperature), before top-k / top-p / min-p cut it (as
+SGLang reports them; greedy requests: temperature 1): what an RL trainer computes at the same
+temperature.
 """
 
 from __future__ import annotations
@@ -64,16 +66,18 @@ class SamplingParams(BaseModel):
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> sampled tokens [B] and their log-probs [B] under the model's own
-    distribution. Row b follows params[b] (temperature, top_k, top_p, min_p) and draws one
-    uniform number from gens[b]."""
+    """logits [B, V] fp32 -> sampled tokens [B] and their log-probs [B] under softmax(logits /
+    temperature) of each row (temperature 0, greedy: 1). Row b follows params[b]
+    (temperature, top_k, top_p, min_p) and draws one uniform number from gens[b]."""
     logits = logits.float()
-    logp = torch.log_softmax(logits, -1)
+    temps = [p.temperature or 1.0 for p in params]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / logits.new_tensor(temps)[:, None]
+    logp = torch.log_softmax(scaled, -1)
     tokens = logits.argmax(-1)
     for b, (p, g) in enumerate(zip(params, gens, strict=True)):
         if p.greedy:
             continue
-        row = logits[b] / p.temperature
+        row = scaled[b]
         if p.top_k > 0 and p.top_k < row.numel():
             row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
         probs = torch.softmax(row, -1)

@@ -37,7 +37,7 @@ class MicroBatch:
                 position t predicts, its log-probability under the policy before this
                 rollout's updates (None: the current one, detached), under the engine that
                 sampled it, under the reference model; token_weights the aggregation weight
-                (miles.algo.losses.sequence_weight, the global batch's normaliser included).
+                (miles.algo.losses.response_weights, the global batch's normaliser included).
     """
 
     input_ids: torch.Tensor

@@ -52,6 +52,11 @@ class PolicyOptions:
     tis_cap: float | None = None  # truncated importance sampling of the rollout/train mismatch
     kl_coef: float = 0.0  # weight of the KL to the reference policy (needs ref_logprobs)
     kl_estimator: str = "k3"
+    temperature: float = 1.0  # the rollouts' sampling temperature: log-probs of logits / temperature
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy rollouts: 1), got {self.temperature}")
 
 
 @dataclass
@@ -85,12 +90,16 @@ def aux_loss(aux: dict[str, torch.Tensor], norm: dict[str, torch.Tensor], coef: 
     return total, metrics
 
 
-def label_logprobs(ctx: ParallelContext, logits: torch.Tensor | VocabHead, mb: MicroBatch) -> torch.Tensor:
-    """log p(label) [B, s] for this rank's chunk of `mb` (context parallel), 0 where there is
-    no label; differentiable. From a head (the trainer's path: chunked, no [B, s, V] logits
-    kept) or from logits."""
+def label_logprobs(ctx: ParallelContext, logits: torch.Tensor | VocabHead, mb: MicroBatch,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(label) [B, s] under softmax(logits / temperature) for this rank's chunk of `mb`
+    (context parallel), 0 where there is no label; differentiable. From a head (the trainer's
+    path: chunked, no [B, s, V] logits kept) or from logits."""
     labels = mb.labels[:, ctx.seq_chunk(mb.shape[1])]
-    lp = ctx.head_logprobs(logits, labels) if isinstance(logits, VocabHead) else ctx.token_logprobs(logits, labels)
+    if isinstance(logits, VocabHead):
+        lp = ctx.head_logprobs(logits, labels, temperature)
+    else:
+        lp = ctx.token_logprobs(logits if temperature == 1.0 else logits / temperature, labels)
     return torch.where(labels != IGNORE_INDEX, lp, 0.0)
 
 
@@ -124,12 +133,14 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
     micro-batch's token_weights, which carry the aggregation and the global batch's
     normaliser; plus the KL to the reference (same weights), MTP's cross-entropy on the
     response tokens and the auxiliary terms. Metrics (token means over the global batch's
-    response tokens): pg_clipfrac, ppo_kl, entropy, train_rollout_logprob_abs_diff, kl_loss."""
+    response tokens): pg_clipfrac, ppo_kl, entropy, train_rollout_logprob_abs_diff, tis_weight,
+    tis_clipfrac, kl_loss. Log-probs and entropy are those of the rollouts' sampling
+    temperature (opts.temperature), the distribution the engines sampled from."""
     if mb.advantages is None or mb.token_weights is None:
         raise ValueError("the policy loss needs micro-batches with advantages and token_weights")
     cols = ctx.seq_chunk(mb.shape[1])
     m = mb.loss_mask[:, cols].float()
-    lp = label_logprobs(ctx, out.head, mb)  # [B, s]
+    lp = label_logprobs(ctx, out.head, mb, opts.temperature)  # [B, s]
     old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs[:, cols]
     roll = None if mb.rollout_logprobs is None else mb.rollout_logprobs[:, cols]
     pg, clipped = token_terms(lp, old, mb.advantages[:, cols], opts.eps_low, opts.eps_high, opts.dual_clip,
@@ -139,9 +150,13 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
     n = norm["lm"]
     metrics = {"pg_loss": loss.detach(), "pg_clipfrac": (clipped.float() * m).sum() / n,
                "ppo_kl": ((old - lp.detach()) * m).sum() / n,
-               "entropy": (ctx.head_entropy(out.head) * m).sum() / n}
+               "entropy": (ctx.head_entropy(out.head, opts.temperature) * m).sum() / n}
     if roll is not None:
         metrics["train_rollout_logprob_abs_diff"] = ((lp.detach() - roll).abs() * m).sum() / n
+        if opts.tis_cap is not None:  # the truncated IS weights token_terms applied
+            w = torch.exp(old - roll)
+            metrics["tis_weight"] = (w.clamp(max=opts.tis_cap) * m).sum() / n
+            metrics["tis_clipfrac"] = ((w > opts.tis_cap).float() * m).sum() / n
     if opts.kl_coef > 0:
         if mb.ref_logprobs is None:
             raise ValueError("algo.kl_coef > 0 needs the reference log-probs (ref_logprobs)")
@@ -149,6 +164,12 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
         loss = loss + opts.kl_coef * kl
         metrics["kl_loss"] = kl.detach()
     return _with_side_terms(loss, metrics, out, mb, norm, coef, ctx, m, lp)
+
+
+def temperature(name: str, options: dict | None = None) -> float:
+    """The temperature loss `name` takes its log-probs at (the policy loss's option; 1 for the
+    others): forward-only log-probs (old, reference) must use the same."""
+    return PolicyOptions(**(options or {})).temperature if name == "policy" else 1.0
 
 
 LOSSES = {"lm": lm_loss, "policy": policy_loss}

@@ -61,6 +61,7 @@ class TrainWorker:
         self.model: DeepSeekV4ForCausalLM | None = None
         self.ddp = self.opt = self.sched = None
         self.loss_fn, self.coef = losses.get("lm"), losses.LossCoefs()
+        self.temperature = 1.0
         self._metric_keys: list[str] | None = None
         self._profile = None
         self._asleep: list | None = None
@@ -159,6 +160,7 @@ class TrainWorker:
             raise ValueError("the sequence balance loss is per whole sequence: it cannot be split over "
                              "context-parallel ranks (use cp=1 or balance weight 0)")
         self.loss_fn, self.coef = losses.get(name, options), coef
+        self.temperature = losses.temperature(name, options)  # of forward_logprobs too
         self._metric_keys = None
 
     def setup_training(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine",
@@ -244,7 +246,7 @@ class TrainWorker:
                     stage_metrics[k] = stage_metrics.get(k, 0.0) + v
                 return (_AttachLoss.apply(out.hidden, aux) if aux.requires_grad else out.hidden), None
             if forward_only:
-                lp = losses.label_logprobs(ctx, out.head, mb)
+                lp = losses.label_logprobs(ctx, out.head, mb, self.temperature)
                 return lp, lambda t: (t, torch.ones((), dtype=torch.int), {"logprobs": t})
             res = self.loss_fn(out, mb, norm, self.coef, ctx)
             return res.loss, lambda t: (t, torch.ones((), dtype=torch.int),
@@ -474,11 +476,12 @@ class TrainWorker:
     def weight_plan(self, bucket_bytes: int) -> list:
         return weight_export.plan(self.model, bucket_bytes)
 
-    def open_sync_group(self, host: str, port: int, rank: int, size: int) -> None:
-        """Join the weight-sync broadcast group with the engines (gloo on CPU, nccl on GPU)."""
+    def open_sync_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
+        """Join the weight-sync broadcast group with the engines (`backend`: the one the engines
+        use, from the job's resolved device)."""
         from miles.rollout.weights import open_group
 
-        self._sync_group = open_group(host, port, rank, size, "nccl" if torch.cuda.is_available() else "gloo")
+        self._sync_group = open_group(host, port, rank, size, backend)
 
     def broadcast_weights(self, plan: list[dict], bucket_bytes: int, me: int | None) -> dict[str, str]:
         """Send this rank's buckets to the engines over the sync group (`me` = this rank's index

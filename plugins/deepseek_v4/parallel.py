@@ -62,14 +62,14 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
-                rows: int, fused: bool) -> torch.Tensor:
+                rows: int, fused: bool, scale: float = 1.0) -> torch.Tensor:
         v = w.shape[0]
         ids = labels - pc.tp_rank * v
         mine = (ids >= 0) & (ids < v)
         ids = ids.clamp(0, v - 1)
         out, lses = [], []
         for i in range(0, y.shape[0], rows):
-            z = fp32_linear(y[i:i + rows], w, tf32)  # [c, V/tp]
+            z = _scaled(fp32_linear(y[i:i + rows], w, tf32), scale)  # [c, V/tp]
             if fused:
                 from .kernels.cross_entropy import row_stats
 
@@ -93,7 +93,7 @@ class _HeadLogprobs(torch.autograd.Function):
             lses.append(lse)
         lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)  # empty: one rank, torch
         ctx.save_for_backward(y, w, ids, mine, lse)
-        ctx.tf32, ctx.rows, ctx.one_rank, ctx.fused = tf32, rows, pc.tp_size == 1, fused
+        ctx.tf32, ctx.rows, ctx.one_rank, ctx.fused, ctx.scale = tf32, rows, pc.tp_size == 1, fused, scale
         return torch.cat(out) if out else y.new_zeros(0, dtype=torch.float32)
 
     @staticmethod
@@ -111,7 +111,7 @@ class _HeadLogprobs(torch.autograd.Function):
         with _cuda_matmul_precision(ctx.tf32):
             for i in range(0, y.shape[0], c):
                 sl = slice(i, i + c)
-                dz = fp32_linear(y[sl], w, ctx.tf32)  # [c, V/tp] logits: the forward's own call
+                dz = _scaled(fp32_linear(y[sl], w, ctx.tf32), ctx.scale)  # [c, V/tp] logits: the forward's own
                 # dz = g onehot(label) - g softmax(z), in place: the chunk's only [c, V/tp] buffer
                 # (one rank: every row's clamped label, as cross-entropy read it)
                 hit = g[sl] if ctx.one_rank else torch.where(mine[sl], g[sl], 0.0)
@@ -126,6 +126,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     dz.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])
                 if not ctx.fused:
                     dz.scatter_add_(-1, ids[sl, None], hit[:, None])
+                _scaled(dz, ctx.scale)  # the logits' own gradient: d(z scale)/dz = scale
                 if split:
                     # dz = hi + lo in bf16 ([c, 2V] as split_bf16 writes it, read as [2c, V]: a
                     # token's hi row, then its lo row): exact products, summed in fp32
@@ -139,7 +140,12 @@ class _HeadLogprobs(torch.autograd.Function):
                     if dw is not None:
                         accumulate_wgrad(dw, dz, y[sl].float())
         dw = None if main is not None or dw is None else dw.to(w.dtype)
-        return dy.to(y.dtype), dw, None, None, None, None, None
+        return dy.to(y.dtype), dw, None, None, None, None, None, None
+
+
+def _scaled(z: torch.Tensor, scale: float) -> torch.Tensor:
+    """z * scale in place (the logits of a sampling temperature 1 / scale); 1: z untouched."""
+    return z if scale == 1.0 else z.mul_(scale)
 
 
 def head_split(y: torch.Tensor, w: torch.Tensor) -> bool:
@@ -252,22 +258,22 @@ class ParallelContext:
         """The hidden state as every TP rank's head shard reads it (one rank: itself)."""
         return y
 
-    def head_logprobs(self, head: VocabHead, labels: torch.Tensor) -> torch.Tensor:
-        """token_logprobs(head.logits(), labels), computed over chunks of rows with no [..., V]
-        logits kept for the backward (_HeadLogprobs). Labels outside [0, V) give an arbitrary
-        finite value."""
+    def head_logprobs(self, head: VocabHead, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """token_logprobs(head.logits() / temperature, labels), computed over chunks of rows with
+        no [..., V] logits kept for the backward (_HeadLogprobs). Labels outside [0, V) give an
+        arbitrary finite value."""
         y = self.head_input(head.y)
         rows = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
         lp = _HeadLogprobs.apply(y.reshape(-1, y.shape[-1]), head.weight, labels.reshape(-1), self, head.tf32, rows,
-                                 head.fused)
+                                 head.fused, 1.0 / temperature)
         return lp.view(labels.shape)
 
     @torch.no_grad()
-    def head_entropy(self, head: VocabHead) -> torch.Tensor:
-        """token_entropy(head.logits()) [...] over chunks of rows (a metric: detached)."""
+    def head_entropy(self, head: VocabHead, temperature: float = 1.0) -> torch.Tensor:
+        """token_entropy(head.logits() / temperature) [...] over chunks of rows (a metric: detached)."""
         y = head.y.reshape(-1, head.y.shape[-1])
         rows = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-        parts = [self.token_entropy(fp32_linear(y[i:i + rows], head.weight, head.tf32))
+        parts = [self.token_entropy(_scaled(fp32_linear(y[i:i + rows], head.weight, head.tf32), 1.0 / temperature))
                  for i in range(0, y.shape[0], rows)]
         return (torch.cat(parts) if parts else y.new_zeros(0, dtype=torch.float32)).view(head.y.shape[:-1])
 
