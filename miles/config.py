@@ -271,6 +271,8 @@ class RolloutConfig(Section):
     health_timeout: PosFloat = 10.0  # a /health answer slower than this counts as a failure
     health_failures: PosInt = 2  # consecutive failures before an engine is replaced
     hang_timeout: PosFloat = 60.0  # an engine with work and no decoding step for this long is unhealthy
+    startup_timeout: PosFloat = 1800.0  # seconds an engine may take to start and load its weights (first ones and
+    # replacements; a V4-Flash SGLang engine takes minutes)
     sync: Literal["object_store", "broadcast", "disk"] = "object_store"  # weight-sync path: broadcast (a gloo/nccl
     # group), disk (DeepSeek's HF layout written by the trainer's ranks, loaded by each engine: SGLang's path)
     sync_dir: Str | None = None  # sync: disk: where each version is written (default <run_dir>/weights;
@@ -290,6 +292,8 @@ class RolloutConfig(Section):
     temperature: NonNegFloat = 1.0  # sampling temperature of rollouts (0: greedy)
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Int = -1  # -1: off
+    truncated_sampling: Bool = False  # allow top_p < 1 or top_k in an RL job: the engine then samples from a
+    # truncated distribution whose log-probs the trainer does not reproduce (the importance ratios are off)
     placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: the trainer sleeps while
     # engines generate, engines release memory while it trains (CPU clusters; RL refuses it on GPUs)
     off_policy: Bool = False  # one-step-off: generate rollout k+1 while training on k (staleness 1)
@@ -302,7 +306,8 @@ class RolloutConfig(Section):
 class AlgoConfig(Section):
     loss: Literal["lm", "policy"] = "lm"  # miles.train.losses: "lm" = cross-entropy of the labels (pre-training,
     # SFT); "policy" = the clipped policy-gradient loss of RL (`miles rl`)
-    mtp_loss_coef: NonNegFloat = LossCoefs.mtp  # the multi-token-prediction heads' loss weight
+    mtp_loss_coef: NonNegFloat | None = None  # the multi-token-prediction heads' loss weight; default 0.3 for lm,
+    # 0 for policy (RL: MTP's cross-entropy on the policy's own samples, wrong ones too, is supervised training)
     indexer_loss_coef: NonNegFloat = LossCoefs.indexer  # the lightning indexer's KL to the attention (0: untrained)
     balance_loss_coef: NonNegFloat = LossCoefs.balance  # sequence-level expert balance (V4 balances by router bias)
     # -- RL (ALGORITHMS.md)
@@ -317,7 +322,10 @@ class AlgoConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: the low-variance estimator
     reward: Str = "dapo"  # dapo (the `Answer:` verifier, +1/-1), math (math-verify), or "module:function"
     reward_url: Str | None = None  # instead: POST {"response", "label", "prompt"} -> {"reward": r}
-    reward_timeout: PosFloat = 30.0  # seconds per remote reward request (retried 3 times)
+    reward_timeout: PosFloat = 30.0  # seconds per reward call: a remote request (retried 3 times), a local function
+    reward_timeout_score: Float = -1.0  # what a local reward call that timed out scores (DAPO's wrong answer)
+    reward_concurrency: PosInt = 64  # reward calls in flight (remote, async functions); sync functions and the math
+    # verifier run in min(this, CPUs) processes
     overlong_max_len: PosInt | None = None  # DAPO's overlong shaping: L_max (response tokens) ...
     overlong_cache: PosInt | None = None  # ... and the buffer L_cache before it
 
@@ -330,13 +338,18 @@ class AlgoConfig(Section):
                              f"{self.overlong_max_len}")
         if self.reward not in ("dapo", "math") and ":" not in self.reward:
             raise ValueError(f"algo.reward: {self.reward!r} is not dapo, math or \"module:function\"")
+        if self.mtp_loss_coef is None:  # RL trains MTP only when the job asks for it
+            self.mtp_loss_coef = 0.0 if self.loss == "policy" else LossCoefs.mtp
         return self
 
-    def policy_options(self, off_policy: bool = False) -> dict:
-        """The trainer's PolicyOptions (truncated IS on by default in the one-step-off mode)."""
-        tis = self.tis_cap if self.tis_cap is not None else (2.0 if off_policy else None)
+    def policy_options(self, rollout: RolloutConfig) -> dict:
+        """The trainer's PolicyOptions: truncated IS on by default in the one-step-off mode; the
+        log-probs taken at the rollouts' sampling temperature, as the engines report them (greedy
+        rollouts: temperature 1)."""
+        tis = self.tis_cap if self.tis_cap is not None else (2.0 if rollout.off_policy else None)
         return {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip": self.dual_clip, "tis_cap": tis,
-                "kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
+                "kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator,
+                "temperature": rollout.temperature or 1.0}
 
 
 class CkptConfig(Section):
@@ -498,6 +511,11 @@ class JobConfig(Section):
         if r.engine == "sglang" and r.sync != "disk":
             raise ValueError(f"rollout.engine: sglang takes the trainer's weights from files: set rollout.sync: disk "
                              f"(rollout.sync: {r.sync} serves the embedded engine)")
+        if (r.top_p < 1 or r.top_k > 0) and not r.truncated_sampling:
+            raise ValueError(f"rollout.top_p={r.top_p:g} / rollout.top_k={r.top_k}: the engines would sample from a "
+                             "truncated distribution whose log-probs the trainer does not reproduce (the importance "
+                             "ratios and TIS would compare different distributions); use rollout.temperature alone, "
+                             "or set rollout.truncated_sampling: true to accept the mismatch")
         if r.off_policy and r.placement == "colocated":
             raise ValueError("rollout.off_policy generates while the trainer trains: it needs rollout.placement: "
                              "disaggregated (colocated engines and trainer take turns)")

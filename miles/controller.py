@@ -176,6 +176,12 @@ def resolve_device(job: JobConfig) -> str:
     return job.cluster.device if job.cluster.device != "auto" else ("gpu" if gpus >= world else "cpu")
 
 
+def with_device(job: JobConfig, device: str) -> JobConfig:
+    """The job with cluster.device resolved (cpu or gpu; resolve_device's answer), so every
+    path that reads it (workers, engines, the weight-sync backend) sees the same one."""
+    return job.model_copy(update={"cluster": job.cluster.model_copy(update={"device": device})})
+
+
 def start_trainer(job: JobConfig, device: str):
     """The TrainGroup with this job's model, loss and optimizer (GPU workers ask Ray for a GPU each)."""
     from miles.cluster.train_group import TrainGroup
@@ -187,7 +193,7 @@ def start_trainer(job: JobConfig, device: str):
         group.call("build_model", model.arch.to_dict(), job.train.seed, dtype=model.dtype,
                    deterministic=job.train.deterministic)
         rl = algo.loss == "policy"  # RL: train.steps counts rollouts, each several optimizer steps
-        group.call("set_loss", algo.loss, algo.policy_options(job.rollout.off_policy) if rl else None,
+        group.call("set_loss", algo.loss, algo.policy_options(job.rollout) if rl else None,
                    mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef, balance=algo.balance_loss_coef)
         group.call("setup_training", **job.train.optim.model_dump(), total_steps=job.optimizer_steps)
     except BaseException:

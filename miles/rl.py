@@ -10,8 +10,9 @@
             samples  <- group advantages, per-token weights of each optimizer step's batch
             (one-step-off: rollout step+1 starts generating now, on the current weights)
             train    <- old (and reference) log-probs, then updates_per_rollout optimizer steps
+            eval     <- held-out accuracy of this step's weights every rollout.eval_interval steps
+                        (engines brought to them first; never beside a rollout's generation)
             engines  <- the new weights (colocated: engines and trainer take turns in memory)
-            eval     <- held-out accuracy every rollout.eval_interval steps
             log, checkpoint
 
 The pieces that decide (advantages, the loss, rewards, filtering, aggregation weights) are
@@ -34,12 +35,21 @@ from typing import TextIO
 import torch
 
 from miles.algo.advantages import group_advantages
-from miles.algo.losses import sequence_weight
-from miles.algo.rewards import overlong_penalty, score
+from miles.algo.losses import response_weights
+from miles.algo.rewards import Rewards, overlong_penalty
 from miles.algo.sampling import dynamic_filter
 from miles.ckpt.manager import Checkpoints
 from miles.config import JobConfig
-from miles.controller import RunResult, finish, prepare_run_dir, profiling, ray_session, resolve_device, start_trainer
+from miles.controller import (
+    RunResult,
+    finish,
+    prepare_run_dir,
+    profiling,
+    ray_session,
+    resolve_device,
+    start_trainer,
+    with_device,
+)
 from miles.data.prompts import Prompt, PromptSource
 from miles.data.sample import Sample
 from miles.observe import alignment, records
@@ -56,6 +66,8 @@ class Response:
     truncated: bool  # stopped by the length limit
     mask: list[int] | None = None  # per token: 1 the policy's (trained), 0 environment / tools (multi-turn)
     turns: int = 1
+    version: int | None = None  # the weights it was generated with (the engine's weight_version; multi-turn: the
+    # oldest of its turns')
     correct: bool = False  # the raw reward was positive
     raw: float = 0.0  # the reward function's value
     reward: float = 0.0  # shaped (overlong penalty added)
@@ -95,14 +107,16 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
     run_dir = prepare_run_dir(job, resume_from=ckpt.iteration if job.ckpt.load else None, stream=out)
     r = job.rollout
     with ray_session(job), contextlib.ExitStack() as stack:
-        device = resolve_device(job)
-        check_engines(job, device, ray_resources().get("GPU", 0))
+        job = with_device(job, resolve_device(job))  # every path below sees one resolved device
+        check_engines(job, ray_resources().get("GPU", 0))
         monitor = Monitor(job.log, run_dir, job.train.steps, job.resolved(), stream)
         stack.push(lambda exc_type, *_: monitor.close(failed=exc_type is not None))
         ckpt.report = monitor.print
         data = PromptSource(job.data, job.train.seed, r.max_len - r.max_new_tokens, run_dir, report=monitor.print)
         stack.callback(data.close)
-        trainer = start_trainer(job, device)
+        rewards = Rewards.of(job.algo)
+        stack.callback(rewards.close)
+        trainer = start_trainer(job, job.cluster.device)
         stack.callback(trainer.shutdown)
         if job.algo.kl_coef > 0 and ckpt.resumes:  # the reference: the weights the run started from
             ckpt.load_start_weights(trainer)
@@ -112,7 +126,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             trainer.call("keep_reference")
         if r.sync == "disk":  # the versions written for the engines (the last one too: the run is over)
             stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1)
-        engines = start_engines(job, run_dir, device, trainer, start)
+        engines = start_engines(job, run_dir, trainer, start)
         stack.callback(engines.shutdown)
         update_engines(job, trainer, engines, start)
         monitor.print(f"miles rl: {job.name}: {job.train.steps} rollouts of {r.rollout_batch_size} prompts x "
@@ -120,40 +134,46 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                       f"{r.placement}{', one-step-off' if r.off_policy else ''}; run directory {run_dir}")
         first = None
         if start == 0 and evaluates(job, data, 0):
-            monitor.record(0, first := evaluate(job, trainer, engines, data))
+            monitor.record(0, first := evaluate(job, trainer, engines, data, rewards, version=0))
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
         stack.callback(pool.shutdown, wait=False, cancel_futures=True)  # a stopped job does not wait for it
-        pending = submit(pool, job, trainer, engines, data, start + 1, version=start)
+        pending = submit(pool, job, trainer, engines, data, rewards, start + 1, version=start)
         history: list[dict] = []
         for step in range(start + 1, job.train.steps + 1):
             t0 = time.perf_counter()
             rollout = pending.result()
             t_wait = time.perf_counter() - t0
-            sync = {}
+            synced = 0.0  # seconds of weight sync this step
             if r.off_policy and step < job.train.steps:  # generate step+1 while training on this one
-                sync = update_engines(job, trainer, engines, step - 1)
-                pending = submit(pool, job, trainer, engines, data, step + 1, version=step - 1)
+                synced += update_engines(job, trainer, engines, step - 1).get("seconds", 0.0)
+                pending = submit(pool, job, trainer, engines, data, rewards, step + 1, version=step - 1)
             samples = to_samples(job, rollout.groups)
             with profiling(job, trainer, run_dir, step):
                 trained, ranks = train(job, trainer, samples, step)
             if job.log.alignment:  # the rollout's first update (each rank's gradient checksums)
                 alignment.append(run_dir, alignment.ranks_record(step, ranks[0], ranks[0]["grad_norm"],
                                                                  [x["grad_md5"] for x in ranks]))
-            metrics = rollout.metrics | trained | data.metrics()
-            if not r.off_policy and step < job.train.steps:
-                sync = update_engines(job, trainer, engines, step)
-                pending = submit(pool, job, trainer, engines, data, step + 1, version=step)
-            metrics.update({"rollout/staleness": float(step - 1 - rollout.version),
-                            "perf/rollout_wait_time": t_wait, "perf/update_weights_time": sync.get("seconds", 0.0)})
-            if evaluates(job, data, step):
-                if step == job.train.steps:
-                    update_engines(job, trainer, engines, step)
-                metrics.update(evaluate(job, trainer, engines, data))
+            metrics = rollout.metrics | trained | data.metrics() | staleness(rollout, step)
+            if evaluates(job, data, step):  # this step's weights, never beside a rollout's generation
+                if r.off_policy:
+                    pending.result()  # step+1's generation (on the older weights) ends first
+                synced += update_engines(job, trainer, engines, step).get("seconds", 0.0)
+                t1 = time.perf_counter()
+                metrics.update(evaluate(job, trainer, engines, data, rewards, version=step))
+                metrics["perf/eval_time"] = time.perf_counter() - t1
+            on_policy_next = not r.off_policy and step < job.train.steps
+            if on_policy_next:
+                synced += update_engines(job, trainer, engines, step).get("seconds", 0.0)
+                if r.placement != "colocated":  # generation overlaps the log and the checkpoint
+                    pending = submit(pool, job, trainer, engines, data, rewards, step + 1, version=step)
+            metrics.update({"perf/rollout_wait_time": t_wait, "perf/update_weights_time": synced})
             metrics["perf/step_time"] = time.perf_counter() - t0
             write_rollout(run_dir, rollout)
             monitor.log(step, metrics)
             history.append(metrics)
             ckpt.maybe_save(step, trainer, Position(rollout.data_state))
+            if on_policy_next and r.placement == "colocated":  # the trainer sleeps while engines generate
+                pending = submit(pool, job, trainer, engines, data, rewards, step + 1, version=step)
         ckpt.close(trainer)
         summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "rollout/", "data/"))}
         finish(job, trainer, data, run_dir, monitor)  # ckpt.save_hf
@@ -166,13 +186,26 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
     return RunResult(run_dir, history, summary)
 
 
+def staleness(rollout: Rollout, step: int) -> dict[str, float]:
+    """How old the weights were that generated the rollout trained at `step`, measured from what
+    each response's engine reported (the trainer's weights after step s are version s):
+    rollout/staleness the mean over responses of step - 1 - version, staleness_max the largest;
+    rollout/stale_samples the responses generated with other weights than the loop asked for
+    (a replaced engine that could not catch up serves older ones)."""
+    versions = [x.version for g in rollout.groups for x in g]
+    ages = [step - 1 - v for v in versions]
+    return {"rollout/staleness": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages)),
+            "rollout/stale_samples": float(sum(v != rollout.version for v in versions))}
+
+
 # --------------------------------------------------------------------------- engines
-def check_engines(job: JobConfig, device: str, cluster_gpus: float) -> None:
+def check_engines(job: JobConfig, cluster_gpus: float) -> None:
     """Refuse, before anything starts, engine setups this RL loop cannot run (each would fail
-    minutes later, inside an engine or as a placement that never comes)."""
+    minutes later, inside an engine or as a placement that never comes). job.cluster.device is
+    the resolved one (cpu or gpu)."""
     from miles.controller import JobError
 
-    r = job.rollout
+    r, device = job.rollout, job.cluster.device
     if r.engine == "sglang":
         if device != "gpu":
             raise JobError("rollout.engine: sglang runs on GPU clusters; on CPUs use rollout.engine: embedded")
@@ -192,15 +225,17 @@ def check_engines(job: JobConfig, device: str, cluster_gpus: float) -> None:
                        f"{cluster_gpus:g}")
 
 
-def start_engines(job: JobConfig, run_dir: Path, device: str, trainer, version: int):
+def start_engines(job: JobConfig, run_dir: Path, trainer, version: int):
     """The rollout manager: rollout.num_engines engines behind SGLang's router, weights to
-    come from the trainer (update_engines). SGLang's engines start from the trainer's weights
-    of `version` written to disk (their format is then the one every later sync writes)."""
+    come from the trainer (update_engines). Embedded engines start from seeded weights that are
+    not the trainer's (another seed, no weight version), so generation before a working weight
+    sync cannot pass for the trainer's; SGLang's engines start from the trainer's weights of
+    `version` written to disk (their format is then the one every later sync writes)."""
     from miles.rollout.manager import RolloutManager
     from miles.rollout.sync import write_version
 
-    spec = {"config": job.model.arch.to_dict(), "seed": job.train.seed, "dtype": job.model.dtype,
-            "device": "cuda" if device == "gpu" else "cpu"}
+    spec = {"config": job.model.arch.to_dict(), "seed": job.train.seed + 1, "weight_version": None,
+            "dtype": job.model.dtype, "device": "cuda" if job.cluster.device == "gpu" else "cpu"}
     if job.rollout.engine != "sglang":
         return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
     path, _ = write_version(trainer, sync_dir(job), job.model.arch, version)
@@ -239,7 +274,7 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
         ray_get_all([e.resume_memory.remote() for e in engines.engine_actors()])
     bucket = job.rollout.bucket_mb << 20
     if job.rollout.sync == "broadcast":
-        res = engines.update_by_broadcast(trainer, bucket, version, "nccl" if job.cluster.device == "gpu" else "gloo")
+        res = engines.update_by_broadcast(trainer, bucket, version, sync_backend(job))
     elif job.rollout.sync == "disk":
         res = sync_disk(trainer, engines, sync_dir(job), job.model.arch, version)
     else:
@@ -247,6 +282,16 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     if colocated:
         ray_get_all([e.release_memory.remote() for e in engines.engine_actors()])
     return res
+
+
+def sync_backend(job: JobConfig) -> str:
+    """The broadcast group's backend for trainer ranks and engines alike: nccl on GPUs, gloo on
+    CPUs, from the job's resolved device (cluster.device auto must be resolved first: gloo on
+    one side and nccl on the other hang until the group's timeout)."""
+    device = job.cluster.device
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"cluster.device is {device!r}: resolve it (miles.controller.with_device) before a sync")
+    return "nccl" if device == "gpu" else "gloo"
 
 
 def ray_resources() -> dict:
@@ -277,29 +322,31 @@ def generation_phase(job: JobConfig, trainer, engines):
 
 
 # --------------------------------------------------------------------------- generate -> reward -> filter
-def submit(pool: ThreadPoolExecutor, job, trainer, engines, data, step: int, version: int) -> Future:
+def submit(pool: ThreadPoolExecutor, job, trainer, engines, data, rewards, step: int, version: int) -> Future:
     """Rollout `step` (on the engines' weights of `version`), in the background: the data
     position advances now, in step order."""
     if step > job.train.steps:
         return pool.submit(lambda: None)
-    return pool.submit(generate_rollout, job, trainer, engines, data, step, version)
+    return pool.submit(generate_rollout, job, trainer, engines, data, rewards, step, version)
 
 
-def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step: int, version: int) -> Rollout:
+def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewards: Rewards, step: int,
+                     version: int) -> Rollout:
     r = job.rollout
     t0 = time.perf_counter()
     drawn: list[str] = []
     position: dict = {}
     stats = {"tokens": 0, "responses": 0, "reward_time": 0.0, "correct": 0, "truncated": 0, "raw": 0.0}
+    before = {**engines.stats, "reward_timeouts": rewards.timeouts}
 
     def round_(rnd: int) -> list[tuple[list[Response], torch.Tensor]]:
         prompts = data.batch(step, math.ceil(r.rollout_batch_size * r.over_sampling))
         drawn.extend(p.id for p in prompts)
         position.update(data.state())
         groups = sample_groups(job, engines, prompts, r.n_samples_per_prompt, r.temperature, r.top_p,
-                               seed=(job.train.seed, step, rnd))
+                               seed=(job.train.seed, step, rnd), version=version)
         t1 = time.perf_counter()
-        reward_groups(job, groups)
+        reward_groups(job, groups, rewards)
         stats["reward_time"] += time.perf_counter() - t1
         for g in groups:
             for x in g:
@@ -327,6 +374,11 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step:
                "perf/rollout_time": seconds, "perf/reward_time": stats["reward_time"],
                "perf/rollout_tok_per_s": stats["tokens"] / seconds}
     metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in drops.items()})
+    # aborted: responses the engines cut short (an abort, a weight swap), generated again;
+    # wrong_weights: responses from weights that are no trainer version, generated again
+    after = {**engines.stats, "reward_timeouts": rewards.timeouts}
+    metrics.update({f"rollout/{k}": float(after[k] - before[k])
+                    for k in ("aborted", "wrong_weights", "reward_timeouts")})
     if r.generate_fn is not None:  # multi-turn: turns and the policy's share of the response tokens
         metrics["rollout/turns/mean"] = sum(x.turns for x in responses) / len(responses)
         metrics["rollout/trained_ratio"] = sum(x.trained for x in responses) / max(1, sum(len(x.ids)
@@ -335,9 +387,10 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, step:
 
 
 def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temperature: float, top_p: float,
-                  seed: tuple) -> list[list[Response]]:
-    """n responses per prompt through the router; each request seeded by (seed, prompt, i), so
-    a resumed run draws the same samples."""
+                  seed: tuple, version: int) -> list[list[Response]]:
+    """n responses per prompt through the router, from the trainer's weights of `version` (the
+    manager generates again what the engines abort or answer from other weights than a trainer
+    version); each request seeded by (seed, prompt, i), so a resumed run draws the same samples."""
     r = job.rollout
     params = {"temperature": temperature, "top_p": top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
     reqs = [{"id": f"{'/'.join(map(str, seed))}/{p.id}/{i}", "input_ids": p.input_ids, "return_logprob": True,
@@ -348,11 +401,12 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
     if r.generate_fn is None:
         flat = [Response(p, res["output_ids"], [x[0] for x in res["meta_info"]["output_token_logprobs"]],
                          tok.decode(res["output_ids"], skip_special_tokens=True),
-                         res["meta_info"]["finish_reason"]["type"] == "length")
-                for p, res in zip(owners, engines.generate(reqs), strict=True)]
+                         res["meta_info"]["finish_reason"]["type"] == "length",
+                         version=int(res["meta_info"]["weight_version"]))
+                for p, res in zip(owners, engines.generate(reqs, version=version), strict=True)]
     else:  # the user's function drives each conversation through the router
         samples = [q | {"label": p.label, "messages": p.messages} for q, p in zip(reqs, owners, strict=True)]
-        transcripts = engines.generate_transcripts(samples, r.generate_fn)
+        transcripts = engines.generate_transcripts(samples, r.generate_fn, version=version)
         flat = [transcript_response(p, t, r.max_len, tok, q["id"])
                 for p, t, q in zip(owners, transcripts, samples, strict=True)]
     return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
@@ -370,10 +424,14 @@ def transcript_response(prompt: Prompt, t, max_len: int, tok, sample_id: str) ->
                            f"rollout.max_len={max_len} (what one training row holds): end the conversation sooner")
     if not len(t.ids) == len(t.loss_mask) == len(t.logprobs):
         raise RolloutError(f"sample {sample_id}: the transcript's ids, loss_mask and logprobs differ in length")
+    if not t.weight_versions or None in t.weight_versions:
+        raise RolloutError(f"sample {sample_id}: the generate function's transcript has no generated turn with a "
+                           "weight version (add turns with Transcript.add_generated)")
     k = t.prompt_len
     ids = t.ids[k:]
     return Response(prompt, ids, t.logprobs[k:], tok.decode(ids, skip_special_tokens=True),
-                    (t.finish_reason or {}).get("type") == "length", mask=t.loss_mask[k:], turns=t.turns)
+                    (t.finish_reason or {}).get("type") == "length", mask=t.loss_mask[k:], turns=t.turns,
+                    version=min(int(v) for v in t.weight_versions))
 
 
 def _seed(seed: tuple, prompt_id: str, i: int) -> int:
@@ -398,12 +456,11 @@ def response_tokenizer(name: str | None, template: str = "deepseek_v4"):
     return Tokenizer.from_file(str(tokenizer_path(name) or v4_tokenizer_file()))
 
 
-def reward_groups(job: JobConfig, groups: list[list[Response]]) -> None:
+def reward_groups(job: JobConfig, groups: list[list[Response]], rewards: Rewards) -> None:
     """Raw rewards (algo.reward or algo.reward_url), then DAPO's overlong shaping."""
     a = job.algo
     flat = [x for g in groups for x in g]
-    raw = score([{"response": x.text, "label": x.prompt.label, "prompt": x.prompt.messages} for x in flat],
-                a.reward, a.reward_url, a.reward_timeout)
+    raw = rewards([{"response": x.text, "label": x.prompt.label, "prompt": x.prompt.messages} for x in flat])
     for x, v in zip(flat, raw, strict=True):
         x.correct, x.raw, x.reward = v > 0, v, v
         if a.overlong_max_len is not None:
@@ -421,7 +478,7 @@ def filter_scores(groups: list[list[Response]]) -> list[tuple[list[Response], to
 def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample]]:
     """Training samples (prompt + response, trained on the response), grouped into the
     optimizer steps' batches; each token carries its advantage, the engine's log-prob and
-    the aggregation weight of its batch (miles.algo.losses.sequence_weight)."""
+    the aggregation weight of its batch (miles.algo.losses.response_weights)."""
     n = job.rollout.n_samples_per_prompt
     rewards = torch.tensor([x.reward for g in groups for x in g], dtype=torch.float64)
     adv = group_advantages(rewards, n, job.algo.advantage).tolist()
@@ -430,10 +487,9 @@ def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample
     batches = []
     for b in range(0, len(flat), size):
         part = list(zip(flat[b:b + size], adv[b:b + size], strict=True))
-        total = sum(x.trained for x, _ in part)
+        weights = response_weights([x.trained for x, _ in part], job.algo.agg, norm_len)
         batch = []
-        for x, a in part:
-            w = sequence_weight(x.trained, total, len(part), job.algo.agg, norm_len)
+        for (x, a), w in zip(part, weights, strict=True):
             p, mask = len(x.prompt.input_ids), x.mask or [1] * len(x.ids)
             batch.append(Sample(x.prompt.input_ids + x.ids, [0] * p + mask, origin=x.prompt.id, values={
                 "advantages": [0.0] * p + [a * m for m in mask], "rollout_logprobs": [0.0] * p + x.logprobs,
@@ -474,7 +530,7 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> tu
     # old log-probs is 1 and its log-probs are the engine's, up to numerics.
     # With a KL term its kl_loss is 0 on a fresh start (the reference is the starting policy).
     out.update({f"train/first_update/{k}": float(logs[0][k])
-                for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "kl_loss") if k in logs[0]})
+                for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "tis_weight", "kl_loss") if k in logs[0]})
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
     out.update({"perf/logprob_time": t1 - t0, "perf/train_time": t2 - t1, "perf/train_tok_per_s": tokens / (t2 - t1),
                 "train/updates": float(len(logs))})
@@ -489,18 +545,22 @@ def evaluates(job: JobConfig, data: PromptSource, step: int) -> bool:
     return step in (0, job.train.steps) or (every > 0 and step % every == 0)
 
 
-def evaluate(job: JobConfig, trainer, engines, data: PromptSource) -> dict[str, float]:
-    """avg@k on the held-out prompts: k = rollout.eval_samples responses each at
-    rollout.eval_temperature / eval_top_p; accuracy = the share whose reward is positive."""
+def evaluate(job: JobConfig, trainer, engines, data: PromptSource, rewards: Rewards, version: int
+             ) -> dict[str, float]:
+    """avg@k on the held-out prompts with the trainer's weights of `version` (what the engines
+    serve now): k = rollout.eval_samples responses each at rollout.eval_temperature / eval_top_p;
+    accuracy = the share whose reward is positive. eval/<name>/weight_version: the oldest
+    weights that answered (a replaced engine may lag)."""
     r = job.rollout
     with generation_phase(job, trainer, engines):
         groups = sample_groups(job, engines, data.eval_samples(), r.eval_samples, r.eval_temperature,
-                               r.eval_top_p, seed=(job.train.seed, "eval"))
-    reward_groups(job, groups)
+                               r.eval_top_p, seed=(job.train.seed, "eval"), version=version)
+    reward_groups(job, groups, rewards)
     flat = [x for g in groups for x in g]
     name = job.data.eval_name
     return {f"eval/{name}/accuracy": sum(x.correct for x in flat) / len(flat),
-            f"eval/{name}/response_len": sum(len(x.ids) for x in flat) / len(flat)}
+            f"eval/{name}/response_len": sum(len(x.ids) for x in flat) / len(flat),
+            f"eval/{name}/weight_version": float(min(x.version for x in flat))}
 
 
 def write_rollout(run_dir: Path, rollout: Rollout) -> None:

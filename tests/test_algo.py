@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.algo.advantages import group_advantages
-from miles.algo.losses import policy_loss
+from miles.algo.losses import response_weights, token_terms
 from miles.algo.rewards import dapo_reward, extract_answer, overlong_penalty
 from miles.algo.sampling import DynamicSamplingError, dynamic_filter, informative
 
@@ -30,9 +30,9 @@ def test_group_advantages_by_hand():
 
 
 def _one(ratio: float, adv: float, **kw):
+    """token_terms (the trainer's per-token formula) of one token: (pg, clipped)."""
     lp = torch.tensor([[math.log(ratio)]], dtype=torch.float64)
-    return policy_loss(lp, torch.zeros_like(lp), torch.tensor([adv], dtype=torch.float64),
-                       torch.ones_like(lp), **kw)
+    return token_terms(lp, torch.zeros_like(lp), torch.tensor([[adv]], dtype=torch.float64), **kw)
 
 
 @pytest.mark.parametrize("ratio, adv, want, clipped", [
@@ -43,10 +43,9 @@ def _one(ratio: float, adv: float, **kw):
     (1.1, 2.0, -2.2, 0),  # inside the trust region
 ])
 def test_clip_higher_at_both_bounds(ratio, adv, want, clipped):
-    loss, m = _one(ratio, adv)
-    assert loss.item() == pytest.approx(want, abs=1e-9)
-    assert m["pg_clipfrac"].item() == clipped
-    assert m["ppo_kl"].item() == pytest.approx(-math.log(ratio), abs=1e-9)
+    pg, c = _one(ratio, adv)
+    assert pg.item() == pytest.approx(want, abs=1e-9)
+    assert c.item() == clipped
 
 
 def test_dual_clip_caps_negative_advantages():
@@ -59,16 +58,19 @@ def test_dual_clip_caps_negative_advantages():
 
 
 def test_aggregations_differ_where_lengths_differ():
-    """Token losses (1, 3) in a 2-token response and (5) in a 1-token one, T = 4: token mean
-    (1+3+5)/3 = 3; mean of sequence means (2+5)/2 = 3.5; Dr. GRPO sums / 4 averaged: 1.125."""
-    adv = -torch.tensor([[1.0, 3.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
-    lp = torch.zeros(2, 4)
+    """Token losses (1, 3) in a 2-token response, (5) in a 1-token one and none in a response
+    with no trained token (a multi-turn one whose turns were all the environment's), norm 4:
+    token mean (1+3+5)/3 = 3; mean of the two sequence means (2+5)/2 = 3.5 (the empty one is no
+    sequence to average: 7/3 if it counted); Dr. GRPO sums / 4 averaged over two: 1.125. The
+    weights are the RL loop's (response_weights), summed as the trainer's loss sums them."""
+    losses = [[1.0, 3.0], [5.0], []]
     want = {"token_mean": 3.0, "seq_mean_token_mean": 3.5, "seq_mean_token_sum_norm": 1.125}
     for agg, v in want.items():
-        assert policy_loss(lp, lp, adv, mask, agg=agg)[0].item() == pytest.approx(v), agg
+        w = response_weights([len(x) for x in losses], agg, norm_len=4)
+        assert w[2] == 0.0
+        assert sum(wi * t for wi, x in zip(w, losses, strict=True) for t in x) == pytest.approx(v), agg
     with pytest.raises(ValueError, match="unknown aggregation"):
-        policy_loss(lp, lp, adv, mask, agg="mean")
+        response_weights([1], "mean", 4)
 
 
 def test_truncated_importance_sampling_and_gradient():
@@ -77,8 +79,8 @@ def test_truncated_importance_sampling_and_gradient():
     lp = torch.tensor([[0.1]], requires_grad=True)
     old = torch.zeros(1, 1)
     roll = torch.tensor([[-math.log(3.0)]])
-    loss, _ = policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 1), rollout_logp=roll, tis_cap=2.0)
-    loss.backward()
+    loss, _ = token_terms(lp, old, torch.tensor([[1.0]]), rollout_logp=roll, tis_cap=2.0)
+    loss.sum().backward()
     r = math.exp(0.1)
     assert torch.isfinite(lp.grad).all()
     assert loss.item() == pytest.approx(-2 * r, rel=1e-6)
@@ -131,6 +133,7 @@ def test_dynamic_sampling_drops_an_all_correct_group_that_shaping_made_differ():
     long enough for the overlong penalty, so their shaped rewards differ; the group's accuracy
     is 1 and dynamic sampling drops it (filter_scores: the raw rewards), while a group with
     one wrong answer is kept; the shaped rewards still carry the penalty for the advantages."""
+    from miles.algo.rewards import Rewards
     from miles.config import load_job
     from miles.data.prompts import Prompt
     from miles.rl import Response, filter_scores, reward_groups
@@ -145,7 +148,7 @@ def test_dynamic_sampling_drops_an_all_correct_group_that_shaping_made_differ():
 
     all_right = group([("Answer: 7", 4), ("Answer: 7", 6), ("Answer: 7", 11), ("Answer: 7", 12)])
     one_wrong = group([("Answer: 7", 4), ("Answer: 8", 6), ("Answer: 7", 5), ("Answer: 7", 3)])
-    reward_groups(job, [all_right, one_wrong])
+    reward_groups(job, [all_right, one_wrong], Rewards.of(job.algo))
     shaped = [x.reward for x in all_right]
     assert len(set(shaped)) > 1 and shaped[0] == 1.0 and shaped[3] < 1.0, "precondition: shaping differs"
     keep, drops = informative(torch.stack([r for _, r in filter_scores([all_right, one_wrong])]))
@@ -168,15 +171,12 @@ def test_kl_estimators_by_hand():
 
 
 def test_sequence_weights_sum_to_the_aggregations():
-    from miles.algo.losses import aggregation_weights
-
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    tok = aggregation_weights(mask, "token_mean")
-    assert tok.sum().item() == pytest.approx(1.0) and tok[0, 0].item() == pytest.approx(1 / 4)
-    seq = aggregation_weights(mask, "seq_mean_token_mean")  # 2 responses (the empty row is none)
-    assert seq[0, 0].item() == pytest.approx(1 / 6) and seq[1, 0].item() == pytest.approx(1 / 2)
-    dr = aggregation_weights(mask, "seq_mean_token_sum_norm", norm_len=8)
-    assert dr[0, 0].item() == pytest.approx(1 / 16) and dr[2].abs().sum() == 0
+    """Responses of 3, 1 and 0 trained tokens: token_mean weighs each token 1/4 (sum 1);
+    seq_mean_token_mean each response 1/2 (two responses with tokens); Dr. GRPO 1/(8 x 2)."""
+    tok = response_weights([3, 1, 0], "token_mean", 8)
+    assert tok == pytest.approx([1 / 4, 1 / 4, 0.0]) and 3 * tok[0] + tok[1] == pytest.approx(1.0)
+    assert response_weights([3, 1, 0], "seq_mean_token_mean", 8) == pytest.approx([1 / 6, 1 / 2, 0.0])
+    assert response_weights([3, 1, 0], "seq_mean_token_sum_norm", 8) == pytest.approx([1 / 16, 1 / 16, 0.0])
 
 
 def test_remote_reward_server_is_asked_each_item_retried_and_refusals_named():
@@ -226,3 +226,59 @@ def test_remote_reward_server_is_asked_each_item_retried_and_refusals_named():
         assert seen.count("bad") == 1 and seen.count("down") == 3
     finally:
         server.shutdown()
+
+
+def test_math_rewards_run_off_the_main_thread():
+    """Guards algo.reward: math dying on the first rollout: math-verify bounds its work with
+    signal.alarm, which only a main thread may set, and rewards are scored in the rollout
+    thread. Off the main thread (as the RL loop calls it) equal answers in other forms score
+    +1, a wrong one -1."""
+    import threading
+
+    from miles.algo.rewards import Rewards
+
+    items = [{"response": "so\nAnswer: 1/2", "label": "0.5", "prompt": []},
+             {"response": "Answer: \\frac{3}{4}", "label": "0.75", "prompt": []},
+             {"response": "Answer: 7", "label": "8", "prompt": []}]
+    rewards, out = Rewards("math", timeout=60, concurrency=2), {}
+    t = threading.Thread(target=lambda: out.setdefault("r", rewards(items)))
+    try:
+        t.start()
+        t.join(timeout=120)
+    finally:
+        rewards.close()
+    assert out.get("r") == [1.0, 1.0, -1.0], out
+
+
+@pytest.mark.parametrize("fn", ["slow", "slow_async"])
+def test_a_reward_call_past_its_timeout_scores_the_timeout_score_and_is_counted(fn):
+    """A local reward function (sync: run in a worker process, killed at the timeout; async:
+    awaited with the timeout) that runs past algo.reward_timeout does not hold up the rollout:
+    it scores algo.reward_timeout_score and is counted; the others score what they return,
+    several at a time (4 items of 1.5 s at concurrency 4 in well under 4 x 1.5 s)."""
+    import time
+
+    from miles.algo.rewards import Rewards
+
+    rewards = Rewards(f"tests.helpers.rewards:{fn}", timeout=1.5, concurrency=4, timeout_score=-7.0)
+    try:
+        rewards([{"response": "warm", "label": "", "prompt": []}])  # the worker processes start
+        t0 = time.monotonic()
+        got = rewards([{"response": r, "label": "", "prompt": []} for r in ("ab", "slow", "slow", "abcd")])
+        took = time.monotonic() - t0
+    finally:
+        rewards.close()
+    assert got == [2.0, -7.0, -7.0, 4.0] and rewards.timeouts == 2
+    assert took < 4.5, f"the calls did not run concurrently: {took:.1f} s"
+
+
+def test_a_failing_reward_function_names_itself_and_the_response():
+    from miles.algo.rewards import RewardError, Rewards
+
+    rewards = Rewards("tests.helpers.rewards:broken", timeout=30, concurrency=1)
+    try:
+        with pytest.raises(RewardError, match=r"algo.reward 'tests.helpers.rewards:broken' failed on the response "
+                                              r"'x \+ y' \(label '3'\): KeyError"):
+            rewards([{"response": "x + y", "label": "3", "prompt": []}])
+    finally:
+        rewards.close()

@@ -89,6 +89,34 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     assert texts[0] == texts[1], "the placements sampled different responses"
 
 
+def test_colocated_rl_with_evals_math_rewards_and_a_temperature(cluster, tmp_path):
+    """The options combined as a user combines them: colocated placement (trainer asleep while
+    the engine generates), a held-out evaluation after every rollout (it died at the first one:
+    "sleep() called twice without wake_up()"), math-verify's rewards (they died off the main
+    thread: its timeouts are signal.alarm) and sampling at temperature 0.7. Every rollout is
+    on-policy, so the trainer's log-probs at the same temperature equal the engine's (1e-5) at
+    each one: the weights the engine serves after each sync are the trainer's (a sync that does
+    nothing fails from the second rollout on; the engine's own start is not the trainer's
+    either); each evaluation measures the weights of its step. A checkpoint after every
+    rollout: the trainer saves before it sleeps for the next one (the next generation started
+    first, and the save found its storages freed)."""
+    run = tmp_path / "run"
+    _rl(cluster, run, "train.steps=3", "rollout.placement=colocated", "rollout.eval_interval=1",
+        "rollout.eval_samples=1", "data.eval_path=miles/data/bundled/arith/eval.jsonl", "algo.reward=math",
+        "rollout.temperature=0.7", "ckpt.save_interval=1")
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert all(v == v for v in r.values()), r  # nothing silently NaN
+        assert r["eval/arith/weight_version"] == r["step"]
+    for r in rows[1:]:
+        assert r["train/first_update/train_rollout_logprob_abs_diff"] <= 1e-5, r
+        assert abs(r["train/first_update/ppo_kl"]) <= 1e-6
+        assert r["rollout/staleness"] == 0 and r["rollout/stale_samples"] == 0 and r["rollout/reward_timeouts"] == 0
+        assert r["rollout/aborted"] == 0 and r["rollout/wrong_weights"] == 0
+    assert any(r["train/grad_norm"] > 0 for r in rows[1:])
+
+
 def test_a_multi_turn_generate_function_trains_on_the_policys_tokens_only(cluster, tmp_path):
     """rollout.generate_fn: each response is the policy's turn, a tool's ids, the policy's
     second turn (tests/helpers/tool_env.py). The trainer sees the tool's ids as context only:
@@ -116,6 +144,7 @@ def test_multi_turn_samples_train_and_weigh_the_policys_tokens_only(agg):
     0), the aggregation counts the policy's tokens alone (token_mean: the batch's trained
     tokens' weights sum to 1; seq_mean_token_mean: each response's to 1 / responses), and the
     overlong shaping measures them too."""
+    from miles.algo.rewards import Rewards
     from miles.data.prompts import Prompt
     from miles.rl import Response, reward_groups, to_samples
 
@@ -126,7 +155,7 @@ def test_multi_turn_samples_train_and_weigh_the_policys_tokens_only(agg):
     multi = Response(prompt, [11, 12, 7, 8, 9, 13], [-0.5, -0.6, 0.0, 0.0, 0.0, -0.7], "a", False,
                      mask=[1, 1, 0, 0, 0, 1], turns=2)
     single = Response(prompt, [14, 15], [-0.1, -0.2], "b", False)
-    reward_groups(job, [[multi, single]])
+    reward_groups(job, [[multi, single]], Rewards.of(job.algo))
     (batch,) = to_samples(job, [[multi, single]])
     m, one = batch
     assert m.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1] and one.loss_mask == [0, 0, 0, 1, 1]
@@ -164,14 +193,20 @@ def test_the_kl_reference_is_the_converted_checkpoint_the_run_starts_from(cluste
 
 def test_one_step_off_job_killed_and_resumed_repeats_and_skips_no_prompt(cluster, tmp_path):
     """rollout.off_policy (rollout k+1 generated on the weights before step k while step k
-    trains): staleness 0 for the first rollout of a process, 1 after; truncated IS on by
-    default. SIGKILL right after the step-2 checkpoint is committed (rollout 3 is already
-    drawing), then ckpt.load: auto: the run finishes its 4 rollouts, and the prompts drawn
-    over both processes are exactly the source's stream, in order, none twice."""
+    trains): staleness 0 for the first rollout of a process, 1 after, measured from the
+    engines' weight versions; truncated IS on by default. SIGKILL right after the step-2
+    checkpoint is committed (rollout 3 is already drawing), then ckpt.load: auto: the run
+    finishes its 4 rollouts, and the prompts drawn over both processes are exactly the
+    source's stream, in order, none twice. The first rollout of each process is on-policy
+    (the trainer's log-probs are the engine's, TIS weights 1); the stale ones differ by one
+    update (a weight sync that did nothing would leave the engines on weights that are not
+    the trainer's: nats apart), with TIS weights off 1 by as much. The evaluation at step 2
+    measures step 2's weights (it measured step 1's: the engines were one behind)."""
     from miles.data.prompts import PromptSource
 
     run = tmp_path / "run"
-    extra = ["train.steps=4", "ckpt.save_interval=2", "ckpt.load=auto", "rollout.off_policy=true"]
+    extra = ["train.steps=4", "ckpt.save_interval=2", "ckpt.load=auto", "rollout.off_policy=true",
+             "rollout.eval_interval=2", "rollout.eval_samples=1", "data.eval_path=miles/data/bundled/arith/eval.jsonl"]
     p = _rl(cluster, run, *extra, prefix=["tests/helpers/kill_at.py", "after_rename", "2", "--"], check=False)
     assert p.returncode == -signal.SIGKILL, f"exited {p.returncode}\n{p.stdout[-2000:]}{p.stderr[-2000:]}"
     assert store.iterations(run / "checkpoints")[-1] == 2
@@ -183,8 +218,19 @@ def test_one_step_off_job_killed_and_resumed_repeats_and_skips_no_prompt(cluster
     job = load_job(run / "config.yaml")
     src = PromptSource(job.data, job.train.seed, job.rollout.max_len - job.rollout.max_new_tokens, report=lambda _: 0)
     assert drawn == [p.id for p in src.batch(1, len(drawn))], "a prompt was repeated or skipped across the resume"
-    assert [x["rollout/staleness"] for x in _metrics(run)] == [0.0, 1.0, 0.0, 1.0]  # the resume restarts the pipe
-    assert job.algo.policy_options(job.rollout.off_policy)["tis_cap"] == 2.0
+    rows = {r["step"]: r for r in _metrics(run)}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    assert [rows[k]["rollout/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]  # the resume restarts it
+    assert [rows[k]["eval/arith/weight_version"] for k in (0, 2, 4)] == [0.0, 2.0, 4.0]
+    for k in (1, 3):
+        assert rows[k]["train/first_update/train_rollout_logprob_abs_diff"] <= 1e-5, rows[k]
+        assert abs(rows[k]["train/first_update/tis_weight"] - 1) <= 1e-5, rows[k]
+    for k in (2, 4):
+        first = {key.rsplit("/", 1)[1]: v for key, v in rows[k].items() if key.startswith("train/first_update/")}
+        diff, tis = first["train_rollout_logprob_abs_diff"], first["tis_weight"]
+        assert 1e-5 < diff < 0.05, rows[k]
+        assert 0 < abs(tis - 1) <= 2 * diff, rows[k]
+    assert job.algo.policy_options(job.rollout)["tis_cap"] == 2.0
 
 
 def test_bundled_rl_task_is_what_the_script_makes():
@@ -255,10 +301,15 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
     engine hidden from every GPU, a placement that never comes): now an error naming the key,
     before the trainer starts. The CPU setup and GPU ones that fit pass."""
     from miles.controller import JobError
-    from miles.rl import check_engines
 
     def job(*extra):
         return load_job(ROOT / "jobs" / "dapo_tiny.yaml", list(extra))
+
+    def check_engines(job, device: str, gpus: float):  # as run_rl calls it: the job's device resolved
+        from miles.controller import with_device
+        from miles.rl import check_engines
+
+        return check_engines(with_device(job, device), gpus)
 
     check_engines(job(), "cpu", 0)
     check_engines(job("rollout.gpus_per_engine=1", "rollout.num_engines=2"), "gpu", 3)
@@ -280,3 +331,46 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
             (["rollout.gpus_per_engine=1", "rollout.num_engines=2"], "gpu", 2, "need 3 GPUs; the cluster has 2")]:
         with pytest.raises(JobError, match=match):
             check_engines(job(*extra), device, gpus)
+
+
+def test_the_weight_sync_backend_comes_from_the_resolved_device():
+    """Guards cluster.device: auto reaching the broadcast sync unresolved (the engines took gloo
+    and the trainer's GPU ranks nccl: a hang until the group's timeout): run_rl resolves the
+    device once (with_device) and sync_backend, which both sides' groups take, reads that; an
+    unresolved job is refused, not guessed."""
+    from miles.controller import with_device
+    from miles.rl import sync_backend
+
+    job = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["cluster.device=auto", "rollout.sync=broadcast"])
+    with pytest.raises(ValueError, match="cluster.device is 'auto'"):
+        sync_backend(job)
+    assert sync_backend(with_device(job, "gpu")) == "nccl" and sync_backend(with_device(job, "cpu")) == "gloo"
+    assert job.cluster.device == "auto"  # the job as written is left as it was
+
+
+def test_staleness_is_measured_from_the_engines_versions():
+    """Guards staleness assumed from the version the loop asked for: a rollout asked of
+    version 3 and trained at step 5 whose engines answered with versions 3, 3 and 2 (a replaced
+    engine one behind) is 1.33 stale on average, 2 at most, with one stale sample."""
+    from miles.data.prompts import Prompt
+    from miles.rl import Response, Rollout, staleness
+
+    p = Prompt("p:0", [1], "1", [])
+    group = [Response(p, [5], [-0.1], "x", False, version=v) for v in (3, 3, 2)]
+    got = staleness(Rollout(5, [group], 3, {}, ["p:0"], {}), step=5)
+    assert got == {"rollout/staleness": pytest.approx(4 / 3), "rollout/staleness_max": 2.0,
+                   "rollout/stale_samples": 1.0}
+
+
+def test_an_rl_job_trains_mtp_only_when_asked():
+    """Guards MTP's cross-entropy added to an RL job by default (0.3: supervised training on
+    the policy's own samples, wrong answers too): an RL job that does not set
+    algo.mtp_loss_coef trains no MTP term, an SFT job keeps 0.3, a value given is kept; the
+    trainer gets what the job resolved. The indexer's KL stays on in RL: it trains the indexer
+    alone, on detached inputs, toward the model's own attention (no label involved)."""
+    from miles.train.losses import LossCoefs
+
+    rl = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["algo.mtp_loss_coef=null"])
+    assert rl.algo.mtp_loss_coef == 0.0 and rl.algo.indexer_loss_coef == LossCoefs.indexer
+    assert load_job(ROOT / "jobs" / "sft_tiny.yaml", ["algo.mtp_loss_coef=null"]).algo.mtp_loss_coef == LossCoefs.mtp
+    assert load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["algo.mtp_loss_coef=0.2"]).algo.mtp_loss_coef == 0.2

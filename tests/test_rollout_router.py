@@ -139,3 +139,47 @@ def test_a_refused_request_fails_its_rollout_at_once_naming_the_sample(manager):
     with pytest.raises(RolloutError, match=r"sample too-long: the engine refused it: HTTP 400: .*context length 256"):
         manager.generate(reqs)
     assert manager.stats["retries"] == retries
+
+
+def test_aborted_responses_are_generated_again_and_wrong_weights_never_returned(manager):
+    """Guards training on what the engines did not finish or did not generate from the
+    trainer's weights: responses aborted in flight (an /abort_request, as a weight swap or an
+    operator may send) come back complete, generated again (stats "aborted"); answers from
+    weights that are no trainer version (an engine's own initial ones, weight_version null)
+    are asked again and, all attempts answered so, fail the rollout naming the sample and the
+    version (stats "wrong_weights"); an older trainer version is returned as it is, for the
+    caller to measure its staleness."""
+    import httpx
+
+    from miles.rollout.manager import RolloutError
+
+    aborted = manager.stats["aborted"]
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", manager.generate(_requests("ab"), version=0)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while manager.stats["aborted"] == aborted:  # until some response came back aborted
+        assert time.monotonic() < deadline and t.is_alive(), "no abort reached a response"
+        for e in manager.engine_info():
+            httpx.post(f"{e['url']}/abort_request", json={"abort_all": True}, timeout=10)
+        time.sleep(0.2)
+    t.join()
+    _exactly_once(out["res"], "ab")  # complete: none came back as the abort
+    assert {r["meta_info"]["weight_version"] for r in out["res"]} == {0}
+
+    def set_version(v):
+        ray.get([e.__ray_call__.remote(lambda a, v=v: setattr(a.svc.engine, "weight_version", v))
+                 for e in manager.engine_actors()])
+
+    wrong = manager.stats["wrong_weights"]
+    set_version(None)
+    try:
+        with pytest.raises(RolloutError, match=r"sample nv-0: .* weight_version None, not the trainer's weights of "
+                                               r"version 3"):
+            manager.generate(_requests("nv")[:1], version=3)
+        assert manager.stats["wrong_weights"] - wrong == manager.cfg.max_attempts
+        set_version(2)  # older than asked: returned, its version for the caller to measure
+        (res,) = manager.generate(_requests("old")[:1], version=3)
+        assert res["meta_info"]["weight_version"] == 2 and res["meta_info"]["finish_reason"]["type"] == "length"
+    finally:
+        set_version(0)

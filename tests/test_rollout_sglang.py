@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,49 @@ def test_miles_serve_answers_curl(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "stopped" in out, out
+
+
+def test_engines_get_the_jobs_startup_timeout(tmp_path, monkeypatch):
+    """Guards two start-up limits that disagreed (the manager gave engines 300 s, SGLang's
+    launcher 1,800; a V4-Flash engine loading its weights takes longer than 300): both take
+    rollout.startup_timeout. An SGLang that never answers (a stand-in package that only
+    sleeps) fails the launcher after its timeout, and the rollout manager's start after the
+    job's, naming the key, its engines stopped."""
+    import os
+    import threading
+
+    import ray
+
+    from miles.rollout.manager import RolloutError, RolloutManager
+    from miles.rollout.sglang import SGLangEngine
+
+    def error_within(seconds: float, fn) -> Exception:
+        """What fn() raised, failing the test if it is still waiting after `seconds`."""
+        out: dict = {}
+
+        def call():
+            try:
+                fn()
+            except Exception as e:
+                out["error"] = e
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(timeout=seconds)
+        assert not t.is_alive(), f"still waiting after {seconds} s: the start-up timeout was not applied"
+        return out.get("error")
+
+    fake = str(Path(__file__).parent / "helpers" / "fake_sglang")
+    path = os.pathsep.join([fake, *filter(None, [os.environ.get("PYTHONPATH")])])
+    monkeypatch.setenv("PYTHONPATH", path)
+    err = error_within(30, lambda: SGLangEngine(str(tmp_path), {}, host="127.0.0.1", startup_timeout=2))
+    assert isinstance(err, RuntimeError) and "sglang.launch_server did not answer" in str(err), err
+    assert "within 2 s" in str(err)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        err = error_within(60, lambda: RolloutManager({"engine": "sglang", "sync": "disk", "startup_timeout": 3.0},
+                                                      {"hf": str(tmp_path)}))
+        assert isinstance(err, RolloutError) and "rollout.startup_timeout=3" in str(err), err
+    finally:
+        ray.shutdown()

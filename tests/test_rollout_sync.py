@@ -93,7 +93,7 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
             if path == "object_store":
                 info = sync_object_store(tp2, mgr, BUCKET, version=step)
             elif path == "broadcast":
-                info = sync_broadcast(tp2, [engine], BUCKET, version=step)
+                info = sync_broadcast(tp2, [engine], BUCKET, version=step, backend="gloo")
             else:
                 (tmp_path / "v0000001").mkdir()  # an older version: removed once the engines serve this one
                 info = sync_disk(tp2, mgr, tmp_path, CFG, version=step)
@@ -158,7 +158,7 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
         tp1.call("build_model", CFG.to_dict(), seed)
         tp1.call("setup_training", lr=1e-2, total_steps=10)
         tp1.train_step(replica_micro_batches(SyntheticSource(32, CFG.vocab_size, seed).batch(1, 4), 1, 1))
-        mgr.update_by_broadcast(tp1, BUCKET, version=1)
+        mgr.update_by_broadcast(tp1, BUCKET, version=1, backend="gloo")
 
         def replace_first(restarts: int):  # kill engines[0]; the monitor's replacement
             dead = mgr.engines[0]
@@ -197,3 +197,55 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
     finally:
         tp1.shutdown()
         mgr.shutdown()
+
+
+def test_the_kl_term_is_the_kl_to_the_kept_reference(cluster, seed):
+    """Guards a KL term that is computed but wrong (a reference that is the current policy, a
+    forward at another temperature, an estimator with the sign turned): a trainer moved two
+    steps off the weights it kept as reference reports kl_loss equal to k3 written out here
+    from two single-process models (the reference's seeded weights, the trainer's exported
+    ones) at the rollouts' temperature, weighed by the RL token weights."""
+    from dataclasses import replace
+
+    from miles.algo.losses import response_weights
+    from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
+
+    group = TrainGroup(1)
+    try:
+        group.call("build_model", CFG.to_dict(), seed)
+        group.call("setup_training", lr=1e-2, total_steps=10)
+        group.call("keep_reference")  # the seeded weights
+        src = SyntheticSource(32, CFG.vocab_size, seed)
+        for step in (1, 2):
+            group.train_step(replica_micro_batches(src.batch(step, 4), 1, 2))
+        weights = {k: v for b in group.call("export_weights")[0] for k, v in b.items()}
+        temperature = 0.8
+        group.call("set_loss", "policy", {"kl_coef": 0.5, "kl_estimator": "k3", "temperature": temperature},
+                   mtp=0.0, indexer=0.0)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(2, CFG.vocab_size, (3, 20), generator=g)
+        labels = torch.cat((ids[:, 1:], torch.full((3, 1), IGNORE_INDEX)), 1)
+        mask = (labels != IGNORE_INDEX).float()
+        mask[:, :6] = 0  # the prompts
+        mask[1, 14:] = 0  # a shorter response
+        w = torch.tensor(response_weights([int(n) for n in mask.sum(1)], "token_mean", 20))[:, None] * mask
+        mbs = [MicroBatch(ids[i:i + 1], labels[i:i + 1], mask[i:i + 1], advantages=torch.randn(1, 20, generator=g),
+                          token_weights=w[i:i + 1].float()) for i in range(3)]
+        ref = group.forward_logprobs([mbs], reference=True)[0]
+        mbs = [replace(mb, ref_logprobs=r) for mb, r in zip(mbs, ref, strict=True)]
+        kl = group.train_step([mbs])[0]["kl_loss"]
+    finally:
+        group.shutdown()
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            z = model(ids).logits.double() / temperature
+        return torch.log_softmax(z, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+
+    policy = DeepSeekV4ForCausalLM(CFG, seed=None)
+    policy.load_state_dict(weights)
+    lp, lp_ref = logprobs(policy.eval()), logprobs(DeepSeekV4ForCausalLM(CFG, seed=seed).eval())
+    d = lp - lp_ref
+    want = ((torch.exp(-d) - 1 + d) * w.double()).sum().item()
+    assert kl == kl and want > 1e-4, (kl, want)  # finite, and the policy has moved off the reference
+    assert abs(kl - want) <= 1e-5 * want, (kl, want)

@@ -1,17 +1,25 @@
-"""Rewards: DAPO's `Answer:` verifier and overlong shaping."""
+"""Rewards: DAPO's `Answer:` verifier, math-verify's equivalence, a user's function or a reward
+server, and overlong shaping.
+
+`Rewards` scores a rollout's responses: a reward server through `reward_url` (HTTP, retried),
+async functions in the rollout's event loop, and sync functions (math-verify's included) in a
+pool of worker processes. math-verify bounds its parsing and comparison with signal.alarm,
+which runs in a process's main thread only; a process can also be killed when a call runs
+past `timeout`, which a thread cannot. DAPO's verifier (a regular expression) runs inline.
+"""
 
 from __future__ import annotations
 
 import re
 
-import torch
-
 _ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 
 
-def overlong_penalty(length: torch.Tensor | int, max_len: int, cache_len: int) -> torch.Tensor:
+def overlong_penalty(length, max_len: int, cache_len: int):
     """DAPO's soft overlong punishment added to the reward: 0 up to max_len - cache_len, then
-    falling linearly to -1 at max_len, -1 beyond."""
+    falling linearly to -1 at max_len, -1 beyond. length: an int or a tensor of them."""
+    import torch  # not at module level: reward worker processes import this module
+
     if not 0 < cache_len <= max_len:
         raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
     n = torch.as_tensor(length, dtype=torch.float64)
@@ -59,6 +67,17 @@ def load_reward(spec: str):
     return load_function(spec, "algo.reward")
 
 
+def _call(spec: str, item: dict) -> float:
+    """One reward in a worker process (its main thread): the function `spec` names, loaded once
+    per process."""
+    fn = _loaded.get(spec) or _loaded.setdefault(spec, load_reward(spec))
+    args = (item["response"], item["label"]) + (() if spec in BUILTIN else (item["prompt"],))
+    return float(fn(*args))
+
+
+_loaded: dict = {}
+
+
 async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 3) -> float:
     import asyncio
 
@@ -82,32 +101,103 @@ async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 
     raise RuntimeError(f"reward server {url}: {last}")
 
 
-def score(items: list[dict], spec: str = "dapo", url: str | None = None, timeout: float = 30.0,
-          concurrency: int = 64) -> list[float]:
-    """Rewards of items {"response", "label", "prompt"}: through `url` (POSTed each item,
-    answering {"reward": r}; timeouts and 3 tries) or the reward function `spec`. The HTTP
-    client is aiohttp, as the rollout manager's (httpx's pool is quadratic in connections);
-    trust_env: HTTP(S)_PROXY / NO_PROXY apply, as they did with httpx."""
-    import asyncio
-    import contextlib
-    import inspect
+class RewardError(RuntimeError):
+    """A reward function failed on a response (the message names the function and the response)."""
 
-    fn = None if url else load_reward(spec)
 
-    async def run() -> list[float]:
+class Rewards:
+    """Scores items {"response", "label", "prompt"} with the job's reward: `url` (POSTed each
+    item, answering {"reward": r}; 3 tries each), else the function `spec`. Every call gets
+    `timeout` seconds and at most `concurrency` run at once; a local call that times out scores
+    `timeout_score` and is counted (`timeouts`; a remote one is retried, then fails the rollout:
+    a server that does not answer is no answer about the response). Sync functions run in
+    min(concurrency, CPUs) worker processes, started at the first call; close() stops them."""
+
+    def __init__(self, spec: str = "dapo", url: str | None = None, timeout: float = 30.0, concurrency: int = 64,
+                 timeout_score: float = -1.0):
+        import inspect
+
+        self.spec, self.url, self.timeout, self.concurrency = spec, url, timeout, concurrency
+        self.timeout_score = timeout_score
+        self.fn = None if url else load_reward(spec)  # errors name the field before anything starts
+        self.is_async = self.fn is not None and inspect.iscoroutinefunction(self.fn)
+        self.inline = spec == "dapo" and not url  # a regular expression: no process needed
+        self.timeouts = 0  # local calls that ran past the timeout, over the object's life
+        self._pool = None
+
+    @classmethod
+    def of(cls, algo) -> Rewards:
+        """The job's rewards (its `algo` section)."""
+        return cls(algo.reward, algo.reward_url, algo.reward_timeout, algo.reward_concurrency,
+                   algo.reward_timeout_score)
+
+    def __call__(self, items: list[dict]) -> list[float]:
+        import asyncio
+
+        if self.inline:
+            return [dapo_reward(x["response"], x["label"]) for x in items]
+        return asyncio.run(self._all(items))
+
+    async def _all(self, items: list[dict]) -> list[float]:
+        import asyncio
+        import contextlib
+
         import aiohttp
 
-        sem = asyncio.Semaphore(concurrency)
-        async with (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), trust_env=True) if url
-                    else contextlib.nullcontext()) as client:
+        sem = asyncio.Semaphore(self.concurrency)
+        # aiohttp, as the rollout manager's client (httpx's pool is quadratic in connections);
+        # trust_env: HTTP(S)_PROXY / NO_PROXY apply
+        async with (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.concurrency), trust_env=True)
+                    if self.url else contextlib.nullcontext()) as client:
             async def one(item: dict) -> float:
                 async with sem:
-                    if url:
-                        return await _remote(client, url, item, timeout)
-                    args = (item["response"], item["label"]) + ((item["prompt"],) if fn not in BUILTIN.values()
-                                                                  else ())
-                    out = fn(*args)
-                    return float(await out if inspect.isawaitable(out) else out)
+                    if self.url:
+                        return await _remote(client, self.url, item, self.timeout)
+                    return await self._local(item)
             return list(await asyncio.gather(*(one(i) for i in items)))
 
-    return asyncio.run(run())
+    async def _local(self, item: dict) -> float:
+        import asyncio
+
+        try:
+            if self.is_async:
+                args = (item["response"], item["label"], item["prompt"])
+                return float(await asyncio.wait_for(self.fn(*args), self.timeout))
+            return await asyncio.wrap_future(self._workers().schedule(_call, (self.spec, item),
+                                                                      timeout=self.timeout))
+        except TimeoutError:
+            self.timeouts += 1
+            return self.timeout_score
+        except Exception as e:
+            text = item["response"] if len(item["response"]) <= 200 else item["response"][:200] + "..."
+            raise RewardError(f"algo.reward {self.spec!r} failed on the response {text!r} (label "
+                              f"{item['label']!r}): {type(e).__name__}: {e}") from e
+
+    def _workers(self):
+        """The worker processes (pebble's pool: a call past its timeout has its process killed
+        and replaced). Spawned, not forked: the driver runs threads (Ray's, the rollout's)."""
+        if self._pool is None:
+            import multiprocessing
+            import os
+
+            from pebble import ProcessPool
+
+            self._pool = ProcessPool(max_workers=min(self.concurrency, os.cpu_count() or 1),
+                                     context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+            self._pool = None
+
+
+def score(items: list[dict], spec: str = "dapo", url: str | None = None, timeout: float = 30.0,
+          concurrency: int = 64) -> list[float]:
+    """Rewards of items {"response", "label", "prompt"} in one go (see Rewards)."""
+    rewards = Rewards(spec, url, timeout, concurrency)
+    try:
+        return rewards(items)
+    finally:
+        rewards.close()

@@ -79,7 +79,7 @@ class RolloutManager:
         self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
                              health_interval=c.health_interval, extra_args=list(c.router_args),
                              log_file=f"{log_dir}/router.log" if log_dir else None)
-        self.stats = {"restarts": 0, "retries": 0, "timeouts": 0}
+        self.stats = {"restarts": 0, "retries": 0, "timeouts": 0, "aborted": 0, "wrong_weights": 0}
         self._lock = threading.RLock()
         self._update_lock = threading.RLock()  # an update and a replacement's catch-up never interleave
         self._stop = threading.Event()
@@ -88,12 +88,24 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, n: int) -> list[EngineSlot]:
-        if self.cfg.engine == "sglang":  # a replacement starts from the weights the others serve
+        c = self.cfg
+        if c.engine == "sglang":  # a replacement starts from the weights the others serve
             path = self.latest["path"] if self.latest and "path" in self.latest else self.spec["hf"]
-            actors = [self._actor_cls.remote(path, dict(self.cfg.sglang)) for _ in range(n)]
+            actors = [self._actor_cls.remote(path, dict(c.sglang), startup_timeout=c.startup_timeout)
+                      for _ in range(n)]
         else:
             actors = [self._actor_cls.remote(self.spec) for _ in range(n)]
-        urls = ray.get([a.url.remote() for a in actors], timeout=300)
+        try:  # an engine's constructor returns once it serves (SGLang's: its own wait, same timeout)
+            urls = ray.get([a.url.remote() for a in actors], timeout=c.startup_timeout)
+        except ray.exceptions.GetTimeoutError:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise RolloutError(f"{n} engine(s) did not start within rollout.startup_timeout={c.startup_timeout:g} s "
+                               "(loading a large model's weights can take longer: raise it)") from None
+        except ray.exceptions.RayActorError as e:  # an engine's constructor raised (its reason inside)
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise RolloutError(f"an engine failed to start: {e}") from None
         pids = ray.get([a.pid.remote() for a in actors])
         return [EngineSlot(a, u, p) for a, u, p in zip(actors, urls, pids, strict=True)]
 
@@ -198,7 +210,7 @@ class RolloutManager:
         tensor) whole; SGLang's engines take them only this way."""
         return self._update({"path": path, "version": version})
 
-    def update_by_broadcast(self, trainer, bucket_bytes: int, version: int, backend: str = "gloo") -> dict:
+    def update_by_broadcast(self, trainer, bucket_bytes: int, version: int, backend: str) -> dict:
         """Broadcast path (`rollout.sync.sync_broadcast`) to every live engine, under the update
         lock (a replacement catches up before or after it, never during). Not kept to replay:
         a later replacement copies a live engine's weights."""
@@ -259,21 +271,24 @@ class RolloutManager:
         return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines)}
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: list[dict]) -> list[dict]:
+    def generate(self, requests: list[dict], version: int | None = None) -> list[dict]:
         """requests: {"id": sample id, "input_ids" or "text", "sampling_params", ...} (the rest
         is SGLang's /generate body). Returns one result per request, in order, each the
-        engine's response plus its "id"; every sample finished exactly once."""
+        engine's response plus its "id"; every sample finished exactly once. An aborted
+        response is generated again; with `version` (the trainer step whose weights the
+        engines should serve) so is one from weights that are no trainer version up to it."""
         self._unique(requests)
 
         async def one(post, req: dict) -> dict:
             return {**await post({k: v for k, v in req.items() if k != "id"}, req["id"]), "id": req["id"]}
 
-        return asyncio.run(self._each(requests, one))
+        return asyncio.run(self._each(requests, one, version))
 
-    def generate_transcripts(self, samples: list[dict], fn: str = "miles.rollout.multiturn:single_turn") -> list:
+    def generate_transcripts(self, samples: list[dict], fn: str = "miles.rollout.multiturn:single_turn",
+                             version: int | None = None) -> list:
         """Multi-turn: the generate function `fn` ("module:function") runs once per sample
-        {"id", "input_ids", ...} with a client whose every request has the timeouts and
-        retries of `generate`. Returns the Transcripts, in order."""
+        {"id", "input_ids", ...} with a client whose every request has the timeouts, retries
+        and checks of `generate`. Returns the Transcripts, in order."""
         from miles.rollout.multiturn import Client, load_generate_fn
 
         gen = load_generate_fn(fn)
@@ -282,7 +297,7 @@ class RolloutManager:
         async def one(post, sample: dict):
             return await gen(Client(lambda body: post(body, sample["id"])), sample)
 
-        return asyncio.run(self._each(samples, one))
+        return asyncio.run(self._each(samples, one, version))
 
     @staticmethod
     def _unique(items: list[dict]) -> None:
@@ -290,7 +305,7 @@ class RolloutManager:
         if len(set(ids)) != len(ids):
             raise RolloutError("sample ids must be unique within one generate call")
 
-    async def _each(self, items: list[dict], one) -> list:
+    async def _each(self, items: list[dict], one, version: int | None = None) -> list:
         """Run `one(post, item)` for every item; results recorded once per item id. aiohttp, not
         httpx: httpx's connection pool scans every connection for every request it places
         (192 requests cost the driver 0.8 s of CPU at 256 connections; aiohttp 0.06 s)."""
@@ -301,7 +316,7 @@ class RolloutManager:
         async with aiohttp.ClientSession(self.router.url, timeout=timeout,
                                          connector=aiohttp.TCPConnector(limit=c.concurrency)) as client:
             async def post(body: dict, sample_id: str) -> dict:
-                return await self._post(client, sem, body, sample_id)
+                return await self._post(client, sem, body, sample_id, version)
 
             async def run(item: dict) -> None:
                 res = await one(post, item)
@@ -318,9 +333,13 @@ class RolloutManager:
         return [done[x["id"]] for x in items]
 
     async def _post(self, client: aiohttp.ClientSession, sem: asyncio.Semaphore, body: dict,
-                    sample_id: str) -> dict:
+                    sample_id: str, version: int | None = None) -> dict:
         """One /generate through the router with a timeout; failures and timeouts retried
-        (a 4xx other than 408/429 is the request's fault and is not)."""
+        (a 4xx other than 408/429 is the request's fault and is not), and so are answers that
+        must not be trained: an aborted response (stats "aborted": cut short, not complete) and,
+        with `version`, one whose weight_version is no trainer version up to it (stats
+        "wrong_weights": an engine's own initial weights, say). An older trainer version is
+        kept: the caller measures staleness from it."""
         c = self.cfg
         sp = body.get("sampling_params") or {}
         if "seed" in sp:  # the router forwards SGLang's name only
@@ -334,7 +353,11 @@ class RolloutManager:
             try:
                 async with sem, client.post("/generate", json=body) as r:
                     if r.status == 200:
-                        return await r.json(content_type=None)
+                        res = await r.json(content_type=None)
+                        last = self._unusable(res, version)
+                        if not last:
+                            return res
+                        continue
                     last = f"HTTP {r.status}: {(await r.text(errors='replace'))[:300]}"
             except TimeoutError:
                 self.stats["timeouts"] += 1
@@ -346,6 +369,25 @@ class RolloutManager:
             if 400 <= r.status < 500 and r.status not in (408, 429):
                 raise RolloutError(f"sample {sample_id}: the engine refused it: {last}")
         raise RolloutError(f"sample {sample_id}: {c.max_attempts} attempts failed, the last: {last}")
+
+    def _unusable(self, res: dict, version: int | None) -> str:
+        """Why a 200 answer cannot be used ('' when it can), counted in stats."""
+        meta = res.get("meta_info") or {}
+        reason = meta.get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            self.stats["aborted"] += 1
+            return f"aborted ({reason.get('message', 'no reason given')})"
+        if version is not None:
+            got = meta.get("weight_version")
+            try:
+                ok = got is not None and int(got) <= version
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                self.stats["wrong_weights"] += 1
+                return (f"answered with weight_version {got!r}, not the trainer's weights of version {version} "
+                        "(an engine that missed its weight sync)")
+        return ""
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

@@ -36,6 +36,8 @@ class EngineSpec:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     hang_timeout: float = 60.0  # /health fails when work waits this long without a step
+    weight_version: int | None = 0  # what the initial weights are called (None: no trainer's: an RL engine
+    # waiting for its first weight sync)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -70,6 +72,7 @@ class EngineService:
                 eos = {tid}
         self.engine = Engine(self.model, spec.max_running, spec.max_len, self.tokenizer, tuple(eos),
                              spec.prefill_tokens)
+        self.engine.weight_version = spec.weight_version
         self.staging: Staging | None = None
         self.update_lock = threading.Lock()
         self._released = None
@@ -127,7 +130,7 @@ class EngineService:
 
     def _swap(self, staging: Staging, names: list[str], version: int | None) -> int:
         n = staging.commit(names)
-        self.engine.weight_version = self.engine.weight_version + 1 if version is None else version
+        self.engine.weight_version = (self.engine.weight_version or 0) + 1 if version is None else version
         return n
 
     def abort_update(self) -> None:

@@ -33,7 +33,7 @@ def sync_object_store(trainer, manager, bucket_bytes: int, version: int) -> dict
     return {**res, "seconds": time.perf_counter() - t0, "path": "object_store"}
 
 
-def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, backend: str = "gloo") -> dict:
+def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, backend: str) -> dict:
     t0 = time.perf_counter()
     plans = trainer.call("weight_plan", bucket_bytes)
     senders = [r for r, p in enumerate(plans) if p]
@@ -41,7 +41,7 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
     plan = [{"src": index[r], "spec": spec} for r in senders for spec in plans[r]]
     size = len(senders) + len(engines)
     host, port = ray.get(trainer.workers[senders[0]].rendezvous_address.remote())
-    ray.get([trainer.workers[r].open_sync_group.remote(host, port, index[r], size) for r in senders]
+    ray.get([trainer.workers[r].open_sync_group.remote(host, port, index[r], size, backend) for r in senders]
             + [e.open_group.remote(host, port, len(senders) + j, size, backend) for j, e in enumerate(engines)])
     try:
         ray.get([e.begin_update.remote() for e in engines])

@@ -1,0 +1,3 @@
+import time
+
+time.sleep(3600)  # loading, as far as anyone can tell
