@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 
-.PHONY: venv demo test test-all lint bench gpu-bundle clean
+.PHONY: venv demo test test-all test-gpu lint bench gpu-bundle clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,11 @@ test: venv
 # every layout in bf16 against one process's bf16 errors as the GPUs run them (about 2.5 minutes).
 test-all: test
 	$(BIN)/python -m pytest tests/test_parallel_layouts.py --bf16 -k layout_matches
+
+# On a CUDA machine (no venv there: scripts/gpu_install.sh puts the service on its python3): the
+# GPU-capable tests with the GPUs visible (make test hides them: the CPU suite on any machine).
+test-gpu:
+	MILES_TEST_GPU=1 $(PY) -m pytest tests/test_kernels.py -q
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import secrets
 
-import pytest
-import torch
+# The CPU suite is the CPU suite on any machine: on a GPU host its GPUs are hidden from the
+# tests and every process they start (Ray, jobs, engines), as on CI. MILES_TEST_GPU=1 (make
+# test-gpu) keeps them: the kernels then run on CUDA. Set before torch first looks for CUDA.
+if os.environ.get("MILES_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when
