@@ -258,7 +258,7 @@ class RolloutConfig(Section):
     engine: Literal["embedded", "sglang"] = "embedded"  # sglang: GPU clusters with SGLang installed
     num_engines: PosInt = 1  # rollout engines behind the router
     cpus_per_engine: PosFloat = 1.0  # Ray CPUs each engine asks for
-    gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; > 0 on GPUs (RL refuses 0 there)
+    gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; > 0 on GPUs (RL refuses 0 there; colocated: below 1)
     max_running: PosInt = 64  # sequences one engine decodes together
     max_len: PosInt = 4096  # prompt + generated tokens per sequence
     prefill_tokens: PosInt = 8192  # prompt tokens per prefill forward
@@ -295,7 +295,8 @@ class RolloutConfig(Section):
     truncated_sampling: Bool = False  # allow top_p < 1 or top_k in an RL job: the engine then samples from a
     # truncated distribution whose log-probs the trainer does not reproduce (the importance ratios are off)
     placement: Literal["disaggregated", "colocated"] = "disaggregated"  # colocated: the trainer sleeps while
-    # engines generate, engines release memory while it trains (CPU clusters; RL refuses it on GPUs)
+    # engines generate, engines release memory while it trains (on GPUs: engine e shares trainer rank e's GPU,
+    # gpus_per_engine a share of it such as 0.5; embedded engines)
     off_policy: Bool = False  # one-step-off: generate rollout k+1 while training on k (staleness 1)
     eval_interval: NonNegInt = 0  # evaluate on data's held-out prompts every N rollouts (and first, last)
     eval_samples: PosInt = 4  # responses per held-out prompt (avg@k)

@@ -182,13 +182,18 @@ def with_device(job: JobConfig, device: str) -> JobConfig:
     return job.model_copy(update={"cluster": job.cluster.model_copy(update={"device": device})})
 
 
-def start_trainer(job: JobConfig, device: str):
-    """The TrainGroup with this job's model, loss and optimizer (GPU workers ask Ray for a GPU each)."""
+def start_trainer(job: JobConfig, device: str, colocation=None):
+    """The TrainGroup with this job's model, loss and optimizer (GPU workers ask Ray for a GPU
+    each; `colocation`, a miles.cluster.placement.Colocation: their share of GPUs that
+    rollout engines share with them, in its bundles)."""
     from miles.cluster.train_group import TrainGroup
 
     par, model, algo = job.train.parallel, job.model, job.algo
     resources = {"CPU": job.cluster.cpus_per_worker} | ({"GPU": 1.0} if device == "gpu" else {})
-    group = TrainGroup(par.world, resources=resources, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
+    bundles = None
+    if colocation is not None:
+        resources, bundles = colocation.rank, colocation.bundles
+    group = TrainGroup(par.world, resources=resources, bundles=bundles, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
     try:
         group.call("build_model", model.arch.to_dict(), job.train.seed, dtype=model.dtype,
                    deterministic=job.train.deterministic)

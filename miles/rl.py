@@ -116,7 +116,8 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         stack.callback(data.close)
         rewards = Rewards.of(job.algo)
         stack.callback(rewards.close)
-        trainer = start_trainer(job, job.cluster.device)
+        shared = colocation(job)  # colocated on GPUs: the bundles trainer ranks and engines share
+        trainer = start_trainer(job, job.cluster.device, shared)
         stack.callback(trainer.shutdown)
         if job.algo.kl_coef > 0 and ckpt.resumes:  # the reference: the weights the run started from
             ckpt.load_start_weights(trainer)
@@ -126,7 +127,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             trainer.call("keep_reference")
         if r.sync == "disk":  # the versions written for the engines (the last one too: the run is over)
             stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1)
-        engines = start_engines(job, run_dir, trainer, start)
+        engines = start_engines(job, run_dir, trainer, start, shared)
         stack.callback(engines.shutdown)
         update_engines(job, trainer, engines, start)
         monitor.print(f"miles rl: {job.name}: {job.train.steps} rollouts of {r.rollout_batch_size} prompts x "
@@ -214,30 +215,51 @@ def check_engines(job: JobConfig, cluster_gpus: float) -> None:
         return
     if r.gpus_per_engine == 0:
         raise JobError("rollout.gpus_per_engine is 0 on a GPU cluster: an engine would see no GPU; give each "
-                       "engine its GPUs (e.g. rollout.gpus_per_engine: 1)")
+                       "engine its GPUs (e.g. rollout.gpus_per_engine: 1, or colocated: a share such as 0.5)")
     if r.placement == "colocated":
-        raise JobError("rollout.placement: colocated on GPUs needs the trainer's workers and the engines to share "
-                       "GPUs, and each worker holds a whole GPU; use rollout.placement: disaggregated")
-    need = job.train.parallel.world + r.num_engines * r.gpus_per_engine
+        if r.engine == "sglang":
+            raise JobError("rollout.placement: colocated with rollout.engine: sglang is not built (an SGLang server "
+                           "spans its own GPUs); use the embedded engine, or rollout.placement: disaggregated")
+        try:
+            colocation(job)
+        except ValueError as e:
+            raise JobError(str(e)) from None
+        need = job.train.parallel.world  # the engines take shares of the trainer's GPUs
+    else:
+        need = job.train.parallel.world + r.num_engines * r.gpus_per_engine
     if cluster_gpus < need:
         raise JobError(f"{job.train.parallel.world} trainer GPUs + rollout.num_engines={r.num_engines} x "
                        f"rollout.gpus_per_engine={r.gpus_per_engine:g} need {need:g} GPUs; the cluster has "
                        f"{cluster_gpus:g}")
 
 
-def start_engines(job: JobConfig, run_dir: Path, trainer, version: int):
+def colocation(job: JobConfig):
+    """Colocated on GPUs: the placement (miles.cluster.placement.Colocation) of the trainer's
+    ranks and the engines on the same GPUs; None otherwise (CPUs share a node's cores)."""
+    from miles.cluster.placement import colocate_on_gpus
+
+    r = job.rollout
+    if r.placement != "colocated" or job.cluster.device != "gpu":
+        return None
+    return colocate_on_gpus(job.train.parallel.world, r.num_engines, r.gpus_per_engine, job.cluster.cpus_per_worker,
+                            r.cpus_per_engine)
+
+
+def start_engines(job: JobConfig, run_dir: Path, trainer, version: int, shared=None):
     """The rollout manager: rollout.num_engines engines behind SGLang's router, weights to
     come from the trainer (update_engines). Embedded engines start from seeded weights that are
     not the trainer's (another seed, no weight version), so generation before a working weight
     sync cannot pass for the trainer's; SGLang's engines start from the trainer's weights of
-    `version` written to disk (their format is then the one every later sync writes)."""
+    `version` written to disk (their format is then the one every later sync writes). `shared`:
+    colocated on GPUs, each engine in its bundle of the trainer's placement group."""
     from miles.rollout.manager import RolloutManager
     from miles.rollout.sync import write_version
 
     spec = {"config": job.model.arch.to_dict(), "seed": job.train.seed + 1, "weight_version": None,
             "dtype": job.model.dtype, "device": "cuda" if job.cluster.device == "gpu" else "cpu"}
     if job.rollout.engine != "sglang":
-        return RolloutManager(job.rollout, spec, log_dir=str(run_dir))
+        return RolloutManager(job.rollout, spec, log_dir=str(run_dir),
+                              colocation=(trainer.pg, shared) if shared is not None else None)
     path, _ = write_version(trainer, sync_dir(job), job.model.arch, version)
     rollout = job.rollout.model_copy(update={"sglang": sglang_options(job)})
     return RolloutManager(rollout, spec | {"hf": str(path)}, log_dir=str(run_dir), version=version)

@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from miles.cluster.placement import plan_bundles
+from miles.cluster.placement import colocate_on_gpus
 from miles.data.sample import Sample
 from miles.train.batching import MicroBatch, micro_batches, pack, positions, to_micro_batch
 from plugins.deepseek_v4.model import IGNORE_INDEX
@@ -107,16 +107,19 @@ def test_micro_batches_respect_the_token_budget(seed):
     assert micro_batches([120, 10], 100) == [[0], [1]]
 
 
-def test_bundle_plans():
-    """Colocated engines reuse the trainer's devices; disaggregated ones follow them."""
-    p = plan_bundles(4, 2, 2, colocate=True)
-    assert len(p.bundles) == 4 and p.train == [0, 1, 2, 3] and p.engines == [[0, 1], [2, 3]]
-    assert p.bundles[0] == {"CPU": 1.0, "GPU": 1.0}
-    p = plan_bundles(2, 2, 1, colocate=False, device="CPU")
-    assert len(p.bundles) == 4 and p.train == [0, 1] and p.engines == [[2], [3]]
-    assert p.bundles[3] == {"CPU": 1.0}
-    with pytest.raises(ValueError, match="exceed the trainer's 2 devices"):
-        plan_bundles(2, 2, 2, colocate=True)
+def test_colocation_on_gpus_shares_each_trainer_gpu_with_one_engine():
+    """Colocated on GPUs: a bundle per trainer GPU holding the rank's CPUs and, for the first
+    num_engines, its engine's; the engine asks for its share of the GPU, the rank for the
+    rest (together one GPU: Ray puts them on the same one). Shares that are no share, and
+    more engines than trainer GPUs, are refused naming the key."""
+    p = colocate_on_gpus(world=4, num_engines=2, gpus_per_engine=0.25, cpus_per_worker=2, cpus_per_engine=1)
+    assert p.bundles == [{"CPU": 3, "GPU": 1.0}] * 2 + [{"CPU": 2, "GPU": 1.0}] * 2
+    assert p.rank == {"CPU": 2, "GPU": 0.75} and p.engine == {"CPU": 1, "GPU": 0.25} and p.engine_bundles == [0, 1]
+    for share in (0.0, 1.0, 2.0):
+        with pytest.raises(ValueError, match=rf"rollout.gpus_per_engine={share:g}: .* between 0 and 1"):
+            colocate_on_gpus(2, 1, share, 1, 1)
+    with pytest.raises(ValueError, match="rollout.num_engines=3: .* at most 2 engines"):
+        colocate_on_gpus(2, 3, 0.5, 1, 1)
 
 
 def test_packed_rows_compute_what_the_samples_compute_alone(seed):

@@ -296,3 +296,21 @@ def test_the_job_file_reference_is_what_the_schema_makes():
     text = (ROOT / "docs" / "jobs.md").read_text()
     for key in ("`train.optim`", "`rollout`", "`algo`", "`ckpt`", "`log.wandb`", "`eps_high`", "`save_interval`"):
         assert key in text, key
+
+
+@pytest.mark.parametrize("name, gpus", [("sft_gpu", 1), ("dapo_gpu", 1), ("dapo_gpu_2x", 2)])
+def test_gpu_jobs_validate_and_fit_their_gpus(name, gpus):
+    """The GPU jobs (run on GPU machines; here validated) load as written, name shipped data,
+    and the RL ones place on the GPUs they say: dapo_gpu's trainer and engine share one GPU
+    (colocated), dapo_gpu_2x's take one each."""
+    from miles.controller import with_device
+    from miles.rl import check_engines
+
+    job = load_job(ROOT / "jobs" / f"{name}.yaml")
+    assert job.cluster.device == "gpu" and job.model.dtype == "bfloat16"
+    for path in (job.data.path, job.data.eval_path):
+        assert (ROOT / str(path)).is_file(), path
+    if job.algo.loss == "policy":
+        check_engines(with_device(job, "gpu"), gpus)
+        with pytest.raises(Exception, match="need|at most"):
+            check_engines(with_device(job, "gpu"), gpus - 1 if gpus > 1 else 0)

@@ -313,6 +313,8 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
 
     check_engines(job(), "cpu", 0)
     check_engines(job("rollout.gpus_per_engine=1", "rollout.num_engines=2"), "gpu", 3)
+    # colocated on GPUs: RL on one GPU, the engine taking a share of the trainer's
+    check_engines(job("rollout.gpus_per_engine=0.5", "rollout.num_engines=1", "rollout.placement=colocated"), "gpu", 1)
     from miles.config import JobConfigError
 
     with pytest.raises(JobConfigError, match="rollout.engine: sglang takes the trainer's weights from files: set "
@@ -325,9 +327,15 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
         check_engines(sglang, "cpu", 0)
     sglang.rollout.sglang = {"tokenizer-path": "/models/v4"}
     check_engines(sglang, "gpu", 17)
+    sglang.rollout.placement = "colocated"
+    with pytest.raises(JobError, match="colocated with rollout.engine: sglang is not built"):
+        check_engines(sglang, "gpu", 17)
     for extra, device, gpus, match in [
             ([], "gpu", 8, "rollout.gpus_per_engine is 0"),
-            (["rollout.gpus_per_engine=0.5", "rollout.placement=colocated"], "gpu", 8, "rollout.placement: colocated"),
+            (["rollout.gpus_per_engine=0.5", "rollout.placement=colocated"], "gpu", 8,
+             "rollout.num_engines=2: colocated, each engine shares one of the trainer's 1 GPU"),
+            (["rollout.gpus_per_engine=1", "rollout.placement=colocated", "rollout.num_engines=1"], "gpu", 8,
+             "rollout.gpus_per_engine=1: colocated on GPUs an engine shares one trainer GPU"),
             (["rollout.gpus_per_engine=1", "rollout.num_engines=2"], "gpu", 2, "need 3 GPUs; the cluster has 2")]:
         with pytest.raises(JobError, match=match):
             check_engines(job(*extra), device, gpus)

@@ -57,3 +57,36 @@ def test_engines_without_a_gpu_see_none_on_a_node_with_gpus(gpu_node):
     finally:
         mgr.shutdown()
     assert seen == [""], f"CUDA_VISIBLE_DEVICES in the engine: {seen}"
+
+
+def test_colocated_engines_share_the_trainer_ranks_gpus(gpu_node):
+    """Colocated on GPUs (miles.cluster.placement): the trainer's placement group has a bundle
+    per rank's GPU and the engine is started in the bundle of the rank it shares a GPU with,
+    so Ray gives both the same GPU (the rank its 1 - gpus_per_engine, the engine the rest) and
+    the node's other GPU stays free: RL on one GPU. A replacement takes over the same bundle."""
+    from miles.cluster.placement import colocate_on_gpus
+    from miles.cluster.train_group import TrainGroup
+    from miles.rollout.manager import RolloutManager
+    from plugins.deepseek_v4 import DeepSeekV4Config
+
+    plan = colocate_on_gpus(world=1, num_engines=1, gpus_per_engine=0.4, cpus_per_worker=1, cpus_per_engine=1)
+    g = TrainGroup(1, resources=plan.rank, bundles=plan.bundles)
+    mgr = None
+    try:
+        mgr = RolloutManager({"num_engines": 1, "max_running": 2, "max_len": 32, "gpus_per_engine": 0.4,
+                              "startup_timeout": 60.0},
+                             {"config": DeepSeekV4Config.tiny().to_dict(), "seed": 0, "device": "cpu"},
+                             colocation=(g.pg, plan))
+
+        def gpus(actor):
+            return gpu_node.get(actor.__ray_call__.remote(lambda a: gpu_node.get_runtime_context().get_accelerator_ids()
+                                                          ["GPU"]))
+
+        rank, engine = gpus(g.workers[0]), gpus(mgr.engines[0].actor)
+        assert rank == engine and len(rank) == 1, (rank, engine)
+        assert mgr.engines[0].bundle == 0
+        assert gpu_node.available_resources().get("GPU", 0) == 1.0  # the other GPU: nobody's
+    finally:
+        if mgr is not None:
+            mgr.shutdown()
+        g.shutdown()

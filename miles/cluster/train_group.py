@@ -20,12 +20,16 @@ from miles.train.worker import TrainWorker
 
 class TrainGroup:
     def __init__(self, world_size: int, resources: dict[str, float] | None = None, warn_after: float = 600.0,
-                 **parallel: int):
-        """`warn_after`: seconds a call may go unanswered by some ranks before a line on stderr
-        says which (again every `warn_after`): a hang shows instead of silence."""
+                 bundles: list[dict[str, float]] | None = None, **parallel: int):
+        """`resources`: each rank's actor resources; `bundles`: the placement group's bundles,
+        one per rank (default: each rank's resources; larger where colocated rollout engines
+        share them: miles.cluster.placement). `warn_after`: seconds a call may go unanswered by
+        some ranks before a line on stderr says which (again every `warn_after`): a hang shows
+        instead of silence."""
         resources = resources or {"CPU": 1}
         self.warn_after = warn_after
-        self.pg = placement_group([dict(resources)] * world_size, strategy="PACK")
+        self.pg = placement_group([dict(b) for b in bundles] if bundles else [dict(resources)] * world_size,
+                                  strategy="PACK")
         self.workers, self.layout = [], []
         try:
             ray.get(self.pg.ready(), timeout=120)

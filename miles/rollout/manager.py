@@ -48,14 +48,17 @@ class EngineSlot:
     pid: int
     failures: int = 0
     alive: bool = True  # False once it is being replaced: no update or generation goes to it
+    bundle: int | None = None  # its bundle of the colocation's placement group (a replacement takes it over)
 
 
 class RolloutManager:
     def __init__(self, cfg: dict | RolloutConfig, spec: dict, log_dir: str | None = None,
-                 version: int | None = None):
+                 version: int | None = None, colocation: tuple | None = None):
         """cfg: the job's `rollout` section; spec: the EngineSpec fields every engine shares
         (model config or HF directory, seed, dtype); version: the trainer step whose weights
-        the engines start from (SGLang's: spec's directory), None where they are not the trainer's."""
+        the engines start from (SGLang's: spec's directory), None where they are not the
+        trainer's; colocation: (placement group, miles.cluster.placement.Colocation) on GPUs
+        shared with the trainer: engine e in bundle colocation.engine_bundles[e]."""
         self.cfg = cfg if isinstance(cfg, RolloutConfig) else RolloutConfig.model_validate(cfg)
         c = self.cfg
         self.spec = {**spec, "max_running": c.max_running, "max_len": c.max_len, "prefill_tokens": c.prefill_tokens,
@@ -67,15 +70,21 @@ class RolloutManager:
         if c.engine == "sglang" and not spec.get("hf"):
             raise ValueError("rollout.engine: sglang serves a model directory (DeepSeek's HF layout): set its path")
         cls = EmbeddedEngine if c.engine == "embedded" else SGLangEngine
-        self._actor_cls = ray.remote(cls).options(num_cpus=c.cpus_per_engine, **device_options(c.gpus_per_engine),
-                                                  max_restarts=0)
+        self._actor_cls = ray.remote(cls)
+        self._actor_opts = {"num_cpus": c.cpus_per_engine, **device_options(c.gpus_per_engine), "max_restarts": 0}
+        self._pg, plan = colocation or (None, None)
+        if plan is not None:
+            if len(plan.engine_bundles) != c.num_engines:
+                raise ValueError(f"the colocation places {len(plan.engine_bundles)} engines, rollout.num_engines is "
+                                 f"{c.num_engines}")
+            self._actor_opts = {"num_cpus": plan.engine["CPU"], "num_gpus": plan.engine["GPU"], "max_restarts": 0}
         # The last weight update, replayed to replacement engines; version: the trainer step the
         # engines' weights come from (None: unknown). Both change under the update lock only:
         # with an update, or (version) when a replacement could not be brought up to date.
         self.latest: dict | None = ({"path": spec["hf"], "version": version}
                                     if c.engine == "sglang" and version is not None else None)
         self.version = version
-        self.engines = self._start_engines(c.num_engines)
+        self.engines = self._start_engines(plan.engine_bundles if plan is not None else [None] * c.num_engines)
         self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
                              health_interval=c.health_interval, extra_args=list(c.router_args),
                              log_file=f"{log_dir}/router.log" if log_dir else None)
@@ -87,14 +96,20 @@ class RolloutManager:
         self._monitor.start()
 
     # ------------------------------------------------------------------ engines
-    def _start_engines(self, n: int) -> list[EngineSlot]:
-        c = self.cfg
+    def _start_engines(self, bundles: list[int | None]) -> list[EngineSlot]:
+        """One engine per entry: in that bundle of the colocation's placement group, or (None)
+        wherever Ray places it."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        c, n = self.cfg, len(bundles)
+        cls = [self._actor_cls.options(**self._actor_opts) if b is None else self._actor_cls.options(
+            **self._actor_opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=b)) for b in bundles]
         if c.engine == "sglang":  # a replacement starts from the weights the others serve
             path = self.latest["path"] if self.latest and "path" in self.latest else self.spec["hf"]
-            actors = [self._actor_cls.remote(path, dict(c.sglang), startup_timeout=c.startup_timeout)
-                      for _ in range(n)]
+            actors = [k.remote(path, dict(c.sglang), startup_timeout=c.startup_timeout) for k in cls]
         else:
-            actors = [self._actor_cls.remote(self.spec) for _ in range(n)]
+            actors = [k.remote(self.spec) for k in cls]
         try:  # an engine's constructor returns once it serves (SGLang's: its own wait, same timeout)
             urls = ray.get([a.url.remote() for a in actors], timeout=c.startup_timeout)
         except ray.exceptions.GetTimeoutError:
@@ -107,7 +122,7 @@ class RolloutManager:
                 ray.kill(a, no_restart=True)
             raise RolloutError(f"an engine failed to start: {e}") from None
         pids = ray.get([a.pid.remote() for a in actors])
-        return [EngineSlot(a, u, p) for a, u, p in zip(actors, urls, pids, strict=True)]
+        return [EngineSlot(a, u, p, bundle=b) for a, u, p, b in zip(actors, urls, pids, bundles, strict=True)]
 
     def engine_actors(self) -> list:
         with self._lock:
@@ -150,7 +165,7 @@ class RolloutManager:
             with self._lock:
                 dead.alive = False
             ray.kill(dead.actor, no_restart=True)
-        new = self._start_engines(1)[0]
+        new = self._start_engines([dead.bundle])[0]
         try:
             with self._update_lock:
                 # A broadcast is not kept to replay: then the new engine copies a live one's weights.
