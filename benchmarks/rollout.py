@@ -73,14 +73,15 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
     cfg = PRESETS[name](args.prompt + args.gen)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = DeepSeekV4ForCausalLM(cfg, dtype=dt, seed=0).to(dev).eval()
-    engine = Engine(model, max_running=64, max_len=args.prompt + args.gen + 1)
+    engine = Engine(model, max_running=64, max_len=args.prompt + args.gen + 1, cuda_graphs=not args.no_graphs)
     g = torch.Generator().manual_seed(0)
 
     def prompts(n: int) -> list[list[int]]:
         return torch.randint(2, cfg.vocab_size, (n, args.prompt), generator=g).tolist()
 
     rows = []
-    engine_run(engine, prompts(2), 2)  # warm-up
+    for b in sorted(set(args.batches)):  # warm-up: every bucket's CUDA graph captured before timing
+        engine_run(engine, prompts(b), 2)
     for b in args.batches:
         ps = prompts(b)
         t_eng = median_of(lambda ps=ps: engine_run(engine, ps, args.gen), args.repeats)
@@ -145,10 +146,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sync", action="store_true", help="also time weight sync (starts a local Ray cluster)")
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--no-graphs", action="store_true", help="the decode step eager on CUDA too (the A/B)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
-    print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}")
+    graphs = "CUDA graphs" if gpu and not args.no_graphs else "eager"
+    print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}; {graphs}")
     print(f"\n{'config':<10} {'workload':<18} {'engine tok/s':>13} {'baseline tok/s':>15} {'speed-up':>9}")
     for name in args.configs:
         for c, w, e, b, r in generation_rows(name, args, dev):

@@ -126,6 +126,29 @@ def test_decode_matches_full_forward(seed, prompt):
     assert cache.length.tolist() == [SEQ, SEQ]
 
 
+def test_decode_on_the_kernel_path_matches_full_forward(seed):
+    """The GPU's decode step (the sparse-attention kernel over the cache pool, here in Triton's
+    interpreter) with static shapes: every compressed entry of the slot's capacity scored and
+    masked, K keys a row, no read of how many blocks this batch completed. Rows at different
+    positions (one completes a block while the other does not) match the reference model's
+    full forward within 1e-5 (fp32)."""
+    ref = tiny_model(seed).eval()
+    model = tiny_model(seed, kernels="triton").eval()
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 320, (n,), generator=g) for n in (30, 41)]
+    lens = [3, 12]  # the rows complete their compression blocks at different steps
+    with torch.no_grad():
+        fulls = [ref(s[None]).logits[0] for s in seqs]
+        cache = model.new_cache(2, 48)
+        model.prefill([s[:n] for s, n in zip(seqs, lens, strict=True)], cache, [1, 0])
+        for k in range(18):
+            step = model.decode(torch.stack([s[n + k] for s, n in zip(seqs, lens, strict=True)]), cache,
+                                torch.tensor([1, 0]))
+            for b in range(2):
+                assert_close(step[b], fulls[b][lens[b] + k], atol=1e-5, what=f"row {b} step {k}")
+
+
 def test_decode_ragged_slots_reused(seed):
     """Sequences of different lengths decode together, each at its own position, in slots
     that earlier, longer sequences used (stale state must never leak), and a slot copied

@@ -345,16 +345,79 @@ def test_sampled_log_probs_are_those_of_the_tempered_distribution(seed):
     temperature (the RL trainer computes log-probs at the rollouts' temperature): each row's
     log-prob is log_softmax(logits / T) of its token, before top-k / top-p cut the
     distribution (as SGLang reports them); greedy rows (temperature 0) report temperature 1's."""
-    from miles.rollout.sampling import sample
+    from miles.rollout.sampling import sample, uniforms
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(4, 50, generator=g) * 3
     params = [SamplingParams(temperature=0.7, seed=seed), SamplingParams(temperature=1.6, top_k=5, seed=seed + 1),
               SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_p=0.8, seed=seed + 2)]
-    tokens, logp = sample(logits, params, [p.generator(logits.device) for p in params])
+    tokens, logp = sample(logits, params, uniforms([p.generator() for p in params]))
     assert torch.isfinite(logp).all()
     temps = torch.tensor([0.7, 1.6, 1.0, 0.5])[:, None]
     want = torch.log_softmax(logits.double() / temps, -1).gather(-1, tokens[:, None])[:, 0]
     assert_close(logp, want.float(), atol=1e-6, what="tempered log-probs")
     assert tokens[2] == logits[2].argmax()
     assert (torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] - logp).abs()[[0, 1, 3]].min() > 1e-3
+
+
+def test_the_batched_sampler_inverts_each_rows_cut_distribution(seed):
+    """Guards the whole-batch sampler (one set of tensor ops for every row, as a CUDA graph
+    needs): at a grid of uniforms each row's tokens come out in the proportions of its own
+    distribution, temperature, top-k, top-p and min-p applied (within one draw of N x p),
+    never a token those cut; and a row's token is the same alone as beside rows with other
+    settings."""
+    from miles.rollout.sampling import sample
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 12, generator=g) * 2
+    cases = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=4),
+             SamplingParams(top_p=0.6), SamplingParams(temperature=0.9, min_p=0.2), SamplingParams(temperature=0)]
+    n = 2000
+    u = (torch.arange(n) + 0.5) / n
+    for p in cases:
+        z = logits[0].double() / (p.temperature or 1.0)
+        if p.top_k > 0:
+            z = z.masked_fill(z < z.topk(p.top_k).values[-1], float("-inf"))
+        want = torch.softmax(z, -1)
+        if p.top_p < 1:
+            sp, order = want.sort(descending=True)
+            want = torch.zeros_like(want).scatter(0, order, sp.masked_fill(sp.cumsum(0) - sp > p.top_p, 0.0))
+        want = want.masked_fill(want < p.min_p * want.max(), 0.0)
+        want = want / want.sum()
+        tokens, logp = sample(logits.expand(n, -1), [p] * n, u)
+        assert torch.isfinite(logp).all()
+        counts = torch.bincount(tokens, minlength=12).double()
+        if p.greedy:
+            assert (tokens == logits.argmax()).all()
+        else:
+            assert ((counts - n * want).abs() <= 1.0 + 1e-6).all(), (p, counts.tolist(), (n * want).tolist())
+    alone = [sample(logits, [p], u[i:i + 1] * 0.9)[0].item() for i, p in enumerate(cases)]
+    together = sample(logits.expand(len(cases), -1), cases, u[:len(cases)] * 0.9)[0].tolist()
+    assert alone == together
+
+
+def test_the_decode_step_pads_to_its_bucket_in_a_slot_nobody_owns(seed):
+    """Guards the padding that gives a CUDA graph per batch size: 3 sequences decode padded to
+    the bucket of 4 with the scratch slot as the fourth row, and give the logits and leave the
+    cache state that the 3 alone give (the padding touches no sequence's slot); buckets are the
+    powers of two up to the engine's slots."""
+    from miles.rollout.decode_step import DecodeStep, buckets
+
+    assert buckets(6) == [1, 2, 4, 6] and buckets(8) == [1, 2, 4, 8] and buckets(1) == [1]
+    model = tiny_model(seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 320, (n,), generator=g) for n in (5, 17, 9)]
+    caches = [model.new_cache(5, 64) for _ in range(2)]
+    for c in caches:
+        model.prefill(prompts, c, [0, 2, 3])
+    step = DecodeStep(model, caches[1], scratch=4, max_batch=4)
+    for k in range(6):
+        ids = torch.randint(2, 320, (3,), generator=g)
+        with torch.no_grad():
+            alone = model.decode(ids, caches[0], torch.tensor([0, 2, 3]))
+        padded = step(ids.tolist(), [0, 2, 3])
+        assert step.bucket(3) == 4 and padded.shape == alone.shape
+        assert_close(padded, alone, atol=1e-6, what=f"step {k}")
+    for i, (a, b) in enumerate(zip(caches[0].tensors(), caches[1].tensors(), strict=True)):
+        # rounding apart (a batch of 4 may block its sums unlike one of 3), not a write of other rows
+        assert_close(b[:4].double(), a[:4].double(), atol=1e-5, what=f"cache tensor {i}: a sequence's slot")

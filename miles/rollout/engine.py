@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.rollout.sampling import SamplingParams, sample
+from miles.rollout.decode_step import DecodeStep
+from miles.rollout.sampling import SamplingParams, sample, uniforms
 from plugins.deepseek_v4.model import DeepSeekV4ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,16 @@ class Engine:
     stats; `run_exclusive` runs a function between two decoding steps (weight swaps)."""
 
     def __init__(self, model: DeepSeekV4ForCausalLM, max_running: int = 64, max_len: int = 4096,
-                 tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192):
+                 tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192, cuda_graphs: bool = True):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_running, self.max_len, self.prefill_tokens = max_running, max_len, prefill_tokens
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.vocab = model.config.vocab_size
-        self.cache = model.new_cache(max_running, max_len, self.device)
+        # one slot more than sequences: the decode step's padding rows write there (DecodeStep)
+        self.cache = model.new_cache(max_running + 1, max_len, self.device)
+        self.decoder = DecodeStep(model, self.cache, scratch=max_running, max_batch=max_running, graphs=cuda_graphs)
         self.free = list(range(max_running))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -91,7 +94,7 @@ class Engine:
                return_logprob: bool = False, rid: str | None = None) -> str:
         self.check(prompt, params)
         seq = Sequence(rid or uuid.uuid4().hex, list(prompt), params, return_logprob, on_done,
-                       params.generator(self.device))
+                       params.generator())
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return seq.rid
@@ -208,14 +211,13 @@ class Engine:
 
     def _decode(self) -> None:
         seqs = list(self.running)
-        ids = torch.tensor([s.out[-1] for s in seqs], dtype=torch.long, device=self.device)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
-        self._append(seqs, self.model.decode(ids, self.cache, slots))
+        self._append(seqs, self.decoder([s.out[-1] for s in seqs], [s.slot for s in seqs]))
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, logps = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        tokens, logps = sample(logits, [s.params for s in seqs], uniforms([s.gen for s in seqs]))
         self.counters["generated_tokens"] += len(seqs)
-        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist(), strict=True):
+        both = torch.stack((tokens.double(), logps.double())).cpu()  # the step's one wait for the device
+        for s, t, lp in zip(seqs, both[0].long().tolist(), both[1].tolist(), strict=True):
             s.out.append(t)
             s.logprobs.append(lp)
             reason = self._stopped(s)

@@ -51,12 +51,13 @@ class SamplingParams(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The request's own random stream (None for greedy requests)."""
+    def generator(self) -> torch.Generator | None:
+        """The request's own random stream on the host (None for greedy requests): one uniform
+        number a token, drawn on the host so the device's step needs no generator of its own."""
         if self.greedy:
             return None
         seed = self.seed if self.seed is not None else self.sampling_seed
-        g = torch.Generator(device=device)
+        g = torch.Generator()
         if seed is None:
             g.seed()
         else:
@@ -64,30 +65,39 @@ class SamplingParams(BaseModel):
         return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> sampled tokens [B] and their log-probs [B] under softmax(logits /
-    temperature) of each row (temperature 0, greedy: 1). Row b follows params[b]
-    (temperature, top_k, top_p, min_p) and draws one uniform number from gens[b]."""
+def uniforms(gens: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform number [0, 1) per row from its request's stream (0 for greedy rows, which
+    draw none): a request samples the same tokens whatever else shares its batch."""
+    return torch.stack([torch.zeros(()) if g is None else torch.rand((), generator=g) for g in gens])
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> sampled tokens [B] and their log-probs [B] under softmax(logits /
+    temperature) of each row (temperature 0, greedy: 1). Row b follows params[b] (temperature,
+    top_k, top_p, min_p) and inverts its cut distribution's CDF at u[b] (uniforms()). The whole
+    batch at once, on the logits' device, in shapes that do not depend on the values: each row's
+    result is what it would be alone."""
     logits = logits.float()
-    temps = [p.temperature or 1.0 for p in params]
-    scaled = logits if all(t == 1.0 for t in temps) else logits / logits.new_tensor(temps)[:, None]
+    b, v = logits.shape
+    dev = logits.device
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+    scaled = logits if all(p.temperature in (0, 1) for p in params) else logits / temps[:, None]
     logp = torch.log_softmax(scaled, -1)
-    tokens = logits.argmax(-1)
-    for b, (p, g) in enumerate(zip(params, gens, strict=True)):
-        if p.greedy:
-            continue
-        row = scaled[b]
-        if p.top_k > 0 and p.top_k < row.numel():
-            row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
-        probs = torch.softmax(row, -1)
-        if p.top_p < 1:
-            sp, order = probs.sort(descending=True)
-            drop = sp.cumsum(0) - sp > p.top_p  # keep the smallest prefix reaching top_p
-            probs = probs.scatter(0, order, sp.masked_fill(drop, 0.0))
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        cdf = probs.cumsum(0)
-        u = torch.rand((), generator=g, device=cdf.device) * cdf[-1]
-        tokens[b] = torch.searchsorted(cdf, u[None], right=True).clamp_max(cdf.numel() - 1)[0]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
+    if bool((top_k < v).any()):  # each row's k-th largest logit, and everything below it out
+        kth = torch.topk(scaled, int(top_k.max()), dim=-1).values.gather(-1, (top_k - 1)[:, None])  # [B, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, -1)  # [B, V]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    if bool((top_p < 1).any()):  # the smallest prefix of the sorted probabilities that reaches top_p
+        sp, order = probs.sort(-1, descending=True)
+        drop = sp.cumsum(-1) - sp > top_p[:, None]
+        cut = probs.scatter(-1, order, sp.masked_fill(drop, 0.0))
+        probs = torch.where((top_p < 1)[:, None], cut, probs)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    cdf = probs.cumsum(-1)  # [B, V]
+    drawn = torch.searchsorted(cdf, (u.to(dev, torch.float32) * cdf[:, -1])[:, None], right=True)[:, 0]
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn.clamp_max(v - 1))
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]

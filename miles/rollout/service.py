@@ -38,6 +38,7 @@ class EngineSpec:
     hang_timeout: float = 60.0  # /health fails when work waits this long without a step
     weight_version: int | None = 0  # what the initial weights are called (None: no trainer's: an RL engine
     # waiting for its first weight sync)
+    cuda_graphs: bool = True  # on CUDA: each decode batch bucket replayed as a CUDA graph
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -71,7 +72,7 @@ class EngineService:
             if tid is not None:
                 eos = {tid}
         self.engine = Engine(self.model, spec.max_running, spec.max_len, self.tokenizer, tuple(eos),
-                             spec.prefill_tokens)
+                             spec.prefill_tokens, spec.cuda_graphs)
         self.engine.weight_version = spec.weight_version
         self.staging: Staging | None = None
         self.update_lock = threading.Lock()
@@ -198,6 +199,7 @@ class EngineService:
 
             tensors = list(self.model.parameters()) + list(self.model.buffers()) + self.engine.cache.tensors()
             self._released, freed = self.engine.run_exclusive(lambda: offload(tensors))
+            self.engine.decoder.reset()  # the storages come back elsewhere: graphs are captured again
             return freed
 
     def resume_memory(self) -> None:

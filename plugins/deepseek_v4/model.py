@@ -243,24 +243,24 @@ class Compressor(nn.Module):
 
     def step(self, x: torch.Tensor, cc: CompressorCache, slots: torch.Tensor, pos: torch.Tensor, rope_fn) -> None:
         """Feed each row's token at position pos [B] (x [B, 1, d]); rows whose block it
-        completes emit entry pos // r."""
+        completes emit entry pos // r. Every row pools and only the completing ones write:
+        the shapes never depend on which rows complete (no wait for the GPU, one CUDA graph)."""
         r = self.ratio
         c, z = self.project(x)  # [B, 1, coff*D]
         j = pos % r
         cc.tail[slots, 0, j], cc.tail[slots, 1, j] = c[:, 0], z[:, 0]
-        done = (j == r - 1).nonzero()[:, 0]
-        if not len(done):
-            return
-        s, g = slots[done], pos[done] // r
-        cur = cc.tail[s][:, :, None]  # [b, 2, 1, r, coff*D]
+        done = j == r - 1  # [B]
+        g = (pos // r).clamp_max(cc.entries.shape[1] - 1)  # [B]; a completing row's entry is in range
+        cur = cc.tail[slots][:, :, None]  # [B, 2, 1, r, coff*D]
         pc = pz = None
         if cc.prev is not None:
-            prev = cc.prev[s][:, :, None]
+            prev = cc.prev[slots][:, :, None]
             pc, pz = prev[:, 0], prev[:, 1]
-        entry = self.pool(cur[:, 0], cur[:, 1], pc, pz, (g >= 1)[:, None])  # [b, 1, D]
-        cc.entries[s, g] = rope_fn(entry, (g * r)[:, None])[:, 0].to(cc.entries.dtype)
+        entry = self.pool(cur[:, 0], cur[:, 1], pc, pz, (g >= 1)[:, None])  # [B, 1, D]
+        entry = rope_fn(entry, (g * r)[:, None])[:, 0].to(cc.entries.dtype)  # [B, D]
+        cc.entries[slots, g] = torch.where(done[:, None], entry, cc.entries[slots, g])
         if cc.prev is not None:
-            cc.prev[s] = cc.tail[s]
+            cc.prev[slots] = torch.where(done[:, None, None, None], cc.tail[slots], cc.prev[slots])
 
 
 class Indexer(nn.Module):
@@ -459,24 +459,27 @@ class Attention(nn.Module):
         c_q, q = self._q(x, cos, sin)  # q [B, 1, H, D]
         lc.keys[slots, pos % w] = self._kv(x, cos, sin)[:, 0]
         mask = torch.arange(w, device=x.device) <= pos[:, None]  # [B, W] ring entries written so far
+        keys = w  # the most keys a row attends (static: the slot's capacity, not this batch's count)
         if self.compressor is not None:
             rope_e = self._rope_entries(rope)
             self.compressor.step(x, lc.comp, slots, pos, rope_e)
             count = (pos + 1) // self.ratio  # [B] complete blocks, all visible
-            g = int(count.max())
+            g = lc.keys.shape[1] - w  # G: the slot's entry capacity (entries past count are masked)
             chosen = torch.arange(g, device=x.device) < count[:, None]  # [B, G]
+            keys += g
             if self.indexer is not None:
                 self.indexer.compressor.step(x, lc.idx, slots, pos, rope_e)
                 qi, wi = self.indexer.queries(x, c_q, cos, sin)
-                scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries[slots, :g]), wi)  # [B, 1, G]
+                scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries[slots]), wi)  # [B, 1, G]
                 chosen = ops.topk_select(scores, chosen[:, None], self.indexer.topk)[:, 0]
+                keys = w + min(self.indexer.topk, g)
             mask = torch.cat((mask, chosen), -1)  # [B, W + G]
         scale = self.head_dim ** -0.5
         if use_kernels(self.cfg, q):
             from .kernels.sparse_attention import AttentionOptions
             from .kernels.sparse_attention import sparse_attention as kernel
 
-            pick = ops.mask_to_index(mask)  # [B, K] into the slot's row of the pool
+            pick = ops.mask_to_index(mask, keys)  # [B, K] into the slot's row of the pool
             idx = torch.where(pick >= 0, pick + slots[:, None] * lc.keys.shape[1], -1).to(torch.int32)
             b, _, h, d = q.shape
             c = self.cfg
@@ -1034,7 +1037,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         slots[b] (each slot at its own position); the slots advance by one token."""
         slots = slots.to(cache.length.device)
         pos = cache.length[slots]  # [B]
-        if int(pos.max()) >= cache.max_len:
+        if not pos.is_cuda and int(pos.max()) >= cache.max_len:  # on a GPU the caller keeps count (no wait)
             raise ValueError(f"a slot is full ({cache.max_len} tokens)")
         ids = input_ids.reshape(-1, 1)
         ropes = {"swa": Rope(self.inv_freq_swa, None, None), "compressed": Rope(self.inv_freq_compressed, None, None)}

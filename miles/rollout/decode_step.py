@@ -1,0 +1,109 @@
+"""The engine's decoding step: every running sequence one token on, in batch buckets.
+
+A step runs the model's `decode` over the running sequences padded to the next bucket size
+(powers of two up to the engine's slots). The padding rows decode a scratch slot that no
+sequence owns, so they touch no one's state, and the step's shapes depend only on the bucket:
+on CUDA each bucket's step is captured once as a CUDA graph and replayed (one launch for the
+whole model instead of thousands; the decode step has no host synchronisation to break it).
+On CPU the same padded step runs eagerly: the padding and the scratch slot are tested there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [bs] the replay's inputs, copied in before each replay
+    slots: torch.Tensor  # [bs]
+    logits: torch.Tensor  # [bs, V] the replay's output
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes a step is padded to: powers of two below max_batch, and max_batch."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class DecodeStep:
+    def __init__(self, model, cache, scratch: int, max_batch: int, graphs: bool = True):
+        """`cache` holds a slot `scratch` that no sequence is given (the padding rows'); with
+        `graphs`, on CUDA each bucket is captured at its first step."""
+        self.model, self.cache, self.scratch = model, cache, scratch
+        self.buckets = buckets(max_batch)
+        self.device = cache.length.device
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.graphs: dict[int, _Graph] = {}
+        self.graph_error: str | None = None  # why the step runs eagerly after all (a capture failed)
+        self._pool = None
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int], slots: list[int]) -> torch.Tensor:
+        """Next-token logits [n, V] of n sequences (their last tokens `ids`, in cache `slots`);
+        each slot advances one token."""
+        n = len(ids)
+        bs = self.bucket(n)
+        ids_t = torch.tensor(ids + [0] * (bs - n), dtype=torch.long)
+        slots_t = torch.tensor(slots + [self.scratch] * (bs - n), dtype=torch.long)
+        self.cache.length[self.scratch] = 0  # the scratch slot never fills up
+        if not self.use_graphs:
+            return self.model.decode(ids_t.to(self.device), self.cache, slots_t.to(self.device))[:n]
+        g = self.graphs.get(bs) or self._try_capture(bs)
+        if g is None:
+            return self.model.decode(ids_t.to(self.device), self.cache, slots_t.to(self.device))[:n]
+        g.ids.copy_(ids_t)
+        g.slots.copy_(slots_t)
+        g.graph.replay()
+        return g.logits[:n]
+
+    def _try_capture(self, bs: int) -> _Graph | None:
+        """The bucket's graph, or None (and eager steps from now on, said once in the log) where
+        the step cannot be captured: an fp32 model's experts loop over their groups on the host
+        (the grouped GEMMs that need no host are bf16's)."""
+        try:
+            return self._capture(bs)
+        except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
+            self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
+            self.graphs.clear()
+            log.warning("the decode step cannot be captured as a CUDA graph; it runs eagerly: %s", self.graph_error)
+            return None
+
+    def _capture(self, bs: int) -> _Graph:
+        """Warm the step up on a side stream (Triton's compiles, the allocator) on the scratch
+        slot alone, then capture it."""
+        ids = torch.zeros(bs, dtype=torch.long, device=self.device)
+        slots = torch.full((bs,), self.scratch, dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.cache.length[self.scratch] = 0
+                self.model.decode(ids, self.cache, slots)
+        torch.cuda.current_stream().wait_stream(side)
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self.cache.length[self.scratch] = 0
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.decode(ids, self.cache, slots)
+        self.graphs[bs] = _Graph(graph, ids, slots, logits)
+        log.info("decode step captured for batch %d (%d buckets captured)", bs, len(self.graphs))
+        return self.graphs[bs]
+
+    def reset(self) -> None:
+        """Drop the graphs: the weights' or the cache's storages moved (memory released and
+        resumed); the next steps capture again."""
+        self.graphs.clear()
+        self._pool = None

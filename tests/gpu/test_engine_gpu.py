@@ -1,0 +1,63 @@
+"""The embedded engine on a GPU (skipped without CUDA; `make test-gpu`): the decode step
+replayed from CUDA graphs, one per batch bucket, gives the tokens and log-probs of the eager
+step and of the model's full forward; requests joining and leaving change no one's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close, randomize, tiny_model
+
+from miles.rollout.engine import Engine
+from miles.rollout.sampling import SamplingParams
+from tests.test_rollout_engine import _logprobs, _prompts, _run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU engine needs CUDA")
+
+
+def test_graph_replayed_decode_equals_the_eager_step_and_the_full_forward(seed):
+    """bf16 (the grouped expert GEMMs that need no host: fp32's loop falls back to eager)."""
+    model = randomize(tiny_model(seed, dtype=torch.bfloat16), seed).cuda().eval()
+    prompts = _prompts(seed, 11)  # 11 requests: buckets 16 and, as they finish, smaller ones
+    params = [SamplingParams(temperature=0, max_new_tokens=8 + 3 * (i % 4), ignore_eos=True) for i in range(11)]
+    runs = {}
+    for graphs in (True, False):
+        engine = Engine(model, max_running=16, max_len=160, cuda_graphs=graphs)
+        try:
+            runs[graphs] = _run(engine, prompts, params, stagger=0.01)
+            if graphs:
+                assert engine.decoder.graph_error is None, engine.decoder.graph_error
+                assert len(engine.decoder.graphs) >= 2, "the decode step was not replayed from graphs"
+        finally:
+            engine.stop()
+    for i, p in enumerate(prompts):
+        a, b = runs[True][str(i)], runs[False][str(i)]
+        assert a["output_ids"] == b["output_ids"], f"request {i}: graphs and eager decode differ"
+        assert_close(_logprobs(a), _logprobs(b), atol=1e-5, what=f"request {i} log-probs")
+        ids = torch.tensor(p + a["output_ids"], device="cuda")
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids[None]).logits[0].double(), -1)
+        want = full[len(p) - 1:-1].gather(-1, ids[len(p):, None])[:, 0].float().cpu()
+        # bf16: the decode step and the packed forward round their sums differently
+        assert_close(_logprobs(a), want, atol=5e-2, what=f"request {i} against the full forward")
+
+
+def test_memory_release_drops_the_graphs_and_decoding_goes_on(seed):
+    """Colocated engines free their weights and cache while the trainer trains: the storages
+    come back elsewhere, so the graphs captured over them must go, and the next steps capture
+    again and decode as before."""
+    from miles.rollout.service import EngineService, EngineSpec
+
+    svc = EngineService(EngineSpec(config=tiny_model(seed).config.to_dict(), seed=seed, device="cuda",
+                                   dtype="bfloat16", max_running=4, max_len=64))
+    try:
+        p = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+        before = _run(svc.engine, [[5, 6, 7]], p)["0"]
+        assert svc.engine.decoder.graphs
+        svc.release_memory()
+        assert not svc.engine.decoder.graphs
+        svc.resume_memory()
+        after = _run(svc.engine, [[5, 6, 7]], p)["0"]
+        assert after["output_ids"] == before["output_ids"] and svc.engine.decoder.graphs
+    finally:
+        svc.stop()
