@@ -42,7 +42,9 @@ class DecodeStep:
         self.model, self.cache, self.scratch = model, cache, scratch
         self.buckets = buckets(max_batch)
         self.device = cache.length.device
-        self.use_graphs = graphs and self.device.type == "cuda"
+        # bf16 only: an fp32 model's experts loop over their groups on the host, which a
+        # capture cannot hold (the grouped GEMMs that need no host are bf16's)
+        self.use_graphs = graphs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16
         self.graphs: dict[int, _Graph] = {}
         self.graph_error: str | None = None  # why the step runs eagerly after all (a capture failed)
         self._pool = None
@@ -71,8 +73,7 @@ class DecodeStep:
 
     def _try_capture(self, bs: int) -> _Graph | None:
         """The bucket's graph, or None (and eager steps from now on, said once in the log) where
-        the step cannot be captured: an fp32 model's experts loop over their groups on the host
-        (the grouped GEMMs that need no host are bf16's)."""
+        the step cannot be captured after all."""
         try:
             return self._capture(bs)
         except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
