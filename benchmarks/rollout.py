@@ -10,7 +10,8 @@ batching, slot cache); the baseline generates the same tokens by running the ful
 over the whole sequence for every new token (no cache). "n=8" sends B/8 prompts 8 times
 each (one prefill per prompt) against B distinct prompts. --sync adds the weight sync of
 a one-rank TrainGroup to one engine actor, per path (Ray object store, gloo/nccl broadcast,
-disk: the HF layout written to a temporary directory and loaded by the engine).
+disk: the HF layout written to a temporary directory and loaded by the engine; shared: the
+engine opens the rank's buffers in place, CUDA IPC on a GPU; both on one GPU there).
 Medians over --repeats.
 """
 
@@ -107,7 +108,7 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
 
     from miles.cluster.train_group import TrainGroup
     from miles.rollout.manager import RolloutManager
-    from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store
+    from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store, sync_shared
 
     cfg = PRESETS[name](args.prompt + args.gen)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -124,7 +125,8 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
         for path, fn in (("object_store", lambda v: sync_object_store(group, mgr, bucket, v)),
                          ("broadcast", lambda v: sync_broadcast(group, engines, bucket, v,
                                                                 "nccl" if gpu else "gloo")),
-                         ("disk", lambda v: sync_disk(group, mgr, disk, cfg, v))):
+                         ("disk", lambda v: sync_disk(group, mgr, disk, cfg, v)),
+                         ("shared", lambda v: sync_shared(group, mgr, bucket, v))):
             infos = [fn(v) for v in range(1, args.repeats + 2)][1:]  # the first warms up
             s = statistics.median(i["seconds"] for i in infos)
             gb = infos[0]["bytes"] / 1e9

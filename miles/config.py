@@ -273,8 +273,9 @@ class RolloutConfig(Section):
     hang_timeout: PosFloat = 60.0  # an engine with work and no decoding step for this long is unhealthy
     startup_timeout: PosFloat = 1800.0  # seconds an engine may take to start and load its weights (first ones and
     # replacements; a V4-Flash SGLang engine takes minutes)
-    sync: Literal["object_store", "broadcast", "disk"] = "object_store"  # weight-sync path: broadcast (a gloo/nccl
-    # group), disk (DeepSeek's HF layout written by the trainer's ranks, loaded by each engine: SGLang's path)
+    sync: Literal["object_store", "broadcast", "disk", "shared"] = "object_store"  # weight-sync path: broadcast (a
+    # gloo/nccl group), disk (DeepSeek's HF layout written by the trainer's ranks, loaded by each engine: SGLang's
+    # path), shared (colocated engines open the trainer's buffers in place: CUDA IPC on GPUs, no host copy)
     sync_dir: Str | None = None  # sync: disk: where each version is written (default <run_dir>/weights;
     # with several nodes, a filesystem every node shares)
     bucket_mb: PosInt = 256  # weight-sync bucket size
@@ -517,6 +518,9 @@ class JobConfig(Section):
                              "truncated distribution whose log-probs the trainer does not reproduce (the importance "
                              "ratios and TIS would compare different distributions); use rollout.temperature alone, "
                              "or set rollout.truncated_sampling: true to accept the mismatch")
+        if r.sync == "shared" and (r.placement != "colocated" or r.engine != "embedded"):
+            raise ValueError("rollout.sync: shared opens the trainer's buffers in the engines' processes: it needs "
+                             "rollout.placement: colocated and the embedded engine")
         if r.off_policy and r.placement == "colocated":
             raise ValueError("rollout.off_policy generates while the trainer trains: it needs rollout.placement: "
                              "disaggregated (colocated engines and trainer take turns)")

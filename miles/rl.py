@@ -287,7 +287,7 @@ def sync_dir(job: JobConfig) -> Path:
 
 def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     """The trainer's weights into every engine (unless they already serve `version`)."""
-    from miles.rollout.sync import sync_disk, sync_object_store
+    from miles.rollout.sync import sync_disk, sync_object_store, sync_shared
 
     if engines.version == version:
         return {}
@@ -299,6 +299,8 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
         res = engines.update_by_broadcast(trainer, bucket, version, sync_backend(job))
     elif job.rollout.sync == "disk":
         res = sync_disk(trainer, engines, sync_dir(job), job.model.arch, version)
+    elif job.rollout.sync == "shared":
+        res = sync_shared(trainer, engines, bucket, version)
     else:
         res = sync_object_store(trainer, engines, bucket, version)
     if colocated:

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from miles.cluster.train_group import TrainGroup  # noqa: E402
 from miles.data.synthetic import SyntheticSource  # noqa: E402
 from miles.rollout.manager import RolloutManager  # noqa: E402
-from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store  # noqa: E402
+from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store, sync_shared  # noqa: E402
 from miles.rollout.weights import WeightSyncError  # noqa: E402
 from miles.train.batching import MicroBatch, replica_micro_batches  # noqa: E402
 from plugins.deepseek_v4 import DeepSeekV4Config  # noqa: E402
@@ -85,7 +85,7 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
 
         src = SyntheticSource(32, CFG.vocab_size, seed)
         engine = mgr.engine_actors()[0]
-        for step, path in ((1, "object_store"), (2, "broadcast"), (3, "disk")):
+        for step, path in ((1, "object_store"), (2, "broadcast"), (3, "disk"), (4, "shared")):
             tp2.train_step(replica_micro_batches(src.batch(step, 4), 1, 2))
             stale = mgr.generate(_requests(seed, step))  # old weights, new trainer
             with pytest.raises(AssertionError):
@@ -94,6 +94,8 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
                 info = sync_object_store(tp2, mgr, BUCKET, version=step)
             elif path == "broadcast":
                 info = sync_broadcast(tp2, [engine], BUCKET, version=step, backend="gloo")
+            elif path == "shared":  # colocated: the engine opens the ranks' buffers in place
+                info = sync_shared(tp2, mgr, BUCKET, version=step)
             else:
                 (tmp_path / "v0000001").mkdir()  # an older version: removed once the engines serve this one
                 info = sync_disk(tp2, mgr, tmp_path, CFG, version=step)
@@ -107,16 +109,16 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
 
         # A sync that fails midway: a bucket in the middle arrives corrupted.
         before = mgr.generate(_requests(seed, 20))
-        tp2.train_step(replica_micro_batches(src.batch(4, 4), 1, 2))
+        tp2.train_step(replica_micro_batches(src.batch(5, 4), 1, 2))
         buckets = [b for rank in tp2.call("put_weight_buckets", BUCKET) for b in rank]
         assert len(buckets) >= 3
         ref, sums = buckets[len(buckets) // 2]
         buckets[len(buckets) // 2] = (ref, {**sums, next(iter(sums)): "0" * 32})
         with pytest.raises(WeightSyncError, match="checksum mismatch"):
-            mgr.update_weights(buckets, [n for _, s in buckets for n in s], 4)
+            mgr.update_weights(buckets, [n for _, s in buckets for n in s], 5)
         after = mgr.generate(_requests(seed, 20))
         for a, b in zip(before, after, strict=True):
-            assert a["output_ids"] == b["output_ids"] and a["meta_info"]["weight_version"] == 3
+            assert a["output_ids"] == b["output_ids"] and a["meta_info"]["weight_version"] == 4
             assert_close(_engine_logprobs([a])[0], _engine_logprobs([b])[0], atol=1e-5, what="old weights kept")
         # A directory the engine cannot load (a shard missing): refused naming the engine and
         # the directory; the old weights keep serving, and stay what a replacement would get.
@@ -125,14 +127,14 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
         sorted(bad.glob("*.safetensors"))[-1].unlink()
         refused = rf"1 of 1 engines refused the weights at {bad} and keep their previous ones: .* is missing"
         with pytest.raises(WeightSyncError, match=refused):
-            mgr.update_from_disk(str(bad), 4)
+            mgr.update_from_disk(str(bad), 5)
         assert mgr.latest["path"] == str(tmp_path / "v0000003")
         assert [r["output_ids"] for r in mgr.generate(_requests(seed, 20))] == [r["output_ids"] for r in before]
         # An update that never completes (names announced but missing) is refused as well.
         ray.get(engine.begin_update.remote())
         ray.get(engine.stage.remote(*buckets[0]))
         with pytest.raises(ray.exceptions.RayTaskError, match="update incomplete"):
-            ray.get(engine.commit.remote([n for _, s in buckets for n in s], 4))
+            ray.get(engine.commit.remote([n for _, s in buckets for n in s], 5))
         assert mgr.generate(_requests(seed, 20))[0]["output_ids"] == before[0]["output_ids"]
     finally:
         tp2.shutdown()

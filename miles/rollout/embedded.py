@@ -37,6 +37,9 @@ class EmbeddedEngine:
     def stage(self, bucket: dict[str, torch.Tensor], sums: dict[str, str]) -> int:
         return self.svc.stage(bucket, sums)
 
+    def stage_shared(self, handle: tuple, spec: list, fingerprints: dict[str, int]) -> int:
+        return self.svc.stage_shared(handle, spec, fingerprints)
+
     def commit(self, names: list[str], version: int | None = None) -> dict:
         return self.svc.commit(names, version)
 

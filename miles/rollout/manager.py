@@ -220,6 +220,23 @@ class RolloutManager:
                                   "weights from a directory (rollout.sync: disk)")
         return self._update({"buckets": buckets, "names": names, "version": version})
 
+    def update_shared(self, buckets: list[tuple], names: list[str], version: int) -> dict:
+        """Colocated path: buckets [(share handle, spec, {name: fingerprint})] that the trainer's
+        ranks keep in their own memory (CUDA IPC on GPUs); every engine opens them in place.
+        Not kept to replay (the buffers go once the engines have them): a later replacement
+        copies a live engine's weights."""
+        if self.cfg.engine == "sglang":
+            raise WeightSyncError("shared-buffer weight sync serves the embedded engine (SGLang: rollout.sync: disk)")
+        with self._update_lock:
+            with self._lock:
+                engines = [e for e in self.engines if e.alive]
+            try:
+                res = self._apply(engines, {"shared": buckets, "names": names, "version": version})
+            except ray.exceptions.RayActorError as e:
+                raise WeightSyncError(f"an engine died during the weight update: {e}") from None
+            self.version = version
+            return res
+
     def update_from_disk(self, path: str, version: int) -> dict:
         """Disk path: every engine loads the weights at `path` (DeepSeek's HF layout, every
         tensor) whole; SGLang's engines take them only this way."""
@@ -272,7 +289,10 @@ class RolloutManager:
                                       + f": {errors[0]}")
             return {"seconds": time.perf_counter() - t0, "engines": len(engines)}
         ray.get([e.actor.begin_update.remote() for e in engines])
-        staged = [e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]]
+        if "shared" in update:
+            staged = [e.actor.stage_shared.remote(*bucket) for e in engines for bucket in update["shared"]]
+        else:
+            staged = [e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]]
         errors = []
         for ref in staged:  # in order: the first error is the cause, later ones its echo
             try:

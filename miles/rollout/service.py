@@ -105,16 +105,28 @@ class EngineService:
                 raise WeightSyncError("memory is released: resume_memory_occupation first")
             self.staging = Staging(self.model)
 
-    def stage(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None) -> int:
+    def stage(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None,
+              fingerprints: dict[str, int] | None = None) -> int:
         with self.update_lock:
             if self.staging is None:
                 raise WeightSyncError("no update in progress (begin_update first)")
             try:
-                self.staging.add(tensors, sums)
+                self.staging.add(tensors, sums, fingerprints)
             except Exception:
                 self.staging = None
                 raise
             return len(tensors)
+
+    def stage_shared(self, handle: tuple, spec: list, fingerprints: dict[str, int]) -> int:
+        """A bucket a colocated trainer rank shared (weights.share): opened in place, checked
+        by its fingerprints on the device, copied into the staging area."""
+        from miles.rollout.weights import opened, views_of
+
+        try:
+            flat = opened(handle)
+        except Exception as e:  # another node's buffer, or one already freed
+            raise WeightSyncError(f"cannot open the trainer's shared buffer (colocated engines only): {e}") from e
+        return self.stage(views_of(flat, spec), None, fingerprints)
 
     def commit(self, names: list[str], version: int | None = None) -> dict:
         """Swap the staged tensors in between two decoding steps; the engine keeps its old

@@ -6,6 +6,9 @@ in whole. Three paths:
   check each tensor's MD5.
 - broadcast: a process group of its own between the owning ranks and the engines
   (gloo on CPU, nccl on GPU), one broadcast per bucket from its owner; MD5s compared.
+- shared (colocated engines): each owning rank packs its buckets into buffers of its own and
+  shares them (CUDA IPC on GPUs: no host copy); the engines copy out of them in place,
+  checking device fingerprints.
 - disk (SGLang's engines; any engine): each rank writes the tensors it owns in DeepSeek's
   HF layout to <dir>/v<version>, each engine loads that directory (names, shapes and
   completeness checked, not bytes); older versions are removed once the engines serve
@@ -31,6 +34,20 @@ def sync_object_store(trainer, manager, bucket_bytes: int, version: int) -> dict
     names = [n for _, sums in buckets for n in sums]
     res = manager.update_weights(buckets, names, version)
     return {**res, "seconds": time.perf_counter() - t0, "path": "object_store"}
+
+
+def sync_shared(trainer, manager, bucket_bytes: int, version: int) -> dict:
+    """Colocated engines open the trainer ranks' packed buckets in place (CUDA IPC on GPUs,
+    shared memory on hosts), checked by fingerprints computed on the device; the ranks free
+    them once every engine has its copy."""
+    t0 = time.perf_counter()
+    per_rank = trainer.call("share_weight_buckets", bucket_bytes)
+    try:
+        buckets = [b for rank in per_rank for b in rank]
+        res = manager.update_shared(buckets, [n for _, _, fps in buckets for n in fps], version)
+    finally:
+        trainer.call("release_shared")
+    return {**res, "seconds": time.perf_counter() - t0, "path": "shared"}
 
 
 def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, backend: str) -> dict:

@@ -77,7 +77,10 @@ class Staging:
         self.staged: dict[str, torch.Tensor] = {}
         self.bytes = 0
 
-    def add(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None) -> None:
+    def add(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None,
+            fingerprints: dict[str, int] | None = None) -> None:
+        """Check and copy in a bucket: `sums` the sender's MD5s of the received bytes, or its
+        `fingerprints` (checksum.fingerprint, on the device: no host copy) of them."""
         for name, t in tensors.items():
             target = self.targets.get(name)
             if target is None:
@@ -92,6 +95,13 @@ class Staging:
                     raise WeightSyncError(f"'{name}': checksum mismatch (sent {sums[name]}, received {got})")
             if name in self.staged:
                 raise WeightSyncError(f"'{name}' arrived twice in one update")
+            if fingerprints is not None:
+                from plugins.deepseek_v4.checksum import fingerprint
+
+                if name not in fingerprints:
+                    raise WeightSyncError(f"'{name}': no fingerprint came with the tensor")
+                if fingerprint(t) != fingerprints[name]:
+                    raise WeightSyncError(f"'{name}': fingerprint mismatch (the received view is not the sent tensor)")
             self.staged[name] = t.detach().to(device=target.device, dtype=target.dtype, copy=True)
             self.bytes += t.numel() * t.element_size()
 
@@ -159,13 +169,42 @@ def _layout(spec: list[tuple[str, list[int], str]]) -> tuple[list[int], int]:
 
 def bucket_buffer(spec: list[tuple[str, list[int], str]], device=None) -> tuple[torch.Tensor, dict]:
     """One flat byte buffer for a bucket [(name, shape, dtype)] and the tensor views into it."""
+    flat = torch.empty(_layout(spec)[1], dtype=torch.uint8, device=device)
+    return flat, views_of(flat, spec)
+
+
+def views_of(flat: torch.Tensor, spec: list[tuple[str, list[int], str]]) -> dict[str, torch.Tensor]:
+    """The tensors of a bucket [(name, shape, dtype)] as views into its flat byte buffer."""
     offsets, total = _layout(spec)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    if flat.numel() < total:
+        raise WeightSyncError(f"a bucket of {len(spec)} tensors needs {total} bytes, its buffer has {flat.numel()}")
     views = {}
     for (name, shape, dt), off in zip(spec, offsets, strict=True):
         n = int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dt)).element_size()
         views[name] = flat[off: off + n].view(getattr(torch, dt)).view(shape)
-    return flat, views
+    return views
+
+
+# --------------------------------------------------------------------------- shared buffers (colocated)
+def share(flat: torch.Tensor) -> tuple:
+    """A handle another process on this machine opens (`opened`) as this very buffer: a CUDA
+    IPC handle for a GPU buffer (no copy), a shared-memory file for a host one (the buffer moves
+    there). Plain data (bytes, ints): Ray carries it as it is. The buffer must outlive every
+    opening (the sender keeps it until the receivers are done)."""
+    from torch.multiprocessing import reductions
+
+    if flat.is_cuda:
+        return reductions.reduce_tensor(flat)
+    torch.multiprocessing.set_sharing_strategy("file_system")  # a name, not a descriptor: any process opens it
+    flat.share_memory_()
+    return reductions.reduce_storage(flat.untyped_storage())
+
+
+def opened(handle: tuple) -> torch.Tensor:
+    """The flat byte buffer another process shared (`share`), in place."""
+    fn, args = handle
+    obj = fn(*args)
+    return obj if isinstance(obj, torch.Tensor) else torch.empty(0, dtype=torch.uint8).set_(obj)
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -67,6 +67,7 @@ class TrainWorker:
         self._asleep: list | None = None
         self._save = None  # an async save being written (miles.ckpt.sharded.BackgroundSave)
         self._sync_group = None  # weight-sync broadcast group with the engines
+        self._shared: list[torch.Tensor] = []  # buffers colocated engines read (share_weight_buckets)
         self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -472,6 +473,27 @@ class TrainWorker:
         from miles.rollout.weights import put_buckets
 
         return put_buckets(weight_export.buckets(self.model, bucket_bytes))
+
+    def share_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
+        """Weight sync to colocated engines: this rank's buckets packed into flat buffers that
+        stay here until release_shared(), each as (share handle, spec, {name: fingerprint}):
+        the engines open the buffers in place (CUDA IPC on a GPU: no host copy)."""
+        from miles.rollout.weights import pack, share, spec_of
+        from plugins.deepseek_v4.checksum import fingerprint
+
+        out = []
+        self._shared = []
+        for b in weight_export.buckets(self.model, bucket_bytes):
+            flat = pack(b)
+            self._shared.append(flat)
+            out.append((share(flat), spec_of(b), {k: fingerprint(v) for k, v in b.items()}))
+        if self.device is not None:
+            torch.cuda.synchronize()  # the buffers are written before another process reads them
+        return out
+
+    def release_shared(self) -> None:
+        """The engines are done with share_weight_buckets' buffers: free them."""
+        self._shared = []
 
     def weight_plan(self, bucket_bytes: int) -> list:
         return weight_export.plan(self.model, bucket_bytes)

@@ -3,6 +3,8 @@
 Every checksum in the project goes through here: checkpoint and weight-sync integrity,
 alignment records, training-state digests, determinism checks. Shape and dtype are not part
 of a tensor's hash; `named_md5` adds each name so that moved or missing entries change it.
+`fingerprint` is the one exception, for weights that never leave the device (a colocated
+engine's CUDA-IPC sync): an order-sensitive integer sum of the bytes, computed where they are.
 """
 
 from __future__ import annotations
@@ -38,3 +40,18 @@ def named_md5(items: Iterable[tuple[str, torch.Tensor | None]]) -> str:
             h.update(name.encode())
             update(h, t)
     return h.hexdigest()
+
+
+@torch.no_grad()
+def fingerprint(t: torch.Tensor) -> int:
+    """An integer of `t`'s raw bytes computed on its own device (only the result comes to the
+    host): their sum, and their sum weighted by position modulo 251, as 16-bit words (exact in
+    int64 for tensors under 2**33 bytes). Catches a wrong offset, dtype, length or a torn copy,
+    as the MD5 does, without the host copy the MD5 needs."""
+    b = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    if b.numel() % 2:
+        b = torch.cat((b, b.new_zeros(1)))
+    w = b.view(torch.int16).long()  # [n]
+    pos = torch.arange(w.numel(), device=w.device) % 251 + 1
+    both = torch.stack((w.sum(), (w * pos).sum())).cpu().tolist()
+    return both[0] * 2**40 + both[1] + b.numel()
