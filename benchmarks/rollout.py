@@ -66,6 +66,37 @@ def recompute_run(model, prompts: list[list[int]], gen: int) -> float:
     return time.perf_counter() - t
 
 
+def step_parts(engine: Engine, b: int, gen: int, repeats: int) -> tuple[float, float, float]:
+    """One decode step of b sequences taken apart, in ms (medians): the model's step (replayed
+    from its graph where there is one), the sampler with its copy to the host, and the engine's
+    whole step as the scheduler runs it (its Python included). On slots 0..b-1 of the idle
+    engine, which are overwritten and handed back empty."""
+    from miles.rollout.sampling import sample, uniforms
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    params = [SamplingParams(temperature=0, max_new_tokens=1 << 20, ignore_eos=True)] * b
+    ids, slots = [3] * b, list(range(b))
+
+    def timed(fn) -> float:
+        out = []
+        for _ in range(repeats):
+            engine.cache.length[slots] = 8
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out) * 1e3
+
+    with engine.step_lock:
+        model = timed(lambda: engine.decoder(ids, slots))
+        logits = engine.decoder(ids, slots)
+        sampler = timed(lambda: sample(logits, params, uniforms([None] * b))[0].cpu())
+        engine.cache.length[slots] = 0
+    t = engine_run(engine, [[3] * 8 + [i] for i in range(b)], gen)
+    return model, sampler, t * 1e3 / gen
+
+
 def median_of(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
@@ -90,6 +121,8 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
         tok = b * args.gen
         rows.append((name, f"B={b}", tok / t_eng, tok / t_base if t_base else None,
                      t_base / t_eng if t_base else None))
+    for b in args.batches:
+        rows.append((name, f"B={b} step parts", *step_parts(engine, b, args.gen, args.repeats * 10)))
     b = max(8, args.batches[-1] if args.batches[-1] % 8 == 0 else 16)
     distinct = prompts(b)
     shared = [p for p in prompts(b // 8) for _ in range(8)]
@@ -101,6 +134,9 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
 
 
 def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
+    """Each path from a one-rank TrainGroup to one engine actor. On GPUs the rank and the engine
+    share a GPU (half each), as colocated jobs place them, except for the NCCL broadcast, which
+    needs a GPU each (two GPUs; skipped on one)."""
     import shutil
     import tempfile
 
@@ -111,30 +147,36 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
     from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store, sync_shared
 
     cfg = PRESETS[name](args.prompt + args.gen)
+    dtype = "bfloat16" if gpu else "float32"
+    bucket = args.bucket_mb << 20
+    disk = tempfile.mkdtemp(prefix="miles-sync-")  # local disk here; a shared filesystem on clusters
+    paths = {"object_store": lambda g, m, v: sync_object_store(g, m, bucket, v),
+             "broadcast": lambda g, m, v: sync_broadcast(g, m.engine_actors(), bucket, v, "nccl" if gpu else "gloo"),
+             "disk": lambda g, m, v: sync_disk(g, m, disk, cfg, v),
+             "shared": lambda g, m, v: sync_shared(g, m, bucket, v)}
+    apart = gpu and torch.cuda.device_count() >= 2
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     rows = []
     try:
-        group = TrainGroup(1, resources={"CPU": 1} | ({"GPU": 0.5} if gpu else {}))
-        group.call("build_model", cfg.to_dict(), 0, dtype="bfloat16" if gpu else "float32")
-        mgr = RolloutManager({"num_engines": 1, "max_running": 4, "max_len": 64,
-                              "gpus_per_engine": 0.5 if gpu else 0.0},
-                             {"config": cfg.to_dict(), "seed": 0, "dtype": "bfloat16" if gpu else "float32"})
-        engines = mgr.engine_actors()
-        bucket = args.bucket_mb << 20
-        disk = tempfile.mkdtemp(prefix="miles-sync-")  # local disk here; a shared filesystem on clusters
-        for path, fn in (("object_store", lambda v: sync_object_store(group, mgr, bucket, v)),
-                         ("broadcast", lambda v: sync_broadcast(group, engines, bucket, v,
-                                                                "nccl" if gpu else "gloo")),
-                         ("disk", lambda v: sync_disk(group, mgr, disk, cfg, v)),
-                         ("shared", lambda v: sync_shared(group, mgr, bucket, v))):
-            infos = [fn(v) for v in range(1, args.repeats + 2)][1:]  # the first warms up
-            s = statistics.median(i["seconds"] for i in infos)
-            gb = infos[0]["bytes"] / 1e9
-            rows.append((name, path, gb, s, gb / s))
-        mgr.shutdown()
-        group.shutdown()
-        shutil.rmtree(disk, ignore_errors=True)
+        for share in (0.5, 1.0) if apart else (0.5,):
+            names = ["broadcast"] if gpu and share == 1.0 else [p for p in paths if p != "broadcast" or not gpu]
+            group = TrainGroup(1, resources={"CPU": 1} | ({"GPU": share} if gpu else {}))
+            group.call("build_model", cfg.to_dict(), 0, dtype=dtype)
+            mgr = RolloutManager({"num_engines": 1, "max_running": 4, "max_len": 64,
+                                  "gpus_per_engine": share if gpu else 0.0},
+                                 {"config": cfg.to_dict(), "seed": 0, "dtype": dtype})
+            for path in names:
+                infos = [paths[path](group, mgr, v) for v in range(1, args.repeats + 2)][1:]  # the first warms up
+                s = statistics.median(i["seconds"] for i in infos)
+                gb = infos[0]["bytes"] / 1e9
+                rows.append((name, path if not gpu else f"{path} ({'GPU each' if share == 1 else 'one GPU'})",
+                             gb, s, gb / s))
+            mgr.shutdown()
+            group.shutdown()
+        if gpu and not apart:
+            rows.append((name, "broadcast (needs 2 GPUs)", float("nan"), float("nan"), float("nan")))
     finally:
+        shutil.rmtree(disk, ignore_errors=True)
         ray.shutdown()
     return rows
 
@@ -154,18 +196,26 @@ def main() -> None:
     dev = torch.device("cuda" if gpu else "cpu")
     graphs = "CUDA graphs" if gpu and not args.no_graphs else "eager"
     print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}; {graphs}")
+    parts: list[str] = []
     print(f"\n{'config':<10} {'workload':<18} {'engine tok/s':>13} {'baseline tok/s':>15} {'speed-up':>9}")
     for name in args.configs:
         for c, w, e, b, r in generation_rows(name, args, dev):
+            if w.endswith("step parts"):
+                parts.append(f"{c:<10} {w[:-11]:<8} {e:>10.2f} {b:>10.2f} {r:>10.2f}")
+                continue
             base = f"{b:>15.1f}" if b else f"{'-':>15}"
             ratio = f"{r:>8.2f}x" if r else f"{'-':>9}"
             print(f"{c:<10} {w:<18} {e:>13.1f} {base} {ratio}", flush=True)
     print("(n=8 shared: baseline column = the same batch with distinct prompts, speed-up = distinct / shared time)")
+    print(f"\n{'config':<10} {'batch':<8} {'model ms':>10} {'sampler ms':>10} {'step ms':>10}")
+    print("\n".join(parts))
+    print("(model: the decode step alone; sampler: sampling and the copy to the host; step: the engine's whole "
+          "step, --gen tokens of b requests, their prefill included)")
     if args.sync:
-        print(f"\n{'config':<10} {'sync path':<14} {'GB':>8} {'seconds':>9} {'GB/s':>8}")
+        print(f"\n{'config':<10} {'sync path':<26} {'GB':>8} {'seconds':>9} {'GB/s':>8}")
         for name in args.configs:
             for c, p, gb, s, rate in sync_rows(name, args, gpu):
-                print(f"{c:<10} {p:<14} {gb:>8.3f} {s:>9.3f} {rate:>8.2f}", flush=True)
+                print(f"{c:<10} {p:<26} {gb:>8.3f} {s:>9.3f} {rate:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

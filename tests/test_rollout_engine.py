@@ -97,6 +97,25 @@ def test_continuous_batching_equals_one_at_a_time(seed):
         engine.stop()
 
 
+def test_a_cache_shorter_than_a_compression_block(seed):
+    """max_len under the HCA ratio (16): that compressor's cache holds no entry at all, no
+    block can complete, and decoding runs on (it aborted every request once: the write of
+    an entry indexed a dimension of size 0), with the tokens of a cache that has room."""
+    prompts = [p[:5] for p in _prompts(seed, 4)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    runs = {}
+    for max_len in (15, 128):
+        engine = _engine(seed, max_running=4, max_len=max_len)
+        try:
+            runs[max_len] = _run(engine, prompts, greedy, together=True)
+        finally:
+            engine.stop()
+    for i, p in enumerate(prompts):
+        short, roomy = runs[15][str(i)], runs[128][str(i)]
+        assert short["meta_info"]["finish_reason"]["type"] == "length", short["meta_info"]["finish_reason"]
+        assert len(p) + 8 <= 15 and short["output_ids"] == roomy["output_ids"], f"request {i}"
+
+
 def test_samples_of_one_prompt_share_its_prefill(seed):
     """8 requests with one prompt: the prompt is prefilled once (prefill token counter), the
     8 greedy continuations are identical, seeded ones differ from each other."""

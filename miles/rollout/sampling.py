@@ -79,25 +79,28 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     result is what it would be alone."""
     logits = logits.float()
     b, v = logits.shape
-    dev = logits.device
-    temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+    # every row's settings in one host tensor, one copy to the device; the branches decided on
+    # the host (a step waits for the device once, for its tokens)
+    ks = [p.top_k if 0 < p.top_k < v else v for p in params]
+    rows = torch.tensor([[p.temperature or 1.0, k, p.top_p, p.min_p, float(p.greedy)]
+                         for p, k in zip(params, ks, strict=True)], dtype=torch.float64)
+    rows = torch.cat((rows, u.double()[:, None]), 1).to(logits.device, torch.float32)  # [B, 6]
+    temps, top_k, top_p, min_p, greedy, u = rows.unbind(1)
+    top_k = top_k.long()
     scaled = logits if all(p.temperature in (0, 1) for p in params) else logits / temps[:, None]
     logp = torch.log_softmax(scaled, -1)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
-    if bool((top_k < v).any()):  # each row's k-th largest logit, and everything below it out
-        kth = torch.topk(scaled, int(top_k.max()), dim=-1).values.gather(-1, (top_k - 1)[:, None])  # [B, 1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if min(ks) < v:  # each row's k-th largest logit, and everything below it out
+        kth = torch.topk(scaled, max(k for k in ks if k < v), dim=-1).values  # [B, kmax]
+        kth = kth.gather(-1, (top_k.clamp_max(kth.shape[1]) - 1)[:, None])  # [B, 1]
+        scaled = torch.where((top_k < v)[:, None], scaled.masked_fill(scaled < kth, float("-inf")), scaled)
     probs = torch.softmax(scaled, -1)  # [B, V]
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_p < 1).any()):  # the smallest prefix of the sorted probabilities that reaches top_p
+    if any(p.top_p < 1 for p in params):  # the smallest prefix of the sorted probabilities that reaches top_p
         sp, order = probs.sort(-1, descending=True)
         drop = sp.cumsum(-1) - sp > top_p[:, None]
         cut = probs.scatter(-1, order, sp.masked_fill(drop, 0.0))
         probs = torch.where((top_p < 1)[:, None], cut, probs)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
     probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
     cdf = probs.cumsum(-1)  # [B, V]
-    drawn = torch.searchsorted(cdf, (u.to(dev, torch.float32) * cdf[:, -1])[:, None], right=True)[:, 0]
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    tokens = torch.where(greedy, logits.argmax(-1), drawn.clamp_max(v - 1))
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    tokens = torch.where(greedy.bool(), logits.argmax(-1), drawn.clamp_max(v - 1))
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]

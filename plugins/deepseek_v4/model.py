@@ -249,6 +249,8 @@ class Compressor(nn.Module):
         c, z = self.project(x)  # [B, 1, coff*D]
         j = pos % r
         cc.tail[slots, 0, j], cc.tail[slots, 1, j] = c[:, 0], z[:, 0]
+        if cc.entries.shape[1] == 0:  # a cache shorter than one block: no block ever completes
+            return
         done = j == r - 1  # [B]
         g = (pos // r).clamp_max(cc.entries.shape[1] - 1)  # [B]; a completing row's entry is in range
         cur = cc.tail[slots][:, :, None]  # [B, 2, 1, r, coff*D]
