@@ -12,7 +12,9 @@ after the first two):
 - reward: the verifier's share of generation;
 - log-probs: the old (and reference) forwards; training: the optimizer steps;
 - weight sync: trainer -> engines;
-- controller and Ray: the rest of the step (samples, packing, metrics, rollouts.jsonl).
+- controller and Ray: the rest of the step (samples, packing, metrics, rollouts.jsonl);
+- trainer idle, engines idle: each side's time in the step without work of its own
+  (perf/trainer_idle_time, perf/engine_idle_time).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = [("generation (wall)", "perf/rollout_time"), ("  of which reward", "perf/reward_time"),
          ("waited for generation", "perf/rollout_wait_time"), ("old log-probs", "perf/logprob_time"),
          ("training", "perf/train_time"), ("weight sync", "perf/update_weights_time")]
+IDLE = [("trainer idle", "perf/trainer_idle_time"), ("engines idle", "perf/engine_idle_time")]
 
 
 def history(job_path: str, overrides: list[str]) -> list[dict]:
@@ -41,6 +44,22 @@ def other(s: dict) -> float:
     busy = sum(s[k] for k in ("perf/rollout_wait_time", "perf/logprob_time", "perf/train_time",
                               "perf/update_weights_time"))
     return s["perf/step_time"] - busy
+
+
+def print_table(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """A markdown table of the parts' medians, a column per run; returns the medians."""
+    keys = [k for _, k in PARTS + IDLE] + ["perf/step_time"]
+    med = {m: {k: statistics.median(s.get(k, float("nan")) for s in steps) for k in keys} for m, steps in runs.items()}
+    print("| part | " + " | ".join(runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    for name, key in PARTS:
+        print(f"| {name} | " + " | ".join(f"{med[m][key]:.2f}" for m in runs) + " |")
+    print("| controller and Ray | " + " | ".join(f"{statistics.median(map(other, s)):.2f}" for s in runs.values())
+          + " |")
+    print("| **whole step** | " + " | ".join(f"**{med[m]['perf/step_time']:.2f}**" for m in runs) + " |")
+    for name, key in IDLE:
+        print(f"| {name} | " + " | ".join(f"{med[m][key]:.2f}" for m in runs) + " |")
+    return med
 
 
 def main() -> None:
@@ -61,15 +80,7 @@ def main() -> None:
     print(f"{job.name}: {r.rollout_batch_size} prompts x {r.n_samples_per_prompt} samples per rollout, "
           f"{job.updates_per_rollout} optimizer steps each, weights {'from ' + a.hf if a.hf else 'random'}; "
           f"medians of steps 3-{a.steps} (seconds)")
-    print("| part | " + " | ".join(runs) + " |")
-    print("|---|" + "---|" * len(runs))
-    med = {m: {k: statistics.median(s[k] for s in steps) for _, k in PARTS + [("", "perf/step_time")]}
-           for m, steps in runs.items()}
-    for name, key in PARTS:
-        print(f"| {name} | " + " | ".join(f"{med[m][key]:.2f}" for m in runs) + " |")
-    print("| controller and Ray | " + " | ".join(f"{statistics.median(map(other, s)):.2f}" for s in runs.values())
-          + " |")
-    print("| **whole step** | " + " | ".join(f"**{med[m]['perf/step_time']:.2f}**" for m in runs) + " |")
+    med = print_table(runs)
     s = med["synchronous"]
     sync, off = s["perf/step_time"], med["one-step-off"]["perf/step_time"]
     ideal = sync / max(s["perf/rollout_time"], sync - s["perf/rollout_wait_time"])  # the longer of the two overlaps

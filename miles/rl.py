@@ -53,6 +53,7 @@ from miles.controller import (
 from miles.data.prompts import Prompt, PromptSource
 from miles.data.sample import Sample
 from miles.observe import alignment, records
+from miles.observe.busy import Busy
 from miles.observe.metrics import Monitor
 from miles.train.batching import MicroBatch, packed_replica_micro_batches
 
@@ -138,7 +139,16 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             monitor.record(0, first := evaluate(job, trainer, engines, data, rewards, version=0))
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
         stack.callback(pool.shutdown, wait=False, cancel_futures=True)  # a stopped job does not wait for it
-        pending = submit(pool, job, trainer, engines, data, rewards, start + 1, version=start)
+        engines_busy = Busy()  # generation, evaluation and sync: the engines' idle time per step
+
+        def rollout_of(step: int, version: int) -> Future:  # generated in the background
+            return submit(pool, job, trainer, engines, data, rewards, step, version, engines_busy)
+
+        def sync(version: int) -> float:  # seconds of weight sync
+            with engines_busy.span():
+                return update_engines(job, trainer, engines, version).get("seconds", 0.0)
+
+        pending = rollout_of(start + 1, version=start)
         history: list[dict] = []
         for step in range(start + 1, job.train.steps + 1):
             t0 = time.perf_counter()
@@ -146,8 +156,8 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             t_wait = time.perf_counter() - t0
             synced = 0.0  # seconds of weight sync this step
             if r.off_policy and step < job.train.steps:  # generate step+1 while training on this one
-                synced += update_engines(job, trainer, engines, step - 1).get("seconds", 0.0)
-                pending = submit(pool, job, trainer, engines, data, rewards, step + 1, version=step - 1)
+                synced += sync(step - 1)
+                pending = rollout_of(step + 1, version=step - 1)
             samples = to_samples(job, rollout.groups)
             with profiling(job, trainer, run_dir, step):
                 trained, ranks = train(job, trainer, samples, step)
@@ -158,23 +168,25 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             if evaluates(job, data, step):  # this step's weights, never beside a rollout's generation
                 if r.off_policy:
                     pending.result()  # step+1's generation (on the older weights) ends first
-                synced += update_engines(job, trainer, engines, step).get("seconds", 0.0)
+                synced += sync(step)
                 t1 = time.perf_counter()
-                metrics.update(evaluate(job, trainer, engines, data, rewards, version=step))
+                with engines_busy.span():
+                    metrics.update(evaluate(job, trainer, engines, data, rewards, version=step))
                 metrics["perf/eval_time"] = time.perf_counter() - t1
             on_policy_next = not r.off_policy and step < job.train.steps
             if on_policy_next:
-                synced += update_engines(job, trainer, engines, step).get("seconds", 0.0)
+                synced += sync(step)
                 if r.placement != "colocated":  # generation overlaps the log and the checkpoint
-                    pending = submit(pool, job, trainer, engines, data, rewards, step + 1, version=step)
+                    pending = rollout_of(step + 1, version=step)
             metrics.update({"perf/rollout_wait_time": t_wait, "perf/update_weights_time": synced})
-            metrics["perf/step_time"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            metrics.update(idle_times(t1 - t0, metrics, engines_busy.within(t0, t1)))
             write_rollout(run_dir, rollout)
             monitor.log(step, metrics)
             history.append(metrics)
             ckpt.maybe_save(step, trainer, Position(rollout.data_state))
             if on_policy_next and r.placement == "colocated":  # the trainer sleeps while engines generate
-                pending = submit(pool, job, trainer, engines, data, rewards, step + 1, version=step)
+                pending = rollout_of(step + 1, version=step)
         ckpt.close(trainer)
         summary = {k: v for k, v in history[-1].items() if k.startswith(("train/", "eval/", "rollout/", "data/"))}
         finish(job, trainer, data, run_dir, monitor)  # ckpt.save_hf
@@ -346,12 +358,28 @@ def generation_phase(job: JobConfig, trainer, engines):
 
 
 # --------------------------------------------------------------------------- generate -> reward -> filter
-def submit(pool: ThreadPoolExecutor, job, trainer, engines, data, rewards, step: int, version: int) -> Future:
+def submit(pool: ThreadPoolExecutor, job, trainer, engines, data, rewards, step: int, version: int,
+           busy: Busy) -> Future:
     """Rollout `step` (on the engines' weights of `version`), in the background: the data
-    position advances now, in step order."""
+    position advances now, in step order. Its generation is a span of the engines' `busy`."""
     if step > job.train.steps:
         return pool.submit(lambda: None)
-    return pool.submit(generate_rollout, job, trainer, engines, data, rewards, step, version)
+
+    def generate() -> Rollout:
+        with busy.span():
+            return generate_rollout(job, trainer, engines, data, rewards, step, version)
+
+    return pool.submit(generate)
+
+
+def idle_times(step_time: float, metrics: dict, engines_busy: float) -> dict[str, float]:
+    """The step's time and each side's idle share of it: the trainer's is the step less its
+    log-prob, training and sync calls (waiting for generation, evaluation, the controller);
+    the engines' the step less their generation, evaluation and sync time inside it."""
+    trainer_busy = sum(metrics.get(k, 0.0) for k in ("perf/logprob_time", "perf/train_time",
+                                                     "perf/update_weights_time"))
+    return {"perf/step_time": step_time, "perf/trainer_idle_time": max(0.0, step_time - trainer_busy),
+            "perf/engine_idle_time": max(0.0, step_time - engines_busy)}
 
 
 def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewards: Rewards, step: int,
@@ -549,12 +577,14 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> tu
     logs = [r[0] for r in results]
     t2 = time.perf_counter()
     keys = [k for k in logs[0] if k not in ("grad_md5", "step_time")]
-    out = {f"train/{k}": sum(float(x[k]) for x in logs) / len(logs) for k in keys}
+    out = {f"train/{k}": max(float(x[k]) for x in logs) if k.endswith("_max") else
+           sum(float(x[k]) for x in logs) / len(logs) for k in keys}
     # The first update runs on the policy that generated (on-policy modes): its ratio to the
     # old log-probs is 1 and its log-probs are the engine's, up to numerics.
     # With a KL term its kl_loss is 0 on a fresh start (the reference is the starting policy).
     out.update({f"train/first_update/{k}": float(logs[0][k])
-                for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "tis_weight", "kl_loss") if k in logs[0]})
+                for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
+                          "tis_weight", "kl_loss") if k in logs[0]})
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
     out.update({"perf/logprob_time": t1 - t0, "perf/train_time": t2 - t1, "perf/train_tok_per_s": tokens / (t2 - t1),
                 "train/updates": float(len(logs))})

@@ -89,3 +89,27 @@ def test_bad_metrics_file_names_file_and_line(tmp_path):
 def test_curves_skip_missing_and_non_finite_points():
     recs = [{"step": 1, "a": 1.0}, {"step": 2, "a": None, "b": 3}, {"step": 3, "a": 2.0, "b": float("nan")}]
     assert report.curves(recs) == {"a": ([1, 3], [1.0, 2.0]), "b": ([2], [3.0])}
+
+
+def test_busy_time_in_a_window_is_the_union_of_the_spans_inside_it():
+    """Engine work overlaps (a generation and a sync), crosses the window's edges, or is still
+    running (end None): counted once, clipped to the window, open spans to its end."""
+    import time
+
+    from miles.observe.busy import Busy, busy_within
+
+    assert busy_within([], 0.0, 10.0) == 0.0
+    assert busy_within([(2.0, 5.0), (4.0, 6.0)], 0.0, 10.0) == 4.0  # overlapping: 2..6
+    assert busy_within([(-3.0, 1.5), (9.0, None)], 0.0, 10.0) == 2.5  # clipped at both ends, open to b
+    assert busy_within([(1.0, 2.0), (1.2, 1.8), (3.0, 3.5)], 0.0, 10.0) == 1.5  # nested
+    assert busy_within([(11.0, 12.0), (-2.0, -1.0)], 0.0, 10.0) == 0.0  # outside
+    busy = Busy()
+    with busy.span():
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    with busy.span():
+        time.sleep(0.02)
+        t1 = time.perf_counter()
+        assert 0.015 < busy.within(t0, t1) <= t1 - t0  # the open span, to the window's end; not the first
+    t2 = time.perf_counter()
+    assert busy.within(t2, t2 + 1) == 0 and not busy._spans  # ended spans are dropped as windows move on

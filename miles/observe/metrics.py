@@ -26,7 +26,8 @@ WANDB_ID = "wandb_run_id"  # in the run directory: a resumed run continues the s
 LINE = (("train/loss", "loss {:.4f}"), ("train/lm_loss", "lm {:.4f}"), ("train/mtp_loss", "mtp {:.4f}"),
         ("train/indexer_loss", "indexer {:.4f}"), ("train/grad_norm", "grad_norm {:.3f}"), ("train/lr", "lr {:.2e}"),
         ("rollout/raw_reward", "reward {:+.3f}"), ("rollout/accuracy", "acc {:.1%}"),
-        ("eval/loss", "eval {:.4f}"), ("perf/train_tok_per_s", "{:,.0f} tok/s"))
+        ("eval/loss", "eval {:.4f}"), ("perf/train_tok_per_s", "{:,.0f} tok/s"),
+        ("perf/trainer_idle_time", "idle: trainer {:.1f}s"), ("perf/engine_idle_time", "engines {:.1f}s"))
 
 
 def line(metrics: dict[str, float]) -> str:

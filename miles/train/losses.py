@@ -133,8 +133,8 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
     micro-batch's token_weights, which carry the aggregation and the global batch's
     normaliser; plus the KL to the reference (same weights), MTP's cross-entropy on the
     response tokens and the auxiliary terms. Metrics (token means over the global batch's
-    response tokens): pg_clipfrac, ppo_kl, entropy, train_rollout_logprob_abs_diff, tis_weight,
-    tis_clipfrac, kl_loss. Log-probs and entropy are those of the rollouts' sampling
+    response tokens): pg_clipfrac, ppo_kl, entropy, train_rollout_logprob_abs_diff (and its _max
+    over the tokens), tis_weight, tis_clipfrac, kl_loss. Log-probs and entropy are those of the rollouts' sampling
     temperature (opts.temperature), the distribution the engines sampled from."""
     if mb.advantages is None or mb.token_weights is None:
         raise ValueError("the policy loss needs micro-batches with advantages and token_weights")
@@ -152,7 +152,9 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
                "ppo_kl": ((old - lp.detach()) * m).sum() / n,
                "entropy": (ctx.head_entropy(out.head, opts.temperature) * m).sum() / n}
     if roll is not None:
-        metrics["train_rollout_logprob_abs_diff"] = ((lp.detach() - roll).abs() * m).sum() / n
+        gap = (lp.detach() - roll).abs() * m
+        metrics["train_rollout_logprob_abs_diff"] = gap.sum() / n
+        metrics["train_rollout_logprob_abs_diff_max"] = gap.amax() if gap.numel() else gap.sum()  # "_max": a max
         if opts.tis_cap is not None:  # the truncated IS weights token_terms applied
             w = torch.exp(old - roll)
             metrics["tis_weight"] = (w.clamp(max=opts.tis_cap) * m).sum() / n

@@ -261,8 +261,9 @@ class TrainWorker:
 
     def _reported(self, res: list, stage_metrics: dict) -> dict[str, float]:
         """Loss metrics of the global batch: micro-batches summed, then summed over DP x CP (each
-        holds its share of the global mean) and over PP (earlier stages' auxiliary shares). The
-        same keys on every rank, whatever its stage."""
+        holds its share of the global mean) and over PP (earlier stages' auxiliary shares);
+        metrics named *_max are maxima of values >= 0 instead. The same keys on every rank,
+        whatever its stage."""
         from megatron.core import parallel_state as ps
 
         mine = sorted(set().union(*(r["metrics"] for r in res), stage_metrics))
@@ -272,12 +273,20 @@ class TrainWorker:
             self._metric_keys = sorted(set().union(*every))
         keys = self._metric_keys
         vals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        is_max = [k.endswith("_max") for k in keys]  # maxima (of values >= 0)
+        maxed = torch.tensor(is_max, device=self.device)
         for metrics in [r["metrics"] for r in res] + [stage_metrics]:
             for k, v in metrics.items():
-                vals[keys.index(k)] += v.double()
-        dist.all_reduce(vals, group=ps.get_data_parallel_group(with_context_parallel=True))
+                i = keys.index(k)
+                vals[i] = torch.maximum(vals[i], v.double()) if is_max[i] else vals[i] + v.double()
+        sums, maxes = vals.masked_fill(maxed, 0.0), vals.masked_fill(~maxed, 0.0)
+        groups = [ps.get_data_parallel_group(with_context_parallel=True)]
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+            groups.append(ps.get_pipeline_model_parallel_group())
+        for g in groups:
+            dist.all_reduce(sums, group=g)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=g)
+        vals = torch.where(maxed, maxes, sums)
         return {k: float(v) for k, v in zip(keys, vals, strict=True)}
 
     def _sync_embedding_grads(self, grads: list[torch.Tensor]) -> None:

@@ -75,9 +75,11 @@ def test_dapo_colocated_on_one_gpu(cluster, sft_run, tmp_path):
     for k in (1, 2, 3, 4):
         r = rows[k]
         diff = r["train/first_update/train_rollout_logprob_abs_diff"]
-        print(f"rollout {k}: first update |trainer - engine| log-prob {diff:.2e}, "
-              f"rollout {r['perf/rollout_time']:.2f} s, train {r['perf/train_time']:.2f} s, "
-              f"sync {r['perf/update_weights_time']:.2f} s")
+        print(f"rollout {k}: first update |trainer - engine| log-prob {diff:.2e} (max "
+              f"{r['train/first_update/train_rollout_logprob_abs_diff_max']:.2e}), rollout "
+              f"{r['perf/rollout_time']:.2f} s, train {r['perf/train_time']:.2f} s, sync "
+              f"{r['perf/update_weights_time']:.2f} s, idle: trainer {r['perf/trainer_idle_time']:.2f} s, "
+              f"engine {r['perf/engine_idle_time']:.2f} s")
         assert diff < 5e-2
         assert r["rollout/wrong_weights"] == 0 and r["rollout/staleness"] == 0
     assert [rows[k]["eval/arith/weight_version"] for k in (0, 2, 4)] == [0.0, 2.0, 4.0]
