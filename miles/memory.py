@@ -43,3 +43,23 @@ def restore(moved: list) -> None:
     for s, host in moved:
         s.resize_(host.numel())
         s.copy_(host.untyped_storage())
+
+
+def device_memory(device: torch.device | str | None) -> dict[str, float]:
+    """This process's peak of allocated device memory since the last call (GB; the peak is
+    reset) and the whole device's memory in use now (every process on it, CUDA contexts
+    included). Read at a phase's end, the latter is the GPU's memory in that phase when
+    trainer and engine share it. Empty off CUDA."""
+    if device is None or torch.device(device).type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 1e9
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_gb": peak, "device_used_gb": (total - free) / 1e9}
+
+
+def phase_metrics(side: str, reports: list[dict[str, float]]) -> dict[str, float]:
+    """perf/<side>_peak_gb and perf/<side>_device_used_gb: the largest over the side's
+    processes (trainer ranks, engines); nothing where none reported (CPUs)."""
+    reports = [r for r in reports if r]
+    return {f"perf/{side}_{k}": max(r[k] for r in reports) for k in ("peak_gb", "device_used_gb") if reports}

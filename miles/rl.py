@@ -52,6 +52,7 @@ from miles.controller import (
 )
 from miles.data.prompts import Prompt, PromptSource
 from miles.data.sample import Sample
+from miles.memory import phase_metrics
 from miles.observe import alignment, records
 from miles.observe.busy import Busy
 from miles.observe.metrics import Monitor
@@ -165,6 +166,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                 alignment.append(run_dir, alignment.ranks_record(step, ranks[0], ranks[0]["grad_norm"],
                                                                  [x["grad_md5"] for x in ranks]))
             metrics = rollout.metrics | trained | data.metrics() | staleness(rollout, step)
+            metrics |= phase_metrics("trainer", trainer.call("memory"))  # GPUs: the training phase's memory
             if evaluates(job, data, step):  # this step's weights, never beside a rollout's generation
                 if r.off_policy:
                     pending.result()  # step+1's generation (on the older weights) ends first
@@ -414,6 +416,8 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
             kept, drops = dynamic_filter(round_, r.rollout_batch_size, r.max_rounds)
         else:
             kept, drops = [g for g, _ in round_(0)[: r.rollout_batch_size]], {}
+        memory = {} if r.engine != "embedded" else phase_metrics(  # GPUs: the generation phase's memory
+            "engine", ray_get_all([e.memory.remote() for e in engines.engine_actors()]))
     seconds = time.perf_counter() - t0
     responses = [x for g in kept for x in g]
     n = max(stats["responses"], 1)
@@ -425,7 +429,7 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
                "rollout/prompts_drawn": float(len(drawn)),
                "perf/rollout_time": seconds, "perf/reward_time": stats["reward_time"],
                "perf/rollout_tok_per_s": stats["tokens"] / seconds}
-    metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in drops.items()})
+    metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in drops.items()} | memory)
     # aborted: responses the engines cut short (an abort, a weight swap), generated again;
     # wrong_weights: responses from weights that are no trainer version, generated again
     after = {**engines.stats, "reward_timeouts": rewards.timeouts}

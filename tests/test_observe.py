@@ -113,3 +113,14 @@ def test_busy_time_in_a_window_is_the_union_of_the_spans_inside_it():
         assert 0.015 < busy.within(t0, t1) <= t1 - t0  # the open span, to the window's end; not the first
     t2 = time.perf_counter()
     assert busy.within(t2, t2 + 1) == 0 and not busy._spans  # ended spans are dropped as windows move on
+
+
+def test_phase_memory_is_the_largest_of_a_sides_processes_and_absent_on_cpus():
+    """perf/<side>_peak_gb and _device_used_gb: the largest over trainer ranks (or engines);
+    processes on CPUs report nothing and the metrics are left out, not logged as 0."""
+    from miles.memory import device_memory, phase_metrics
+
+    assert device_memory(None) == {} and device_memory("cpu") == {}
+    assert phase_metrics("trainer", [{}, {}]) == {}
+    reports = [{"peak_gb": 3.5, "device_used_gb": 9.0}, {"peak_gb": 4.25, "device_used_gb": 8.0}]
+    assert phase_metrics("engine", reports) == {"perf/engine_peak_gb": 4.25, "perf/engine_device_used_gb": 9.0}

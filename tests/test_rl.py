@@ -80,6 +80,7 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
         assert v == v, f"{k} is NaN"  # nothing silently NaN
     assert dis["train/first_update/train_rollout_logprob_abs_diff"] <= 1e-5
     assert dis["train/first_update/train_rollout_logprob_abs_diff_max"] <= 1e-4
+    assert not [k for k in dis if k.endswith("_gb")], "GPU memory metrics from CPU processes"
     assert abs(dis["train/first_update/ppo_kl"]) <= 1e-6
     # who waited: a synchronous disaggregated step leaves the engines idle while the trainer
     # trains and the trainer idle while they generate; colocated, the same, each side in turn

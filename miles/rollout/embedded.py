@@ -30,6 +30,12 @@ class EmbeddedEngine:
     def info(self) -> dict:
         return {**self.svc.info(), **self.svc.engine.stats(), "url": self.url()}
 
+    def memory(self) -> dict[str, float]:
+        """miles.memory.device_memory of this engine's device (empty on CPUs)."""
+        from miles.memory import device_memory
+
+        return device_memory(self.svc.engine.device)
+
     # ---- weight updates (see miles/rollout/sync.py)
     def begin_update(self) -> None:
         self.svc.begin_update()

@@ -578,6 +578,12 @@ class TrainWorker:
                  for t in self._storages()]
         return named_md5((str(i), v) for i, v in enumerate(views))
 
+    def memory(self) -> dict[str, float]:
+        """miles.memory.device_memory of this rank's GPU (empty on CPUs)."""
+        from miles.memory import device_memory
+
+        return device_memory(self.device)
+
     def sleep(self) -> int:
         """Free the device memory of all training state (weights, gradients, optimizer) for a
         colocated rollout engine; the bytes move to host memory. Returns bytes freed."""

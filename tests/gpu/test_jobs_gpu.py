@@ -80,7 +80,11 @@ def test_dapo_colocated_on_one_gpu(cluster, sft_run, tmp_path):
               f"{r['perf/rollout_time']:.2f} s, train {r['perf/train_time']:.2f} s, sync "
               f"{r['perf/update_weights_time']:.2f} s, idle: trainer {r['perf/trainer_idle_time']:.2f} s, "
               f"engine {r['perf/engine_idle_time']:.2f} s")
+        print(f"  GPU memory: training {r['perf/trainer_peak_gb']:.2f} GB peak ({r['perf/trainer_device_used_gb']:.2f} "
+              f"GB in use on the GPU at its end), generation {r['perf/engine_peak_gb']:.2f} GB peak "
+              f"({r['perf/engine_device_used_gb']:.2f} GB in use)")
         assert diff < 5e-2
+        assert r["perf/trainer_peak_gb"] > 0 and r["perf/engine_peak_gb"] > 0
         assert r["rollout/wrong_weights"] == 0 and r["rollout/staleness"] == 0
     assert [rows[k]["eval/arith/weight_version"] for k in (0, 2, 4)] == [0.0, 2.0, 4.0]
 
