@@ -128,7 +128,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         if job.algo.kl_coef > 0 and not ckpt.resumes:  # a fresh start: the weights just loaded
             trainer.call("keep_reference")
         if r.sync == "disk":  # the versions written for the engines (the last one too: the run is over)
-            stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1)
+            stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1, sync_owner(job))
         engines = start_engines(job, run_dir, trainer, start, shared)
         stack.callback(engines.shutdown)
         update_engines(job, trainer, engines, start)
@@ -274,7 +274,7 @@ def start_engines(job: JobConfig, run_dir: Path, trainer, version: int, shared=N
     if job.rollout.engine != "sglang":
         return RolloutManager(job.rollout, spec, log_dir=str(run_dir),
                               colocation=(trainer.pg, shared) if shared is not None else None)
-    path, _ = write_version(trainer, sync_dir(job), job.model.arch, version)
+    path, _ = write_version(trainer, sync_dir(job), job.model.arch, version, sync_owner(job))
     rollout = job.rollout.model_copy(update={"sglang": sglang_options(job)})
     return RolloutManager(rollout, spec | {"hf": str(path)}, log_dir=str(run_dir), version=version)
 
@@ -299,6 +299,12 @@ def sync_dir(job: JobConfig) -> Path:
     return Path(job.rollout.sync_dir or Path(job.log.run_dir) / "weights").absolute()
 
 
+def sync_owner(job: JobConfig) -> str:
+    """What marks the version directories this run writes (its run directory): the only ones
+    it ever removes."""
+    return str(Path(job.log.run_dir).absolute())
+
+
 def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     """The trainer's weights into every engine (unless they already serve `version`)."""
     from miles.rollout.sync import sync_disk, sync_object_store, sync_shared
@@ -312,7 +318,7 @@ def update_engines(job: JobConfig, trainer, engines, version: int) -> dict:
     if job.rollout.sync == "broadcast":
         res = engines.update_by_broadcast(trainer, bucket, version, sync_backend(job))
     elif job.rollout.sync == "disk":
-        res = sync_disk(trainer, engines, sync_dir(job), job.model.arch, version)
+        res = sync_disk(trainer, engines, sync_dir(job), job.model.arch, version, sync_owner(job))
     elif job.rollout.sync == "shared":
         res = sync_shared(trainer, engines, bucket, version)
     else:

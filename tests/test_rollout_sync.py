@@ -97,7 +97,10 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
             elif path == "shared":  # colocated: the engine opens the ranks' buffers in place
                 info = sync_shared(tp2, mgr, BUCKET, version=step)
             else:
-                (tmp_path / "v0000001").mkdir()  # an older version: removed once the engines serve this one
+                from miles.rollout.sync import MARKER
+
+                (tmp_path / "v0000001").mkdir()  # an older version it wrote: removed once the engines serve this one
+                (tmp_path / "v0000001" / MARKER).write_text(str(tmp_path.absolute()))
                 info = sync_disk(tp2, mgr, tmp_path, CFG, version=step)
                 assert sorted(d.name for d in tmp_path.iterdir()) == ["v0000003"]
                 assert mgr.latest == {"path": str(tmp_path / "v0000003"), "version": 3}  # for a replacement
@@ -251,3 +254,32 @@ def test_the_kl_term_is_the_kl_to_the_kept_reference(cluster, seed):
     want = ((torch.exp(-d) - 1 + d) * w.double()).sum().item()
     assert kl == kl and want > 1e-4, (kl, want)  # finite, and the policy has moved off the reference
     assert abs(kl - want) <= 1e-5 * want, (kl, want)
+
+
+def test_only_version_directories_this_run_wrote_are_ever_removed(tmp_path):
+    """rollout.sync_dir may be a user's folder: its own v<digits> folders, and another run's,
+    survive this run's clean-up, and a version path that exists unmarked is refused, not
+    replaced; this run's older versions go."""
+    from miles.rollout.sync import MARKER, remove_older_versions, write_version
+
+    class Trainer:  # writes what save_hf would, into the directory given
+        def save_hf(self, path, config):
+            (path / "model.safetensors").write_bytes(b"w")
+            return 1
+
+    mine, other = str(tmp_path / "run"), str(tmp_path / "other-run")
+    users = tmp_path / "v0000001"
+    users.mkdir()
+    (users / "notes.txt").write_text("keep me")
+    theirs = tmp_path / "v0000002"
+    theirs.mkdir()
+    (theirs / MARKER).write_text(other)
+    for v in (3, 4, 5):
+        write_version(Trainer(), tmp_path, None, v, owner=mine)
+    write_version(Trainer(), tmp_path, None, 4, owner=mine)  # a restart rewrites its own version whole
+    assert remove_older_versions(tmp_path, 5, owner=mine) == ["v0000003", "v0000004"]
+    assert (users / "notes.txt").read_text() == "keep me" and (theirs / MARKER).is_file()
+    assert (tmp_path / "v0000005" / "model.safetensors").is_file()
+    with pytest.raises(FileExistsError, match="v0000001 exists and this run did not write it"):
+        write_version(Trainer(), tmp_path, None, 1, owner=mine)
+    assert (users / "notes.txt").read_text() == "keep me"

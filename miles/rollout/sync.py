@@ -80,29 +80,48 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
             "path": "broadcast"}
 
 
-def write_version(trainer, directory: Path, config, version: int) -> tuple[Path, int]:
+MARKER = ".miles-weight-version"  # in each version directory: the run that wrote it
+
+
+def write_version(trainer, directory: Path, config, version: int, owner: str | None = None) -> tuple[Path, int]:
     """The trainer's weights of `version` as <directory>/v<version> in DeepSeek's HF layout
-    (every rank writes its own tensors); returns the path and its bytes."""
+    (every rank writes its own tensors), marked as `owner`'s (the run directory; default the
+    folder itself) before anything is written; returns the path and its bytes. A version
+    directory this owner wrote before a restart is rewritten whole; anything else there is
+    refused, never removed (rollout.sync_dir may be a folder of the user's)."""
     path = Path(directory) / f"v{version:07d}"
-    if path.exists():  # a version written before a restart: rewritten whole
+    owner = owner or str(Path(directory).absolute())
+    if path.exists():
+        if not _owned(path, owner):
+            raise FileExistsError(f"rollout.sync_dir: {path} exists and this run did not write it (no {MARKER} "
+                                  f"naming {owner}); give rollout.sync_dir a folder of its own")
         shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MARKER).write_text(owner)
     return path, trainer.save_hf(path, config)
 
 
-def sync_disk(trainer, manager, directory: Path, config, version: int) -> dict:
+def sync_disk(trainer, manager, directory: Path, config, version: int, owner: str | None = None) -> dict:
     t0 = time.perf_counter()
-    path, nbytes = write_version(trainer, directory, config, version)
+    path, nbytes = write_version(trainer, directory, config, version, owner)
     res = manager.update_from_disk(str(path), version)
-    remove_older_versions(directory, version)
+    remove_older_versions(directory, version, owner)
     return {**res, "seconds": time.perf_counter() - t0, "bytes": nbytes, "path": "disk"}
 
 
-def remove_older_versions(directory: Path, version: int) -> list[str]:
-    """Delete the version directories below `version` (the engines serve it now)."""
+def _owned(path: Path, owner: str) -> bool:
+    marker = path / MARKER
+    return path.is_dir() and marker.is_file() and marker.read_text() == owner
+
+
+def remove_older_versions(directory: Path, version: int, owner: str | None = None) -> list[str]:
+    """Delete the version directories below `version` (the engines serve it now) that `owner`
+    wrote (write_version's marker); any other folder is left alone."""
+    owner = owner or str(Path(directory).absolute())
     gone = []
     for d in sorted(Path(directory).glob("v*")):
         m = re.fullmatch(r"v(\d+)", d.name)
-        if m and int(m[1]) < version and d.is_dir():
+        if m and int(m[1]) < version and _owned(d, owner):
             shutil.rmtree(d)
             gone.append(d.name)
     return gone
