@@ -321,6 +321,8 @@ class AlgoConfig(Section):
     norm_len: PosInt | None = None  # Dr. GRPO's constant length (default rollout.max_new_tokens)
     tis_cap: PosFloat | None = None  # truncated importance sampling cap (default 2.0 with rollout.off_policy)
     kl_coef: NonNegFloat = 0.0  # KL to the reference (the starting weights, kept on the host); DAPO: 0
+    kl_reference: Path | None = None  # the KL reference's weights (DeepSeek's HF layout) instead of the weights
+    # the run started from; a resumed run keeps its reference: name it here if those weights are gone
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: the low-variance estimator
     reward: Str = "dapo"  # dapo (the `Answer:` verifier, +1/-1), math (math-verify), or "module:function"
     reward_url: Str | None = None  # instead: POST {"response", "label", "prompt"} -> {"reward": r}
@@ -340,6 +342,13 @@ class AlgoConfig(Section):
                              f"{self.overlong_max_len}")
         if self.reward not in ("dapo", "math") and ":" not in self.reward:
             raise ValueError(f"algo.reward: {self.reward!r} is not dapo, math or \"module:function\"")
+        if self.kl_reference is not None:
+            if self.kl_coef == 0:
+                raise ValueError("algo.kl_reference is set but algo.kl_coef is 0: no KL term would use it")
+            if not (Path(self.kl_reference) / "config.json").is_file():
+                raise ValueError(f"algo.kl_reference: {self.kl_reference}: not an HF checkpoint directory "
+                                 "(no config.json)")
+            self.kl_reference = Path(os.path.abspath(self.kl_reference))
         if self.mtp_loss_coef is None:  # RL trains MTP only when the job asks for it
             self.mtp_loss_coef = 0.0 if self.loss == "policy" else LossCoefs.mtp
         return self

@@ -121,12 +121,14 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         shared = colocation(job)  # colocated on GPUs: the bundles trainer ranks and engines share
         trainer = start_trainer(job, job.cluster.device, shared)
         stack.callback(trainer.shutdown)
-        if job.algo.kl_coef > 0 and ckpt.resumes:  # the reference: the weights the run started from
+        named = job.algo.kl_reference  # the KL reference: these weights, else the ones the run started from
+        ckpt.check_reference(named)
+        if job.algo.kl_coef > 0 and ckpt.resumes and named is None:
             ckpt.load_start_weights(trainer)
             trainer.call("keep_reference")
         start = ckpt.restore(trainer, data)
-        if job.algo.kl_coef > 0 and not ckpt.resumes:  # a fresh start: the weights just loaded
-            trainer.call("keep_reference")
+        if job.algo.kl_coef > 0 and (named is not None or not ckpt.resumes):  # named, or the weights just loaded
+            trainer.call("keep_reference", None if named is None else str(named))
         if r.sync == "disk":  # the versions written for the engines (the last one too: the run is over)
             stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1, sync_owner(job))
         engines = start_engines(job, run_dir, trainer, start, shared)

@@ -191,15 +191,21 @@ def test_the_weights_a_run_started_from_are_recorded_and_found_on_resume(tmp_pat
     assert started_from({"iteration": 10}, None, mid) == {}
 
 
-def test_a_resumed_runs_reference_weights_that_are_gone_come_from_ckpt_hf_or_fail_clearly(tmp_path):
-    """The recorded start is read while it exists; gone (moved, reaped), ckpt.hf names the
-    weights instead; gone without ckpt.hf, a CheckpointError naming the path and the way out."""
-    from miles.ckpt.manager import reference_weights
+def test_a_resumed_runs_kl_reference_never_changes_silently(tmp_path):
+    """The recorded start is read while it exists; gone (moved, reaped), a CheckpointError
+    naming the path and algo.kl_reference, whatever ckpt.hf says (it fell back to ckpt.hf, a
+    reference the run never had). A reference the run named must be named again on a resume;
+    one named for a run without one is allowed (it is explicit)."""
+    from miles.ckpt.manager import reference_change, reference_weights
 
-    there, gone, hf = tmp_path / "dist", tmp_path / "moved", tmp_path / "hf"
+    there, gone, ref = tmp_path / "dist", tmp_path / "moved", tmp_path / "ref"
     there.mkdir()
-    assert reference_weights({"dist": str(there)}, None, tmp_path) == {"dist": str(there)}
-    assert reference_weights({}, None, tmp_path) == {}
-    assert reference_weights({"dist": str(gone)}, hf, tmp_path) == {"hf": str(hf)}
-    with pytest.raises(CheckpointError, match=r"started from .*moved .* gone: .* ckpt.hf"):
-        reference_weights({"dist": str(gone)}, None, tmp_path)
+    assert reference_weights({"dist": str(there)}, tmp_path) == {"dist": str(there)}
+    assert reference_weights({}, tmp_path) == {}
+    with pytest.raises(CheckpointError, match=r"started from .*moved .* gone: .* algo.kl_reference="):
+        reference_weights({"dist": str(gone)}, tmp_path)
+    named = {"job": {"algo": {"kl_reference": str(ref)}}}
+    assert reference_change(None, None) == "" and reference_change({"job": {"algo": {}}}, ref) == ""
+    assert reference_change(named, ref) == ""
+    assert "this job names none" in reference_change(named, None)
+    assert f"set algo.kl_reference={ref}" in reference_change(named, tmp_path / "other")

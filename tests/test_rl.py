@@ -7,6 +7,7 @@ repeating or skipping a prompt."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,6 +199,25 @@ def test_the_kl_reference_is_the_converted_checkpoint_the_run_starts_from(cluste
     assert abs(first["train/first_update/kl_loss"]) <= 1e-6
     meta = store.read_meta(store.resolve("auto", run / "checkpoints"))
     assert meta["started_from"] == {"dist": str(tmp_path / "dist" / "iter_0000000")}
+
+    # The reference never changes silently. Another model named as the reference: the first
+    # update's KL is far from 0 (the named weights are the reference, not the start).
+    randomize(DeepSeekV4ForCausalLM(job.model.arch, seed=12), 12).save_pretrained(tmp_path / "other")
+    named = tmp_path / "named"
+    _rl(cluster, named, "train.steps=1", "algo.kl_coef=0.1", f"ckpt.load={tmp_path / 'dist'}",
+        f"algo.kl_reference={tmp_path / 'other'}")
+    assert _metrics(named)[0]["train/first_update/kl_loss"] > 1e-3
+    # The start is gone: a resume stops with the fix, then runs with the reference named (the
+    # same weights, so the policy is one update from it), and then keeps naming it.
+    shutil.rmtree(tmp_path / "dist")
+    more = ["train.steps=2", "algo.kl_coef=0.1", "ckpt.load=auto"]
+    p = _rl(cluster, run, *more, check=False)
+    assert p.returncode != 0 and "which is gone" in p.stdout + p.stderr and "algo.kl_reference=" in p.stdout + p.stderr
+    out = _rl(cluster, run, *more, f"algo.kl_reference={tmp_path / 'hf'}", "ckpt.save_interval=1").stdout
+    assert "KL reference from here on" in out, out[-2000:]
+    assert 0 < _metrics(run)[-1]["train/first_update/kl_loss"] < 1e-2
+    p = _rl(cluster, run, "train.steps=3", "algo.kl_coef=0.1", "ckpt.load=auto", check=False)
+    assert p.returncode != 0 and f"set algo.kl_reference={tmp_path / 'hf'}" in p.stdout + p.stderr
 
 
 def test_one_step_off_job_killed_and_resumed_repeats_and_skips_no_prompt(cluster, tmp_path):

@@ -66,13 +66,22 @@ class Checkpoints:
     def load_start_weights(self, trainer) -> None:
         """Load the weights the run started from (RL's reference policy on a resume):
         `started_from`'s HF or converted checkpoint; none for the seeded initialisation, which
-        the trainer has from its start."""
-        source = reference_weights(self.started_from, self.cfg.hf, self.load_dir)
-        if source != self.started_from:
-            self.report(f"checkpoint: the run started from {next(iter(self.started_from.values()))}, which is gone; "
-                        f"its KL reference is ckpt.hf {self.cfg.hf}")
-            self.started_from = source
-        load_weights(trainer, self.started_from)
+        the trainer has from its start. Gone: an error (the reference never changes silently)."""
+        load_weights(trainer, reference_weights(self.started_from, self.load_dir))
+
+    def check_reference(self, named: Path | None) -> None:
+        """A resumed run keeps its KL reference: one the run named (algo.kl_reference) must be
+        named again; a job may name one for a run that had its starting weights (said here)."""
+        if not self.resumes:
+            return
+        problem = reference_change(self.meta, named)
+        if problem:
+            raise CheckpointError(f"{self.load_dir}: {problem}")
+        before = self.meta.get("job", {}).get("algo", {}).get("kl_reference")
+        if named is not None and before is None:
+            start = next(iter(self.started_from.values()), "its seeded initialisation")
+            self.report(f"checkpoint: KL reference from here on: {named} (algo.kl_reference; the run started "
+                        f"from {start})")
 
     def restore(self, trainer, data) -> int:
         """Load what ckpt.load names (or ckpt.hf's weights on a fresh start); returns the
@@ -153,13 +162,23 @@ def started_from(meta: dict | None, hf, load_dir: Path | None) -> dict[str, str]
     return {"hf": str(hf)} if hf is not None else {}
 
 
-def reference_weights(started: dict[str, str], hf, load_dir) -> dict[str, str]:
-    """Where to read a resumed run's starting weights: what it recorded, or ckpt.hf when that
-    is gone (moved, reaped, a submission's temporary upload); gone with no ckpt.hf: an error."""
+def reference_weights(started: dict[str, str], load_dir) -> dict[str, str]:
+    """Where to read a resumed run's starting weights (its KL reference): what it recorded;
+    gone (moved, reaped, a submission's temporary upload): an error naming the fix."""
     path = next(iter(started.values()), None)
     if path is None or Path(path).exists():
         return started
-    if hf is None:
-        raise CheckpointError(f"{load_dir}: this run started from {path} (its KL reference), which is gone: "
-                              f"restore it there, or name those weights with ckpt.hf")
-    return {"hf": str(hf)}
+    raise CheckpointError(f"{load_dir}: this run started from {path} (its KL reference), which is gone: restore it "
+                          f"there, or name the reference's weights: algo.kl_reference=<DeepSeek HF directory>")
+
+
+def reference_change(meta: dict | None, named) -> str:
+    """Why a resume from `meta` with algo.kl_reference `named` would change the run's KL
+    reference ('' when it would not): a reference the run named must be named again."""
+    before = (meta or {}).get("job", {}).get("algo", {}).get("kl_reference")
+    if before is None or (named is not None and Path(named).absolute() == Path(before).absolute()):
+        return ""
+    return (f"the run's KL reference is {before} (algo.kl_reference); this job names "
+            f"{named or 'none (the starting weights)'}: set algo.kl_reference={before}")
+
+

@@ -312,12 +312,17 @@ class TrainWorker:
                 self._swap_weights(current)
         return [self.model.ctx.gather_seq(r["logprobs"]).cpu() for r in res] if self.model.ctx.last_stage else None
 
-    def keep_reference(self) -> int:
-        """Store this rank's current weights on the host as the reference policy (RL's KL
-        term). Returns its bytes."""
+    def keep_reference(self, hf: str | None = None) -> int:
+        """Store the reference policy (RL's KL term) on the host: this rank's slices of DeepSeek's
+        HF checkpoint `hf` (algo.kl_reference; the live weights untouched), else this rank's
+        current weights. Returns its bytes."""
         from miles.ckpt.sharded import model_tensors
 
-        self._reference = {k: v.detach().cpu().clone() for k, v in model_tensors(self.model).items()}
+        own = model_tensors(self.model)
+        if hf is None:
+            self._reference = {k: v.detach().cpu().clone() for k, v in own.items()}
+        else:
+            self._reference = {name: part.to(own[name].dtype).cpu().clone() for name, part in self._hf_slices(hf, own)}
         return sum(v.numel() * v.element_size() for v in self._reference.values())
 
     @torch.no_grad()
@@ -403,24 +408,33 @@ class TrainWorker:
         at a time: only the names this rank holds (its stage's layers, its EP rank's experts),
         each sliced to its TP part. Returns what was read (names, peak bytes in flight)."""
         from miles.ckpt.sharded import model_tensors
-        from plugins.deepseek_v4.hf_io import iter_tensors
 
         own = model_tensors(self.model)
-        ctx, peak = self.model.ctx, 0
+        peak = [0]
         with torch.no_grad():
-            for name, full, held in iter_tensors(directory, sorted(own)):
-                peak = max(peak, held)
-                t = own[name]
-                if getattr(t, "tensor_model_parallel", False) and ctx.tp_size > 1:
-                    full = full.chunk(ctx.tp_size, t.partition_dim)[ctx.tp_rank]
-                if tuple(full.shape) != tuple(t.shape):
-                    raise ValueError(f"{directory}: tensor '{name}' gives {list(full.shape)} on rank {self.rank}, "
-                                     f"the model needs {list(t.shape)} (does config.json match the job?)")
-                t.copy_(full.to(t.dtype))
+            for name, part in self._hf_slices(directory, own, peak):
+                own[name].copy_(part.to(own[name].dtype))
         if self.opt is not None:  # bf16: the optimizer's fp32 main copies start from these weights
             self.opt.reload_model_params()
-        return {"names": sorted(own), "peak_bytes": peak,
+        return {"names": sorted(own), "peak_bytes": peak[0],
                 "shard_bytes": sum(t.numel() * t.element_size() for t in own.values())}
+
+    def _hf_slices(self, directory: str, own: dict[str, torch.Tensor], peak: list[int] | None = None):
+        """(name, this rank's slice) of each tensor of `own` in DeepSeek's HF checkpoint, read one
+        at a time and checked against the model's shape; peak[0]: the most bytes in flight."""
+        from plugins.deepseek_v4.hf_io import iter_tensors
+
+        ctx = self.model.ctx
+        for name, full, held in iter_tensors(directory, sorted(own)):
+            if peak is not None:
+                peak[0] = max(peak[0], held)
+            t = own[name]
+            if getattr(t, "tensor_model_parallel", False) and ctx.tp_size > 1:
+                full = full.chunk(ctx.tp_size, t.partition_dim)[ctx.tp_rank]
+            if tuple(full.shape) != tuple(t.shape):
+                raise ValueError(f"{directory}: tensor '{name}' gives {list(full.shape)} on rank {self.rank}, "
+                                 f"the model needs {list(t.shape)} (does config.json match the job?)")
+            yield name, full
 
     def load_checkpoint(self, directory: str, same_layout: bool, with_optimizer: bool = True) -> None:
         """Collective: this rank's slices of a checkpoint saved at any layout (RNG states when
