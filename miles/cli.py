@@ -29,10 +29,13 @@ def _load(prog: str, job_path: str, overrides: list[str]):
     from miles.config import JobConfigError, load_job
 
     try:
-        return load_job(job_path, overrides)
+        job = load_job(job_path, overrides)
     except JobConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    for note in job.notes:
+        print(f"{prog}: {note}", file=sys.stderr)
+    return job
 
 
 def _run(argv: list[str], command: str = "run") -> None:

@@ -18,6 +18,7 @@ a bad job fails before any resource is taken.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import re
@@ -431,6 +432,7 @@ JobName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 class JobConfig(Section):
     name: JobName = "job"  # names the run directory and the wandb run
+    _notes: list[str] = PrivateAttr(default_factory=list)  # what loading changed, for the user (load_job)
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -559,6 +561,11 @@ class JobConfig(Section):
         """Plain data (paths as strings), as written to <run_dir>/config.yaml; loads back to this job."""
         return self.model_dump(mode="json")
 
+    @property
+    def notes(self) -> list[str]:
+        """What load_job adjusted on the user's behalf, one line each (the CLI prints them)."""
+        return list(self._notes)
+
 
 # --------------------------------------------------------------------------- loading
 class _Loader(yaml.SafeLoader):
@@ -653,7 +660,32 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
         raise JobConfigError(f"{source}: a job file is a mapping of groups")
     for o in overrides:
         apply_override(raw, o)
-    return validate_job(raw, source)
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    note = _clamp_warmup(raw, source) if "train.steps" in given and "train.optim.warmup_steps" not in given else ""
+    job = validate_job(raw, source)
+    if note:
+        job._notes.append(note)
+    return job
+
+
+def _clamp_warmup(raw: dict, source: str) -> str:
+    """train.steps lowered on the command line below the job file's warm-up (a short trial of
+    a long job): the warm-up clamped to the run's optimizer steps less one, and said."""
+    optim = raw.get("train", {}).get("optim", {}) if isinstance(raw.get("train"), dict) else {}
+    warmup = optim.get("warmup_steps") if isinstance(optim, dict) else None
+    if not isinstance(warmup, int) or warmup <= 0:
+        return ""
+    probe = copy.deepcopy(raw)
+    probe["train"]["optim"]["warmup_steps"] = 0
+    try:
+        n = validate_job(probe, source).optimizer_steps
+    except JobConfigError:
+        return ""  # the job has other problems: validation names them
+    if warmup < n:
+        return ""
+    optim["warmup_steps"] = max(0, n - 1)
+    return (f"train.optim.warmup_steps={warmup} ({source}) is not below this run's {n} optimizer steps "
+            f"(train.steps from the command line): the warm-up is clamped to {n - 1}")
 
 
 def save_resolved(job: JobConfig, path: Path) -> None:

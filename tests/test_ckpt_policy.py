@@ -209,3 +209,33 @@ def test_a_resumed_runs_kl_reference_never_changes_silently(tmp_path):
     assert reference_change(named, ref) == ""
     assert "this job names none" in reference_change(named, None)
     assert f"set algo.kl_reference={ref}" in reference_change(named, tmp_path / "other")
+
+
+def test_a_resume_says_what_it_changes_and_an_rl_job_refuses_an_sft_runs_checkpoint(tmp_path):
+    """Raising train.steps on a resume stretches the learning-rate schedule: one line says so
+    with both values (the lr jumped from 2.0e-4 to 5.9e-4 unannounced). An RL job given an SFT
+    run's checkpoint would count its SFT steps as rollouts: refused, pointing to ckpt.hf."""
+    from miles.ckpt.manager import Checkpoints
+    from miles.config import load_job
+
+    ck = tmp_path / "ck"
+    sft = load_job("jobs/sft_tiny.yaml", [f"log.run_dir={tmp_path / 'sft'}", f"ckpt.save_dir={ck}", "train.steps=10"])
+    store.begin(ck, 4)
+    store.commit(ck, 4, {"model": sft.model.arch.to_dict(), "job": sft.resolved()})
+    said: list[str] = []
+    Checkpoints(load_job("jobs/sft_tiny.yaml", [f"log.run_dir={tmp_path / 'sft'}", f"ckpt.save_dir={ck}",
+                                                "ckpt.load=auto", "train.steps=10"]), report=said.append)
+    assert not [x for x in said if "train.steps" in x]
+    Checkpoints(load_job("jobs/sft_tiny.yaml", [f"log.run_dir={tmp_path / 'sft'}", f"ckpt.save_dir={ck}",
+                                                "ckpt.load=auto", "train.steps=30"]), report=said.append)
+    assert [x for x in said if "train.steps" in x] == [
+        "checkpoint: train.steps 10 -> 30: the learning-rate schedule (warm-up, cosine decay) now spans 30 steps, "
+        "so the lr of the next steps is not the saved run's"]
+    arch = load_job("jobs/dapo_tiny.yaml", [f"log.run_dir={tmp_path / 'rl'}"]).model.arch
+    store.begin(tmp_path / "ck2", 4)  # an SFT run of the RL job's model
+    store.commit(tmp_path / "ck2", 4, {"model": arch.to_dict(), "job": sft.resolved()})
+    rl = load_job("jobs/dapo_tiny.yaml", [f"log.run_dir={tmp_path / 'rl'}", f"ckpt.load={tmp_path / 'ck2'}",
+                                          "train.steps=8"])
+    with pytest.raises(CheckpointError, match=r"an SFT run's checkpoint \(iteration 4 of algo.loss: lm\); an RL job "
+                                              r"resumes RL runs only: start from its weights with ckpt.hf="):
+        Checkpoints(rl, report=lambda _: None)

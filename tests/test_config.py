@@ -312,3 +312,21 @@ def test_save_load_round_trip_is_exact(tmp_path: Path, variant: str) -> None:
     if raw is not None:
         for key, value in raw.items():
             assert key in saved and saved[key] == value, f"{key}: {saved.get(key)!r} != {value!r}"
+
+
+def test_a_short_trial_of_a_job_clamps_the_job_files_warm_up_and_says_so() -> None:
+    """train.steps lowered on the command line below the job file's warmup_steps (10) clamps
+    the warm-up to the run's optimizer steps less one, with a note naming both; a warm-up the
+    user gives on the command line too is still refused (they asked for it)."""
+    from miles.config import JobConfigError, load_job
+
+    job = load_job("jobs/sft_tiny.yaml", ["train.steps=4"])
+    assert job.train.optim.warmup_steps == 3
+    assert job.notes == ["train.optim.warmup_steps=10 (jobs/sft_tiny.yaml) is not below this run's 4 optimizer "
+                         "steps (train.steps from the command line): the warm-up is clamped to 3"]
+    assert load_job("jobs/sft_tiny.yaml", ["train.steps=40"]).train.optim.warmup_steps == 10
+    assert load_job("jobs/sft_tiny.yaml", ["train.steps=40"]).notes == []
+    with pytest.raises(JobConfigError, match="warmup_steps=6 must be below the run's 4 optimizer steps"):
+        load_job("jobs/sft_tiny.yaml", ["train.steps=4", "train.optim.warmup_steps=6"])
+    rl = load_job("jobs/dapo_tiny.yaml", ["train.steps=1"])  # RL: rollouts x updates per rollout
+    assert rl.train.optim.warmup_steps == rl.optimizer_steps - 1 and rl.notes

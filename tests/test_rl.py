@@ -281,14 +281,17 @@ def test_bundled_rl_task_is_what_the_script_makes():
 def test_rl_warmup_counts_optimizer_steps_not_rollouts():
     """train.steps counts rollouts in an RL job and the LR schedule spans its optimizer steps:
     warm-up is checked against rollouts x updates_per_rollout (jobs/dapo_tiny.yaml: 4 updates
-    per rollout, 8 warm-up steps), so 3 rollouts validate and 2 are refused, naming both."""
+    per rollout, 8 warm-up steps), so 3 rollouts keep it, 2 clamp the job file's warm-up to 7
+    (a note says so), and a warm-up of 8 given with them is refused, naming both."""
     from miles.config import JobConfigError
 
     job = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["train.steps=3"])
     assert (job.updates_per_rollout, job.optimizer_steps, job.train.optim.warmup_steps) == (4, 12, 8)
+    short = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["train.steps=2"])
+    assert short.train.optim.warmup_steps == 7 and "clamped to 7" in short.notes[0]
     with pytest.raises(JobConfigError, match=r"warmup_steps=8 must be below the run's 8 optimizer steps "
                                              r"\(train.steps=2 rollouts x 4 updates\)"):
-        load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["train.steps=2"])
+        load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["train.steps=2", "train.optim.warmup_steps=8"])
 
 
 def test_the_v4_flash_dapo_job_validates_against_v4_flash(tmp_path):

@@ -38,6 +38,11 @@ class Checkpoints:
         self.meta = store.read_meta(self.load_dir) if self.load_dir is not None else None
         if self.meta is not None:
             store.check_model(self.meta, job.model.arch.to_dict(), self.load_dir)
+            problem, note = resume_notes(self.meta, job)
+            if problem:
+                raise CheckpointError(f"{self.load_dir}: {problem}")
+            if note:
+                report(f"checkpoint: {note}")
             if self.meta["iteration"] >= job.train.steps:
                 raise CheckpointError(f"{self.load_dir}: already at iteration {self.meta['iteration']}, and "
                                       f"train.steps is {job.train.steps}: nothing left to train (raise train.steps)")
@@ -160,6 +165,25 @@ def started_from(meta: dict | None, hf, load_dir: Path | None) -> dict[str, str]
     if meta is not None and "started_from" in meta:
         return dict(meta["started_from"])
     return {"hf": str(hf)} if hf is not None else {}
+
+
+def resume_notes(meta: dict, job) -> tuple[str, str]:
+    """(why the job cannot resume this checkpoint, what the resume changes) -- '' where
+    nothing: an RL job given an SFT run's checkpoint (its steps are no rollouts: start from
+    its weights instead); train.steps changed, which stretches or squeezes the learning-rate
+    schedule from the next step on."""
+    saved = meta.get("job") or {}
+    loss = saved.get("algo", {}).get("loss")
+    if job.algo.loss == "policy" and loss == "lm" and not meta.get("model_only"):
+        return (f"an SFT run's checkpoint (iteration {meta['iteration']} of algo.loss: lm); an RL job resumes RL "
+                "runs only: start from its weights with ckpt.hf=<that run>/hf (ckpt.save_hf: true writes it; "
+                "miles convert dist-to-hf makes it from this checkpoint)"), ""
+    before = saved.get("train", {}).get("steps")
+    if before is not None and before != job.train.steps:
+        return "", (f"train.steps {before} -> {job.train.steps}: the learning-rate schedule (warm-up, "
+                    f"{job.train.optim.decay} decay) now spans {job.train.steps} steps, so the lr of the next steps "
+                    f"is not the saved run's")
+    return "", ""
 
 
 def reference_weights(started: dict[str, str], load_dir) -> dict[str, str]:
