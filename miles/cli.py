@@ -68,6 +68,7 @@ def _run(argv: list[str], command: str = "run") -> None:
 
         print(yaml.safe_dump(job.resolved(), sort_keys=False), end="")
         return
+    from miles.algo.rewards import RewardError
     from miles.algo.sampling import DynamicSamplingError
     from miles.ckpt.store import CheckpointError
     from miles.controller import JobError, run
@@ -78,7 +79,8 @@ def _run(argv: list[str], command: str = "run") -> None:
 
     try:
         result = run_rl(job) if job.data.source == "prompts" else run(job)
-    except (JobError, DataError, CheckpointError, DynamicSamplingError, RolloutError, WeightSyncError) as e:
+    except (JobError, DataError, CheckpointError, DynamicSamplingError, RolloutError, WeightSyncError,
+            RewardError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt as e:

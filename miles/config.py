@@ -22,6 +22,7 @@ import copy
 import datetime
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -665,7 +666,29 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     job = validate_job(raw, source)
     if note:
         job._notes.append(note)
+    _import_user_code(job, source, ([path.parent.absolute()] if path is not None else []) + [Path.cwd()])
     return job
+
+
+def _import_user_code(job: JobConfig, source: str, dirs: list[Path]) -> None:
+    """The user's functions ("module:function" in algo.reward, rollout.generate_fn) imported
+    now, so a missing module or a typo fails before anything starts (it failed after Ray, the
+    engines and the first evaluation). Modules beside the job file or in the working directory
+    are found: both join the import path, after what is on it (the rewards' worker processes
+    inherit it)."""
+    from miles.user_code import load_function
+
+    specs = [(f, v) for f, v in (("algo.reward", job.algo.reward if job.algo.reward_url is None else None),
+                                 ("rollout.generate_fn", job.rollout.generate_fn)) if v and ":" in v]
+    for d in dirs if specs else ():
+        if str(d) not in sys.path:
+            sys.path.append(str(d))
+    for field, spec in specs:
+        try:
+            load_function(spec, field)
+        except ValueError as e:
+            raise JobConfigError(f"{source}: {e} (modules are looked up beside the job file, in the working "
+                                 f"directory and on PYTHONPATH)") from None
 
 
 def _clamp_warmup(raw: dict, source: str) -> str:

@@ -16,6 +16,8 @@ def load_function(path: str, what: str) -> Callable:
         fn = getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} {path!r}: cannot load it: {e}") from None
+    except Exception as e:  # the module itself failed as it was imported (a SyntaxError, its own error)
+        raise ValueError(f"{what} {path!r}: importing {mod} failed: {type(e).__name__}: {e}") from None
     if not callable(fn):
         raise ValueError(f"{what} {path!r} is not a function")
     return fn

@@ -330,3 +330,33 @@ def test_a_short_trial_of_a_job_clamps_the_job_files_warm_up_and_says_so() -> No
         load_job("jobs/sft_tiny.yaml", ["train.steps=4", "train.optim.warmup_steps=6"])
     rl = load_job("jobs/dapo_tiny.yaml", ["train.steps=1"])  # RL: rollouts x updates per rollout
     assert rl.train.optim.warmup_steps == rl.optimizer_steps - 1 and rl.notes
+
+
+def test_user_code_beside_the_job_file_is_imported_when_the_job_loads(tmp_path: Path, monkeypatch) -> None:
+    """algo.reward: my_reward:add_reward with my_reward.py beside the job file loads from any
+    working directory (it worked through miles submit only, and failed after Ray, the engines
+    and the first evaluation had started); a typo, a missing module or a module that fails
+    to import is a JobConfigError naming the field and the job file."""
+    import sys
+
+    from miles.config import JobConfigError, load_job
+
+    (tmp_path / "my_reward.py").write_text("def add_reward(response, label, prompt):\n    return 1.0\n")
+    (tmp_path / "broken_reward.py").write_text("def f(:\n")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(Path("jobs/dapo_tiny.yaml").absolute().read_text()
+                         .replace("path: miles/", f"path: {Path.cwd() / 'miles'}/"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    job = load_job(job_file, ["algo.reward=my_reward:add_reward", f"log.run_dir={tmp_path / 'run'}"])
+    assert job.algo.reward == "my_reward:add_reward"
+    from miles.algo.rewards import load_reward
+
+    assert load_reward("my_reward:add_reward")("r", "l", "p") == 1.0
+    for spec, why in (("my_reward:ad_reward", "has no attribute 'ad_reward'"),
+                      ("no_such_reward_mod:f", "No module named 'no_such_reward_mod'"),
+                      ("broken_reward:f", "importing broken_reward failed: SyntaxError")):
+        with pytest.raises(JobConfigError, match=rf"{job_file}: algo.reward '{spec}': .*{why}.*beside the job file"):
+            load_job(job_file, [f"algo.reward={spec}", f"log.run_dir={tmp_path / 'run'}"])

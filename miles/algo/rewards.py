@@ -101,6 +101,21 @@ async def _remote(client, url: str, item: dict, timeout: float, attempts: int = 
     raise RuntimeError(f"reward server {url}: {last}")
 
 
+def where(e: BaseException) -> str:
+    """' at FILE:LINE in FUNCTION' of the innermost frame of an exception that the user's code
+    raised, here or in a worker process (pebble hands its traceback over as text); '' if
+    unknown."""
+    import re
+    import traceback
+
+    remote = e.__cause__ if type(e.__cause__).__name__ == "RemoteTraceback" else None
+    if remote is not None:
+        found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', str(remote))
+        return f" at {found[-1][0]}:{found[-1][1]} in {found[-1][2]}" if found else ""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
 class RewardError(RuntimeError):
     """A reward function failed on a response (the message names the function and the response)."""
 
@@ -171,7 +186,7 @@ class Rewards:
         except Exception as e:
             text = item["response"] if len(item["response"]) <= 200 else item["response"][:200] + "..."
             raise RewardError(f"algo.reward {self.spec!r} failed on the response {text!r} (label "
-                              f"{item['label']!r}): {type(e).__name__}: {e}") from e
+                              f"{item['label']!r}): {type(e).__name__}: {e}{where(e)}") from None
 
     def _workers(self):
         """The worker processes (pebble's pool: a call past its timeout has its process killed
