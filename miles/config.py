@@ -424,6 +424,9 @@ class LogConfig(Section):
     interval: PosInt = 1  # a log line every N steps (metrics.jsonl and wandb get every step)
     progress: Literal["auto", "bar", "lines"] = "auto"  # auto: a bar on a terminal, lines otherwise
     alignment: Bool = False  # per-step loss and gradient checksums for `miles check-alignment`
+    rollouts: Literal["all", "none"] | PosInt = 64  # RL's rollouts.jsonl, per rollout: every response's text
+    # (all: GBs a day at scale), N responses chosen at random (seeded by the step), or none; the prompt
+    # ids drawn and kept are always written
     wandb: WandbConfig = WandbConfig()
     profile: ProfileConfig = ProfileConfig()
 

@@ -185,7 +185,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
             metrics.update({"perf/rollout_wait_time": t_wait, "perf/update_weights_time": synced})
             t1 = time.perf_counter()
             metrics.update(idle_times(t1 - t0, metrics, engines_busy.within(t0, t1)))
-            write_rollout(run_dir, rollout)
+            write_rollout(run_dir, rollout, job.log.rollouts)
             monitor.log(step, metrics)
             history.append(metrics)
             ckpt.maybe_save(step, trainer, Position(rollout.data_state))
@@ -629,11 +629,21 @@ def evaluate(job: JobConfig, trainer, engines, data: PromptSource, rewards: Rewa
             f"eval/{name}/weight_version": float(min(x.version for x in flat))}
 
 
-def write_rollout(run_dir: Path, rollout: Rollout) -> None:
-    """rollouts.jsonl: per step the prompt ids drawn and kept, and each sample's reward and text."""
+def write_rollout(run_dir: Path, rollout: Rollout, texts: str | int = "all") -> None:
+    """rollouts.jsonl: per step the prompt ids drawn and kept, and the reward and text of the
+    responses `texts` asks for (log.rollouts: all, none, or N of them, the same N for a step
+    whatever the placement)."""
+    responses = [x for g in rollout.groups for x in g]
+    if texts == "none":
+        responses = []
+    elif texts != "all" and len(responses) > texts:
+        import random
+
+        pick = sorted(random.Random(rollout.step).sample(range(len(responses)), texts))
+        responses = [responses[i] for i in pick]
     rec = {"step": rollout.step, "version": rollout.version, "drawn": rollout.drawn,
            "kept": [g[0].prompt.id for g in rollout.groups],
            "samples": [{"prompt": x.prompt.id, "reward": x.reward, "text": x.text, "turns": x.turns,
-                        "trained_tokens": x.trained} for g in rollout.groups for x in g]}
+                        "trained_tokens": x.trained} for x in responses]}
     with open(run_dir / records.ROLLOUTS, "a") as f:
         f.write(json.dumps(rec) + "\n")

@@ -414,3 +414,32 @@ def test_an_rl_job_trains_mtp_only_when_asked():
     assert rl.algo.mtp_loss_coef == 0.0 and rl.algo.indexer_loss_coef == LossCoefs.indexer
     assert load_job(ROOT / "jobs" / "sft_tiny.yaml", ["algo.mtp_loss_coef=null"]).algo.mtp_loss_coef == LossCoefs.mtp
     assert load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["algo.mtp_loss_coef=0.2"]).algo.mtp_loss_coef == 0.2
+
+
+def test_rollouts_jsonl_keeps_the_texts_log_rollouts_asks_for(tmp_path):
+    """log.rollouts: every response's text, N of them (the same N for a step, whatever else
+    differs), or none; the prompt ids drawn and kept are always there (the data position's
+    record). The default keeps 64 a rollout: full texts of every step ran to hundreds of GB."""
+    from types import SimpleNamespace
+
+    from miles.rl import Rollout, write_rollout
+
+    def rollout(step: int) -> Rollout:
+        groups = [[SimpleNamespace(prompt=SimpleNamespace(id=f"p{g}"), reward=float(i), text=f"answer {g}.{i}",
+                                   turns=1, trained=3) for i in range(4)] for g in range(5)]
+        return Rollout(step, groups, step - 1, {}, [f"p{g}" for g in range(6)], {})
+
+    for texts, run in (("all", "a"), (3, "b"), (3, "c"), ("none", "d")):
+        (tmp_path / run).mkdir()
+        for step in (1, 2):
+            write_rollout(tmp_path / run, rollout(step), texts)
+    recs = {run: [json.loads(x) for x in (tmp_path / run / "rollouts.jsonl").read_text().splitlines()]
+            for run in "abcd"}
+    for run in "abcd":
+        assert [r["drawn"] for r in recs[run]] == [[f"p{g}" for g in range(6)]] * 2
+        assert [r["kept"] for r in recs[run]] == [[f"p{g}" for g in range(5)]] * 2
+    assert [len(r["samples"]) for r in recs["a"]] == [20, 20] and [r["samples"] for r in recs["d"]] == [[], []]
+    assert [len(r["samples"]) for r in recs["b"]] == [3, 3] and recs["b"] == recs["c"]
+    texts = [{s["text"] for s in r["samples"]} for r in recs["b"]]
+    assert texts[0] <= {s["text"] for s in recs["a"][0]["samples"]} and texts[0] != texts[1]
+    assert load_job("jobs/dapo_tiny.yaml", ["log.run_dir=x"]).log.rollouts == 64
