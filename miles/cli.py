@@ -25,6 +25,9 @@ local one started for the job on 127.0.0.1. Everything the run writes goes to lo
 exit status: 0 done, 1 the job failed, 2 the job file or an override is invalid."""
 
 
+EXAMPLE_JOB = {"run": "jobs/demo_tiny.yaml", "sft": "jobs/sft_tiny.yaml", "rl": "jobs/dapo_tiny.yaml"}
+
+
 def _load(prog: str, job_path: str, overrides: list[str]):
     from miles.config import JobConfigError, load_job
 
@@ -42,11 +45,11 @@ def _run(argv: list[str], command: str = "run") -> None:
     prog = f"miles {command}"
     what = {"sft": "an SFT job file (data.source: chat)", "rl": "an RL job file (data.source: prompts)"}.get(
         command, "a job file")
+    example = EXAMPLE_JOB[command]  # one this command runs
     ap = argparse.ArgumentParser(prog=prog, description=f"Run {what} through the miles controller.",
-                                 epilog=RUN_EPILOG.replace("miles run", prog),
+                                 epilog=RUN_EPILOG.replace("miles run jobs/demo_tiny.yaml", f"{prog} {example}"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("job", help="a job file (YAML), e.g. " + {"sft": "jobs/sft_tiny.yaml", "rl": "jobs/dapo_tiny.yaml"}
-                    .get(command, "jobs/demo_tiny.yaml"))
+    ap.add_argument("job", help=f"a job file (YAML), e.g. {example}")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=20")
     ap.add_argument("--address", help="Ray cluster to run on (default: cluster.address, $RAY_ADDRESS, or local)")
     ap.add_argument("--check", action="store_true", help="validate the job and print it resolved; run nothing")

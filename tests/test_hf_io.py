@@ -490,3 +490,18 @@ def test_save_rejects_bad_input(tmp_path):
     with pytest.raises(TypeError):
         save_safetensors_shards({"a": [1, 2]}, tmp_path)
     assert not (tmp_path / hf_io.INDEX_FILE).exists()
+
+
+def test_shards_get_the_mode_of_the_other_files(tmp_path):
+    """safetensors writes its files 0600: the shards of a checkpoint others read (a shared
+    filesystem) were unreadable to them while config.json and the index were 0644. Each shard
+    gets the mode any new file gets here."""
+    import stat
+
+    from plugins.deepseek_v4.hf_io import write_index, write_shard
+
+    write_shard(tmp_path, "model-00001.safetensors", {"a": torch.arange(6.0)})
+    write_index(tmp_path, {"a": "model-00001.safetensors"}, 24)
+    (tmp_path / "plain.txt").write_text("x")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert len(set(modes.values())) == 1, {k: oct(v) for k, v in modes.items()}

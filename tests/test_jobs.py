@@ -314,3 +314,17 @@ def test_gpu_jobs_validate_and_fit_their_gpus(name, gpus):
         check_engines(with_device(job, "gpu"), gpus)
         with pytest.raises(Exception, match="need|at most"):
             check_engines(with_device(job, "gpu"), gpus - 1 if gpus > 1 else 0)
+
+
+@pytest.mark.parametrize("command", ["run", "sft", "rl"])
+def test_each_commands_help_example_is_a_job_that_command_runs(command, capsys, tmp_path):
+    """`miles sft --help` showed `miles sft jobs/demo_tiny.yaml ...`, which miles sft refuses
+    (a synthetic-data job): each command's example passes that command's own --check."""
+    from miles.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    (line,) = [x.strip() for x in out.splitlines() if x.strip().startswith(f"miles {command} jobs/")]
+    args = line.split()[2:]
+    main([command, *args, f"log.run_dir={tmp_path / 'run'}", "--check"])  # SystemExit(2) if refused

@@ -297,10 +297,24 @@ def _prepare_for_save(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+def _file_mode() -> int:
+    """The mode a new file gets here (0o666 less the umask, read without changing it):
+    safetensors writes its files 0600, which other users of a shared checkpoint cannot read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
 def _atomic_write(directory: Path, name: str, write) -> None:
     tmp = directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         write(tmp)
+        os.chmod(tmp, _file_mode())  # as the directory's other files
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, directory / name)
