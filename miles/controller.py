@@ -22,6 +22,7 @@ SFT is this loop with the chat source; it never starts rollout engines.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -131,11 +132,12 @@ def ray_session(job: JobConfig):
         yield
         return
     address = job.cluster.address or os.environ.get("RAY_ADDRESS")
+    # Ray's start-up lines (one advises turning token auth off) are not the user's business
+    quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
+        ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
     previous = unwind_on_sigterm()  # after ray.init, which installs its own SIGTERM handler
     try:
         yield

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 
 import pytest
 
@@ -124,3 +125,23 @@ def test_phase_memory_is_the_largest_of_a_sides_processes_and_absent_on_cpus():
     assert phase_metrics("trainer", [{}, {}]) == {}
     reports = [{"peak_gb": 3.5, "device_used_gb": 9.0}, {"peak_gb": 4.25, "device_used_gb": 8.0}]
     assert phase_metrics("engine", reports) == {"perf/engine_peak_gb": 4.25, "perf/engine_device_used_gb": 9.0}
+
+
+def test_a_job_starting_its_own_ray_prints_none_of_rays_start_up_lines(tmp_path):
+    """A job without a cluster starts a local Ray: its start-up lines ("Token authentication
+    is enabled ... Set RAY_AUTH_MODE=disabled to opt out", "Started a local Ray instance") are
+    not the user's business, and the first advises turning the guard off. (In a process of
+    its own: this one may have joined Ray already.)"""
+    import subprocess
+    import sys
+
+    code = ("import sys, ray\n"
+            "from miles.config import load_job\n"
+            "from miles.controller import ray_session\n"
+            "job = load_job('jobs/demo_tiny.yaml', [f'log.run_dir={sys.argv[1]}', 'cluster.num_cpus=1'])\n"
+            "with ray_session(job):\n"
+            "    assert ray.is_initialized()\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert p.returncode == 0, p.stderr
+    assert "RAY_AUTH_MODE" not in p.stderr and "Started a local Ray" not in p.stderr, p.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ def _workers(tp: int, pp: int, ep: int):
     world = tp * pp * dp
     own = not ray.is_initialized()
     if own:
-        ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                 logging_level=logging.ERROR)  # Ray's start-up lines are not the user's business
     try:
         group = TrainGroup(world, tp=tp, pp=pp, ep=ep)
         try:
