@@ -21,7 +21,8 @@ overrides are dotted KEY=VALUE pairs applied on top of the job file, values read
 
 The job runs against a Ray cluster: --address (or cluster.address, or $RAY_ADDRESS), else a
 local one started for the job on 127.0.0.1. Everything the run writes goes to log.run_dir
-(default runs/<name>-<time>): config.yaml, metrics.jsonl, the wandb run, plots.
+(default runs/<name>-<time>): config.yaml, metrics.jsonl, the wandb run, plots, and failed.txt
+saying why when the job fails.
 exit status: 0 done, 1 the job failed, 2 the job file or an override is invalid."""
 
 
@@ -76,6 +77,7 @@ def _run(argv: list[str], command: str = "run") -> None:
     from miles.ckpt.store import CheckpointError
     from miles.controller import JobError, run
     from miles.data.dataset import DataError
+    from miles.observe import records
     from miles.rl import run_rl
     from miles.rollout.manager import RolloutError
     from miles.rollout.weights import WeightSyncError
@@ -85,7 +87,13 @@ def _run(argv: list[str], command: str = "run") -> None:
     except (JobError, DataError, CheckpointError, DynamicSamplingError, RolloutError, WeightSyncError,
             RewardError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
+        records.record_failure(job.log.run_dir, f"{prog}: {e}")
         raise SystemExit(1) from None
+    except Exception:  # unexpected: the traceback to the terminal and into the run directory
+        import traceback
+
+        records.record_failure(job.log.run_dir, traceback.format_exc())
+        raise
     except KeyboardInterrupt as e:
         why = str(e) or "interrupted"
         print(f"{prog}: {why}; the workers, engines and router are stopped. Continue from the last checkpoint with "

@@ -145,3 +145,14 @@ def test_a_job_starting_its_own_ray_prints_none_of_rays_start_up_lines(tmp_path)
                        timeout=120, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     assert p.returncode == 0, p.stderr
     assert "RAY_AUTH_MODE" not in p.stderr and "Started a local Ray" not in p.stderr, p.stderr
+
+
+def test_a_failed_run_says_why_in_its_directory(tmp_path):
+    """failed.txt holds why the run stopped (a run directory with a config and an empty
+    metrics.jsonl said nothing); nothing is written where the run never made its directory."""
+    from miles.observe.records import FAILED, record_failure
+
+    assert record_failure(tmp_path / "never-made", "x") is None and not (tmp_path / "never-made").exists()
+    path = record_failure(tmp_path, "miles rl: algo.reward 'r:f' failed on the response 'a' (label '1')\n\n")
+    assert path == tmp_path / FAILED and path.read_text() == "miles rl: algo.reward 'r:f' failed on the " \
+                                                              "response 'a' (label '1')\n"

@@ -213,6 +213,7 @@ def test_the_kl_reference_is_the_converted_checkpoint_the_run_starts_from(cluste
     more = ["train.steps=2", "algo.kl_coef=0.1", "ckpt.load=auto"]
     p = _rl(cluster, run, *more, check=False)
     assert p.returncode != 0 and "which is gone" in p.stdout + p.stderr and "algo.kl_reference=" in p.stdout + p.stderr
+    assert "which is gone" in (run / "failed.txt").read_text()  # the run directory says why it stopped
     out = _rl(cluster, run, *more, f"algo.kl_reference={tmp_path / 'hf'}", "ckpt.save_interval=1").stdout
     assert "KL reference from here on" in out, out[-2000:]
     assert 0 < _metrics(run)[-1]["train/first_update/kl_loss"] < 1e-2

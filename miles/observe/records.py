@@ -7,6 +7,17 @@ import json
 from pathlib import Path
 
 ROLLOUTS = "rollouts.jsonl"  # RL: per rollout, the prompt ids drawn and kept, and the sample rewards
+FAILED = "failed.txt"  # why the run stopped, when it failed
+
+
+def record_failure(run_dir: Path, why: str) -> Path | None:
+    """<run_dir>/failed.txt: why a run stopped (the run directory alone said nothing: a config,
+    an empty metrics.jsonl); only where the run got as far as making its directory."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    (run_dir / FAILED).write_text(why.rstrip() + "\n")
+    return run_dir / FAILED
 
 
 def read(path: Path, required: set[str], kind: str) -> list[dict]:
