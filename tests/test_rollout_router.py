@@ -141,6 +141,25 @@ def test_a_refused_request_fails_its_rollout_at_once_naming_the_sample(manager):
     assert manager.stats["retries"] == retries
 
 
+def test_the_engines_and_the_router_answer_only_the_runs_key(manager):
+    """Engines listen on their node's address on a cluster: without the run's key (SGLang's
+    --api-key convention, Authorization: Bearer) a stranger's pause, abort or weight update is
+    refused with 401, and so is a generation through the router; /health stays open (the
+    router's and Ray's probes)."""
+    import httpx
+
+    url = manager.engine_info()[0]["url"]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    for path in ("/abort_request", "/pause_generation", "/release_memory_occupation", "/update_weights_from_disk"):
+        assert httpx.post(f"{url}{path}", json={}, timeout=10).status_code == 401, path
+        assert httpx.post(f"{url}{path}", json={}, headers={"Authorization": "Bearer wrong"},
+                          timeout=10).status_code == 401, path
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{manager.router.url}/generate", json=body, timeout=30).status_code == 401
+    r = httpx.post(f"{manager.router.url}/generate", json=body, headers=manager.router.headers, timeout=30)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
 def test_aborted_responses_are_generated_again_and_wrong_weights_never_returned(manager):
     """Guards training on what the engines did not finish or did not generate from the
     trainer's weights: responses aborted in flight (an /abort_request, as a weight swap or an
@@ -161,7 +180,8 @@ def test_aborted_responses_are_generated_again_and_wrong_weights_never_returned(
     while manager.stats["aborted"] == aborted:  # until some response came back aborted
         assert time.monotonic() < deadline and t.is_alive(), "no abort reached a response"
         for e in manager.engine_info():
-            httpx.post(f"{e['url']}/abort_request", json={"abort_all": True}, timeout=10)
+            httpx.post(f"{e['url']}/abort_request", json={"abort_all": True}, headers=manager.router.headers,
+                       timeout=10)
         time.sleep(0.2)
     t.join()
     _exactly_once(out["res"], "ab")  # complete: none came back as the abort

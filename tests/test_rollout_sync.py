@@ -177,7 +177,7 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
 
         def served(slot, reqs):
             return [httpx.post(f"{slot.url}/generate", json={k: v for k, v in r.items() if k != "id"},
-                               timeout=60).json() for r in reqs]
+                               headers=mgr.router.headers, timeout=60).json() for r in reqs]
 
         new = replace_first(1)
         assert mgr.version == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -61,8 +62,11 @@ class RolloutManager:
         shared with the trainer: engine e in bundle colocation.engine_bundles[e]."""
         self.cfg = cfg if isinstance(cfg, RolloutConfig) else RolloutConfig.model_validate(cfg)
         c = self.cfg
+        # The run's key: its engines answer only the router and this manager (they listen on the
+        # node's address on a cluster). SGLang's servers are started without one (not tried here).
+        self.api_key = secrets.token_urlsafe(24)
         self.spec = {**spec, "max_running": c.max_running, "max_len": c.max_len, "prefill_tokens": c.prefill_tokens,
-                     "hang_timeout": c.hang_timeout}
+                     "hang_timeout": c.hang_timeout, "api_key": self.api_key}
         if c.tokenizer is not None:
             from miles.data.sft import tokenizer_path
 
@@ -87,7 +91,7 @@ class RolloutManager:
         self.engines = self._start_engines(plan.engine_bundles if plan is not None else [None] * c.num_engines)
         self.router = Router([e.url for e in self.engines], c.router_policy, request_timeout=c.request_timeout,
                              health_interval=c.health_interval, extra_args=list(c.router_args),
-                             log_file=f"{log_dir}/router.log" if log_dir else None)
+                             log_file=f"{log_dir}/router.log" if log_dir else None, api_key=self.api_key)
         self.stats = {"restarts": 0, "retries": 0, "timeouts": 0, "aborted": 0, "wrong_weights": 0}
         self._lock = threading.RLock()
         self._update_lock = threading.RLock()  # an update and a replacement's catch-up never interleave
@@ -348,7 +352,7 @@ class RolloutManager:
         done: dict[str, object] = {}
         sem = asyncio.Semaphore(c.concurrency)
         timeout = aiohttp.ClientTimeout(total=c.request_timeout)
-        async with aiohttp.ClientSession(self.router.url, timeout=timeout,
+        async with aiohttp.ClientSession(self.router.url, timeout=timeout, headers=self.router.headers,
                                          connector=aiohttp.TCPConnector(limit=c.concurrency)) as client:
             async def post(body: dict, sample_id: str) -> dict:
                 return await self._post(client, sem, body, sample_id, version)

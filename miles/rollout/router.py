@@ -35,18 +35,22 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, lo
 class Router:
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", host: str = "127.0.0.1",
                  port: int = 0, request_timeout: float = 600, health_interval: float = 5,
-                 extra_args: list[str] | None = None, log_file: str | Path | None = None):
+                 extra_args: list[str] | None = None, log_file: str | Path | None = None,
+                 api_key: str | None = None):
+        """api_key: the router then takes Authorization: Bearer <it> from its clients and sends
+        it to the engines (sglang-router's --api-key)."""
         self.host, self.port = host, port or free_port(host)
         self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
                     "--policy", policy, "--request-timeout-secs", str(int(request_timeout)),
                     "--health-check-interval-secs", str(max(1, int(health_interval))),
                     "--prometheus-host", host, "--prometheus-port", str(free_ports(1, host, (self.port,))[0]),
-                    "--log-level", "warn", *(extra_args or [])]
+                    "--log-level", "warn", *(["--api-key", api_key] if api_key else []), *(extra_args or [])]
         if worker_urls:
             self.cmd += ["--worker-urls", *worker_urls]
         self._log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = popen_tied(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)  # dies with this process
-        self.client = httpx.Client(base_url=self.url, timeout=10)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.url, timeout=10, headers=self.headers)
         try:
             wait_healthy(self.proc, f"{self.url}/health", 60, "sglang-router", log_file, poll=0.2)
         except RuntimeError:

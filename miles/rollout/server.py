@@ -97,6 +97,18 @@ def _pydantic_message(e: ValidationError) -> str:
 def build_app(svc: EngineService) -> FastAPI:
     app = FastAPI(title="miles embedded engine", docs_url=None, redoc_url=None)
     engine = svc.engine
+    key = svc.spec.api_key
+
+    if key is not None:  # off loopback anyone on the network could otherwise update weights, pause, abort
+        import hmac
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            given = request.headers.get("authorization", "")
+            if request.url.path != "/health" and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return JSONResponse({"error": "unauthorized: this engine takes its run's key as "
+                                              "Authorization: Bearer <key>"}, status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(RequestError)
     async def _request_error(_, e: RequestError):

@@ -39,6 +39,7 @@ class EngineSpec:
     weight_version: int | None = 0  # what the initial weights are called (None: no trainer's: an RL engine
     # waiting for its first weight sync)
     cuda_graphs: bool = True  # on CUDA: each decode batch bucket replayed as a CUDA graph
+    api_key: str | None = None  # every endpoint but /health then takes Authorization: Bearer <it> (SGLang's --api-key)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
