@@ -294,6 +294,9 @@ def finish(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> di
 
     if job.ckpt.save_hf:  # each rank writes its own tensors: no copy of the model in this process
         nbytes = trainer.save_hf(run_dir / "hf", job.model.arch)
+        from miles.data.sft import copy_tokenizer
+
+        copy_tokenizer(job.data.tokenizer, job.data.template, run_dir / "hf")  # serves text on its own
         monitor.print(f"saved the final weights in DeepSeek's HF layout to {run_dir / 'hf'} ({nbytes / 2**30:.2f} GiB)")
         if not generate:
             return {}

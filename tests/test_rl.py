@@ -74,6 +74,7 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     dis, col = _metrics(runs["disaggregated"])[0], _metrics(runs["colocated"])[0]
     for run in runs.values():
         assert (run / "hf" / "config.json").is_file() and list((run / "hf").glob("*.safetensors"))
+        assert (run / "hf" / "tokenizer.json").is_file()  # the weights serve text on their own
         (record,) = [json.loads(x) for x in (run / "alignment.jsonl").read_text().splitlines()]
         assert record["step"] == 1
     assert dis["data/skipped_rows"] == 0

@@ -28,7 +28,10 @@ def test_options_miles_sets_are_refused(key):
 
 def test_miles_serve_answers_curl(tmp_path):
     """`miles serve HF_DIR` starts an engine behind the router; a plain HTTP client gets
-    tokens from the router's port; SIGTERM stops everything."""
+    tokens from the router's port; SIGTERM stops everything. With nothing but the directory it
+    serves in the dtype of the weights (fp32 here: it served a float32-trained model in bf16)
+    and with the tokenizer saved beside them (text was refused for want of one), and the
+    printed curl example asks with text and gets text back."""
     import os
     import signal
     import subprocess
@@ -37,16 +40,20 @@ def test_miles_serve_answers_curl(tmp_path):
     import httpx
 
     from miles.cluster.node import free_port
+    from miles.data.sft import copy_tokenizer
     from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 
-    DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(), seed=2).save_pretrained(tmp_path / "hf")
+    DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(vocab_size=512), seed=2).save_pretrained(tmp_path / "hf")
+    copy_tokenizer("tiny", "deepseek_v4", tmp_path / "hf")  # as ckpt.save_hf and miles convert write it
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(tmp_path / "hf"), "--port", str(port),
-                             "--dtype", "float32", "--max-len", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--max-len", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()
-        assert f"127.0.0.1:{port}" in line, line
+        assert f"127.0.0.1:{port}" in line and "float32, tokenizer " in line, line
+        example = proc.stdout.readline()
+        assert example.strip().startswith("curl") and '"text"' in example, example
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -57,6 +64,11 @@ def test_miles_serve_answers_curl(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+        import json
+
+        asked = json.loads(example.split("-d '", 1)[1].rsplit("'", 1)[0])  # the printed example, as it is
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30, json=asked)
+        assert r.status_code == 200 and isinstance(r.json()["text"], str) and r.json()["output_ids"], r.text
         assert httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [999]}).status_code == 400
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -333,3 +333,25 @@ def test_resumed_data_neither_repeats_nor_skips_a_sample(tmp_path, n, k):
     assert resumed.metrics()["data/skipped_rows"] == straight.metrics()["data/skipped_rows"] == 1
     with pytest.raises(DataError, match="seed 2.*train.seed 3"):
         SFTSource(cfg, seed=3, report=lambda _: None).load_state(state)
+
+
+def test_the_jobs_tokenizer_goes_beside_the_weights(tmp_path):
+    """ckpt.save_hf and miles convert put the run's tokenizer in the HF directory as
+    tokenizer.json (the bundled tiny one, a file, DeepSeek-V4's by default; a transformers
+    directory's tokenizer files), so miles serve answers text from the directory alone."""
+    from miles.data.chat import v4_tokenizer_file
+    from miles.data.sft import copy_tokenizer, tokenizer_path
+
+    for name, want in (("tiny", Path(tokenizer_path("tiny"))), (None, v4_tokenizer_file())):
+        out = tmp_path / str(name)
+        out.mkdir()
+        assert copy_tokenizer(name, "deepseek_v4", out) == out / "tokenizer.json"
+        assert (out / "tokenizer.json").read_bytes() == want.read_bytes()
+    hf_tok = tmp_path / "hf-tokenizer"
+    hf_tok.mkdir()
+    (hf_tok / "tokenizer.json").write_text("{}")
+    (hf_tok / "tokenizer_config.json").write_text('{"chat_template": "x"}')
+    out = tmp_path / "hf-out"
+    out.mkdir()
+    assert copy_tokenizer(str(hf_tok), "hf", out) == out / "tokenizer.json"
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]

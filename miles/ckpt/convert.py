@@ -75,6 +75,11 @@ def dist_to_hf(ckpt: Path, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, rep
         group.call("build_model", cfg.to_dict(), 0, dtype=dtype)
         group.call("load_checkpoint", str(path), same_layout=False, with_optimizer=False)
         nbytes = group.save_hf(Path(out), cfg)
+    data = meta.get("job", {}).get("data")
+    if data is not None:  # the tokenizer the run trained with, so the weights serve text on their own
+        from miles.data.sft import copy_tokenizer
+
+        copy_tokenizer(data.get("tokenizer"), data.get("template", "deepseek_v4"), Path(out))
     report(f"miles convert: {path} -> {out} ({nbytes / 2**30:.2f} GiB, tp={tp} pp={pp} ep={ep}, "
            f"{time.perf_counter() - t0:.1f} s)")
     return Path(out)

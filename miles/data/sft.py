@@ -44,6 +44,22 @@ def tokenizer_path(name: str | None) -> str | None:
     return str(BUNDLED / "tiny_tokenizer.json") if name == "tiny" else name
 
 
+def copy_tokenizer(name: str | None, template: str, out: Path) -> Path | None:
+    """The job's tokenizer into an HF directory `out` as tokenizer.json (data.tokenizer: the
+    bundled tiny one, a file, DeepSeek-V4's by default; a transformers directory with template
+    hf: its tokenizer files), so the weights serve text without the job. Returns the file."""
+    import shutil
+
+    src = Path(tokenizer_path(name)) if name is not None else v4_tokenizer_file()
+    if src.is_dir():  # template hf: a transformers tokenizer directory
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (src / f).is_file():
+                shutil.copyfile(src / f, Path(out) / f)
+        return Path(out) / "tokenizer.json" if (src / "tokenizer.json").is_file() else None
+    shutil.copyfile(src, Path(out) / "tokenizer.json")
+    return Path(out) / "tokenizer.json"
+
+
 def vocab_size(path: str | None, template: str = "deepseek_v4") -> int:
     """Ids the tokenizer can produce (its added tokens included)."""
     if template == "hf":

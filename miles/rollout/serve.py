@@ -17,15 +17,33 @@ from miles.rollout.server import HttpServer, build_app
 from miles.rollout.service import EngineService, EngineSpec
 
 
+def stored_dtype(hf: Path) -> str:
+    """The dtype a checkpoint's weights are stored in, as the engine takes it: float32 where its
+    floating tensors are float32 (a model trained in fp32), bfloat16 otherwise (bf16, FP8)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = hf / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        [p.name for p in sorted(hf.glob("*.safetensors"))]
+    with safe_open(str(hf / files[0]), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    return "float32" if "F32" in dtypes and not dtypes & {"BF16", "F16", "F8_E4M3"} else "bfloat16"
+
+
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="miles serve", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="miles serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("path", type=Path, help="an HF checkpoint directory, or a miles checkpoint / save_dir")
-    ap.add_argument("--tokenizer", help='a tokenizer.json for text in and out ("tiny": the bundled one)')
-    ap.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
+    ap.add_argument("--tokenizer", help='a tokenizer.json for text in and out ("tiny": the bundled one); default: '
+                                        "the checkpoint's own (tokenizer.json beside its weights)")
+    ap.add_argument("--host", default="127.0.0.1", help="the router's address")
     ap.add_argument("--port", type=int, default=30000, help="the router's port")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--max-running", type=int, default=64)
-    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="default: the dtype its weights are stored in (float32 stays float32, else bfloat16)")
+    ap.add_argument("--max-running", type=int, default=64, help="sequences decoded together")
+    ap.add_argument("--max-len", type=int, default=4096, help="tokens per sequence")
     args = ap.parse_args(argv)
     from miles.data.sft import tokenizer_path
 
@@ -39,13 +57,17 @@ def main(argv: list[str]) -> None:
                 hf = dist_to_hf(args.path, Path(tmp) / "hf")
             except (CheckpointError, ValueError, FileNotFoundError) as e:
                 raise SystemExit(f"miles serve: {args.path}: neither an HF directory nor a checkpoint ({e})") from None
-        svc = EngineService(EngineSpec(hf=str(hf), dtype=args.dtype, max_running=args.max_running,
-                                       max_len=args.max_len, tokenizer=tokenizer_path(args.tokenizer)))
+        tokenizer = tokenizer_path(args.tokenizer) or (str(hf / "tokenizer.json")
+                                                        if (hf / "tokenizer.json").is_file() else None)
+        svc = EngineService(EngineSpec(hf=str(hf), dtype=args.dtype or stored_dtype(hf),
+                                       max_running=args.max_running, max_len=args.max_len, tokenizer=tokenizer))
         http = HttpServer(build_app(svc))
         router = Router([http.url], host=args.host, port=args.port)
-        print(f"miles serve: {args.path} on {router.url} (engine {http.url})\n"
+        prompt = '"text": "What is 2 + 3?"' if tokenizer else '"input_ids": [1, 2, 3]'
+        print(f"miles serve: {args.path} on {router.url} (engine {http.url}; {svc.spec.dtype}, "
+              f"{'tokenizer ' + tokenizer if tokenizer else 'no tokenizer: token ids only'})\n"
               f"  curl {router.url}/generate -H 'content-type: application/json' "
-              "-d '{\"input_ids\": [1, 2, 3], \"sampling_params\": {\"max_new_tokens\": 16}}'", flush=True)
+              f"-d '{{{prompt}, \"sampling_params\": {{\"max_new_tokens\": 16}}}}'", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
