@@ -69,6 +69,17 @@ def test_miles_serve_answers_curl(tmp_path):
         asked = json.loads(example.split("-d '", 1)[1].rsplit("'", 1)[0])  # the printed example, as it is
         r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30, json=asked)
         assert r.status_code == 200 and isinstance(r.json()["text"], str) and r.json()["output_ids"], r.text
+        # a chat, as OpenAI clients send it, through the router: rendered with V4's chat encoding
+        chat = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6,
+                "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30, json=chat)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+        assert choice["finish_reason"] in ("stop", "length") and r.json()["usage"]["completion_tokens"] >= 1
+        bad = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                         json={"messages": [{"role": "wizard", "content": "x"}]})
+        assert bad.status_code == 400 and "messages" in bad.text, bad.text
         assert httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [999]}).status_code == 400
     finally:
         proc.send_signal(signal.SIGTERM)

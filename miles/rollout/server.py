@@ -75,6 +75,28 @@ class GenerateRequest(BaseModel):
                                  per(self.return_logprob, "return_logprob"), rids, strict=True))
 
 
+class ChatRequest(BaseModel):
+    """POST /v1/chat/completions (OpenAI's shape, as SGLang serves it): the messages rendered with
+    DeepSeek-V4's chat encoding and the engine's tokenizer; one choice, no streaming."""
+
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields that change nothing here
+    messages: list[dict]
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    n: Literal[1] = 1
+    stream: Literal[False] = False
+    chat_template_kwargs: dict = {}  # {"thinking": true}: DeepSeek-V4's thinking mode
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
+                              max_new_tokens=self.max_completion_tokens or self.max_tokens or 128)
+
+
 def _bad(msg: str, code: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": msg, "code": code}}, status_code=code)
 
@@ -169,6 +191,40 @@ def build_app(svc: EngineService) -> FastAPI:
         if failed:
             return _bad(failed[0]["meta_info"]["finish_reason"]["message"], 500)
         return results if batched else results[0]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        from miles.data.chat import ChatFormatError, load_tokenizer
+        from miles.data.prompts import prompt_ids
+
+        req = ChatRequest.model_validate(await _body(request))
+        if svc.spec.tokenizer is None:
+            raise RequestError("chat needs a tokenizer; this engine has none (miles serve --tokenizer)")
+        thinking = bool(req.chat_template_kwargs.get("thinking", False))
+        try:
+            ids = prompt_ids(req.messages, load_tokenizer(svc.spec.tokenizer), thinking=thinking)
+        except (ChatFormatError, ValueError, KeyError, TypeError) as e:
+            raise RequestError(f"messages: {e}") from e
+        params = req.params()
+        engine.check(ids, params)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        engine.submit(ids, params, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
+        r = await fut
+        reason = r["meta_info"]["finish_reason"]
+        if reason.get("message", "").startswith("engine"):
+            return _bad(reason["message"], 500)
+        text, reasoning = r["text"], None
+        if thinking and "</think>" in text:  # DeepSeek-V4: the reasoning, then the answer
+            reasoning, text = text.split("</think>", 1)
+        message = {"role": "assistant", "content": text.strip()}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning.strip()
+        n_out = r["meta_info"]["completion_tokens"]
+        return {"id": r["meta_info"]["id"], "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or "miles", "choices": [{"index": 0, "message": message,
+                                                          "finish_reason": reason.get("type", "stop")}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}}
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
