@@ -445,3 +445,57 @@ def test_rollouts_jsonl_keeps_the_texts_log_rollouts_asks_for(tmp_path):
     texts = [{s["text"] for s in r["samples"]} for r in recs["b"]]
     assert texts[0] <= {s["text"] for s in recs["a"][0]["samples"]} and texts[0] != texts[1]
     assert load_job("jobs/dapo_tiny.yaml", ["log.run_dir=x"]).log.rollouts == 64
+
+
+def test_a_new_user_trains_on_their_own_prompts_and_reward_then_chats_with_the_result(cluster, tmp_path):
+    """As a new user works: a prompts file, a reward module and a job file in a folder of their
+    own, `miles rl job.yaml` run from that folder (no cluster: a local one on 127.0.0.1), two
+    rollouts scored by their function, the weights saved with the tokenizer, then `miles serve`
+    on them and a chat answer through /v1/chat/completions; `miles submit` of the same folder
+    to a cluster's job server runs it too."""
+    import os
+    import signal
+
+    import httpx
+
+    from miles.cluster.node import free_port
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)})
+                                                + "\n" for a in range(4) for b in range(4)))
+    (user / "my_reward.py").write_text("def add_reward(response, label, prompt):\n"
+                                       "    return 1.0 if response.strip().endswith(label) else -1.0\n")
+    (user / "job.yaml").write_text(
+        "name: my_first_rl\ncluster: {device: cpu, num_cpus: 4}\n"
+        "model: {preset: tiny, overrides: {vocab_size: 512}, dtype: float32}\n"
+        "data: {source: prompts, path: prompts.jsonl, tokenizer: tiny, seq_len: 256}\n"
+        "train: {steps: 2, global_batch_size: 8, micro_batch_size: 2}\n"
+        "rollout: {num_engines: 1, rollout_batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 8, max_len: 48,\n"
+        "          dynamic_sampling: false, over_sampling: 1.0}\n"
+        "algo: {loss: policy, reward: 'my_reward:add_reward'}\n"
+        "ckpt: {save_hf: true}\nlog: {run_dir: run, wandb: {mode: disabled}}\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = subprocess.run([sys.executable, "-m", "miles.cli", "rl", "job.yaml"], cwd=user, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    rows = _metrics(user / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all("rollout/raw_reward" in r for r in rows)
+    assert (user / "run" / "hf" / "tokenizer.json").is_file()
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", "run/hf", "--port", str(port),
+                              "--max-len", "64"], cwd=user, env={**env, "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "float32, tokenizer" in serve.stdout.readline()
+        chat = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 8}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200 and isinstance(r.json()["choices"][0]["message"]["content"], str), r.text
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=30)
+    p = subprocess.run([sys.executable, "-m", "miles.cli", "submit", "job.yaml", "--address", cluster.address,
+                        f"log.run_dir={tmp_path / 'submitted'}"], cwd=user, env=cluster.env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert [r["step"] for r in _metrics(tmp_path / "submitted")] == [1, 2]
