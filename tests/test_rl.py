@@ -75,6 +75,8 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     for run in runs.values():
         assert (run / "hf" / "config.json").is_file() and list((run / "hf").glob("*.safetensors"))
         assert (run / "hf" / "tokenizer.json").is_file()  # the weights serve text on their own
+        log = (run / "router.log").read_text()
+        assert "\x1b[" not in log and "huggingface" not in log.lower(), log[-2000:]  # plain, and no hub fetch
         (record,) = [json.loads(x) for x in (run / "alignment.jsonl").read_text().splitlines()]
         assert record["step"] == 1
     assert dis["data/skipped_rows"] == 0

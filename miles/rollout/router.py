@@ -3,8 +3,10 @@ watched and stopped here; workers added and removed through its HTTP API."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +34,17 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, lo
         time.sleep(poll)
 
 
+ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _plain_lines(stream, path: Path) -> None:
+    """Copy the router's output into `path` line by line, without its terminal color codes."""
+    with stream, open(path, "ab") as f:
+        for line in stream:
+            f.write(ANSI.sub(b"", line))
+            f.flush()
+
+
 class Router:
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", host: str = "127.0.0.1",
                  port: int = 0, request_timeout: float = 600, health_interval: float = 5,
@@ -47,8 +60,11 @@ class Router:
                     "--log-level", "warn", *(["--api-key", api_key] if api_key else []), *(extra_args or [])]
         if worker_urls:
             self.cmd += ["--worker-urls", *worker_urls]
-        self._log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = popen_tied(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)  # dies with this process
+        self.proc = popen_tied(self.cmd, stdout=subprocess.PIPE if log_file else subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)  # dies with this process
+        if log_file:  # its lines come colored (ANSI codes, whatever NO_COLOR says): plain text in the file
+            threading.Thread(target=_plain_lines, args=(self.proc.stdout, Path(log_file)), daemon=True,
+                             name="router-log").start()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, timeout=10, headers=self.headers)
         try:

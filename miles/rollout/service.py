@@ -8,9 +8,12 @@ that seed starts from) or a DeepSeek HF directory, plus serving limits.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -67,6 +70,11 @@ class EngineService:
             model = DeepSeekV4ForCausalLM(cfg, dtype=dt, seed=spec.seed)
         self.model = model.to(dev).eval()
         self.tokenizer = _load_tokenizer(spec.tokenizer)
+        # What /model_info names as the model: a local directory the router may read a tokenizer
+        # from (given an id such as "seeded:3" it went to the HuggingFace hub for one)
+        self._model_dir = tempfile.TemporaryDirectory(prefix="miles-engine-")
+        if spec.tokenizer is not None:
+            shutil.copyfile(spec.tokenizer, Path(self._model_dir.name) / "tokenizer.json")
         eos = {model.config.eos_token_id}
         if self.tokenizer is not None:
             tid = self.tokenizer.token_to_id("<｜end▁of▁sentence｜>")
@@ -94,7 +102,8 @@ class EngineService:
 
     def info(self) -> dict:
         cfg = self.model.config
-        return {"model_path": self.spec.hf or "seeded:" + str(self.spec.seed), "tokenizer_path": self.spec.tokenizer,
+        return {"model_path": self.spec.hf or self._model_dir.name, "tokenizer_path": self.spec.tokenizer,
+                "weights": self.spec.hf or f"seeded:{self.spec.seed}",
                 "is_generation": True, "vocab_size": cfg.vocab_size, "context_length": self.spec.max_len,
                 "max_running_requests": self.spec.max_running, "weight_version": self.engine.weight_version,
                 "dtype": self.spec.dtype, "device": str(next(self.model.parameters()).device)}
