@@ -70,7 +70,7 @@ def _run(argv: list[str], command: str = "run") -> None:
     if args.check:
         import yaml
 
-        print(yaml.safe_dump(job.resolved(), sort_keys=False), end="")
+        print(yaml.safe_dump(job.shown(), sort_keys=False), end="")
         return
     from miles.algo.rewards import RewardError
     from miles.algo.sampling import DynamicSamplingError

@@ -565,6 +565,17 @@ class JobConfig(Section):
         """Plain data (paths as strings), as written to <run_dir>/config.yaml; loads back to this job."""
         return self.model_dump(mode="json")
 
+    def shown(self) -> dict:
+        """resolved() less what this kind of job never reads (an SFT or pre-training job: the
+        rollout section and the RL keys of algo), for `--check`."""
+        out = self.resolved()
+        if self.algo.loss != "policy":
+            out.pop("rollout", None)
+            rl = list(AlgoConfig.model_fields)
+            rl = rl[rl.index("advantage"):]  # the fields after "# -- RL" in AlgoConfig
+            out["algo"] = {k: v for k, v in out["algo"].items() if k not in rl}
+        return out
+
     @property
     def notes(self) -> list[str]:
         """What load_job adjusted on the user's behalf, one line each (the CLI prints them)."""

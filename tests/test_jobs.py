@@ -328,3 +328,20 @@ def test_each_commands_help_example_is_a_job_that_command_runs(command, capsys, 
     (line,) = [x.strip() for x in out.splitlines() if x.strip().startswith(f"miles {command} jobs/")]
     args = line.split()[2:]
     main([command, *args, f"log.run_dir={tmp_path / 'run'}", "--check"])  # SystemExit(2) if refused
+
+
+def test_check_shows_what_the_kind_of_job_reads(capsys, tmp_path):
+    """`miles sft --check` printed every RL key (the rollout section, clip ranges, rewards):
+    an SFT job's shows none of them; an RL job's shows them; the run's config.yaml keeps all."""
+    import yaml
+
+    from miles.cli import main
+
+    main(["sft", "jobs/sft_tiny.yaml", f"log.run_dir={tmp_path / 'a'}", "--check"])
+    sft = yaml.safe_load(capsys.readouterr().out)
+    assert "rollout" not in sft and "eps_high" not in sft["algo"] and "reward" not in sft["algo"]
+    assert sft["algo"]["loss"] == "lm" and sft["train"]["steps"] == 100
+    main(["rl", "jobs/dapo_tiny.yaml", f"log.run_dir={tmp_path / 'b'}", "--check"])
+    rl = yaml.safe_load(capsys.readouterr().out)
+    assert rl["rollout"]["n_samples_per_prompt"] == 8 and rl["algo"]["eps_high"] == 0.28
+    assert "rollout" in load_job("jobs/sft_tiny.yaml", [f"log.run_dir={tmp_path / 'a'}"]).resolved()
