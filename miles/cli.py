@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 RUN_EPILOG = """\
 overrides are dotted KEY=VALUE pairs applied on top of the job file, values read as YAML:
@@ -24,6 +26,14 @@ local one started for the job on 127.0.0.1. Everything the run writes goes to lo
 (default runs/<name>-<time>): config.yaml, metrics.jsonl, the wandb run, plots, and failed.txt
 saying why when the job fails.
 exit status: 0 done, 1 the job failed, 2 the job file or an override is invalid."""
+
+
+def wandb_note(job, run_dir: Path) -> str:
+    """Where the run's wandb files are and, offline, how to look at them and upload them."""
+    w = run_dir / "wandb"
+    if job.log.wandb.mode == "offline" or not os.environ.get("WANDB_API_KEY"):
+        return f"wandb run: {w} (offline; view it with `wandb leet {w}`, upload it with `wandb sync {w}/offline-run-*`)"
+    return f"wandb run: {w} (online)"
 
 
 EXAMPLE_JOB = {"run": "jobs/demo_tiny.yaml", "sft": "jobs/sft_tiny.yaml", "rl": "jobs/dapo_tiny.yaml"}
@@ -101,7 +111,7 @@ def _run(argv: list[str], command: str = "run") -> None:
         raise SystemExit(130) from None
     print(f"run directory: {result.run_dir}")
     if job.log.wandb.mode != "disabled":
-        print(f"wandb run: {result.run_dir / 'wandb'} (view offline: wandb leet {result.run_dir / 'wandb'})")
+        print(wandb_note(job, result.run_dir))
     if args.report:
         from miles.observe.report import render
 
@@ -205,7 +215,7 @@ def _submit(argv: list[str]) -> None:
         raise SystemExit(1)
     print(f"\nmiles submit: job {jid} SUCCEEDED\nrun directory: {run_dir} (metrics.jsonl, config.yaml, summary.json)")
     if job.log.wandb.mode != "disabled":
-        print(f"wandb run:     {run_dir}/wandb")
+        print(wandb_note(job, Path(run_dir)))
     print(f"plots:         {run_dir}/report" if args.report else f"plots:         miles report {run_dir}")
 
 

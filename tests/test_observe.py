@@ -156,3 +156,20 @@ def test_a_failed_run_says_why_in_its_directory(tmp_path):
     path = record_failure(tmp_path, "miles rl: algo.reward 'r:f' failed on the response 'a' (label '1')\n\n")
     assert path == tmp_path / FAILED and path.read_text() == "miles rl: algo.reward 'r:f' failed on the " \
                                                               "response 'a' (label '1')\n"
+
+
+def test_the_end_of_an_offline_run_says_how_to_see_and_upload_it(monkeypatch, tmp_path):
+    """The README promises a note on how to `wandb sync` an offline run later: the run's last
+    lines say where it is, how to view it and how to upload it (also when online was asked
+    for without a key, which logs offline)."""
+    from miles.cli import wandb_note
+    from miles.config import load_job
+
+    job = load_job("jobs/demo_tiny.yaml", [f"log.run_dir={tmp_path}"])
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    note = wandb_note(job, tmp_path)
+    assert f"wandb sync {tmp_path}/wandb/offline-run-*" in note and f"wandb leet {tmp_path}/wandb" in note
+    job.log.wandb.mode = "online"
+    assert "wandb sync" in wandb_note(job, tmp_path)  # no key: it logged offline
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_note(job, tmp_path) == f"wandb run: {tmp_path}/wandb (online)"
