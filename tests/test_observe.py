@@ -173,3 +173,15 @@ def test_the_end_of_an_offline_run_says_how_to_see_and_upload_it(monkeypatch, tm
     assert "wandb sync" in wandb_note(job, tmp_path)  # no key: it logged offline
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     assert wandb_note(job, tmp_path) == f"wandb run: {tmp_path}/wandb (online)"
+
+
+def test_the_overview_leads_with_reward_accuracy_and_loss():
+    """37 panels alphabetically put data/epoch and perf/* before the reward: the curves a run
+    is judged by come first, then each group alphabetically."""
+    from miles.observe.report import panel_order
+
+    names = ["perf/step_time", "data/epoch", "train/lr", "train/loss", "eval/arith/accuracy", "rollout/accuracy",
+             "rollout/raw_reward", "train/entropy", "rollout/log_probs", "eval/arith/weight_version", "zzz"]
+    assert panel_order(names) == ["rollout/raw_reward", "rollout/accuracy", "eval/arith/accuracy", "train/loss",
+                                  "train/lr", "rollout/log_probs", "eval/arith/weight_version", "train/entropy",
+                                  "data/epoch", "perf/step_time", "zzz"]

@@ -203,3 +203,18 @@ def test_aborted_responses_are_generated_again_and_wrong_weights_never_returned(
         assert res["meta_info"]["weight_version"] == 2 and res["meta_info"]["finish_reason"]["type"] == "length"
     finally:
         set_version(0)
+
+
+def test_a_key_that_starts_with_a_dash_reaches_the_router():
+    """token_urlsafe keys start with '-' one time in 64: given as `--api-key KEY`, argparse took
+    it for an option and the router exited 2 (a whole RL job failed at random)."""
+    import httpx
+
+    from miles.rollout.router import Router
+
+    router = Router([], api_key="-starts-with-a-dash", health_interval=1)
+    try:
+        assert httpx.get(f"{router.url}/workers", timeout=10).status_code == 401
+        assert router.client.get("/workers").status_code == 200
+    finally:
+        router.stop()

@@ -24,7 +24,25 @@ def curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
                 xs, ys = out.setdefault(k, ([], []))
                 xs.append(rec["step"])
                 ys.append(float(v))
-    return dict(sorted(out.items()))
+    return {k: out[k] for k in panel_order(list(out))}
+
+
+LEAD = ("rollout/raw_reward", "rollout/reward", "rollout/accuracy", "eval/*/accuracy", "train/loss", "eval/loss",
+        "train/pg_loss", "train/lm_loss", "train/grad_norm", "train/lr")  # what a run is judged by, first
+GROUPS = ("rollout/", "eval/", "train/", "data/", "perf/")
+
+
+def panel_order(names: list[str]) -> list[str]:
+    """The overview's order: the curves a run is judged by (reward, accuracy, loss) first, then
+    each group (rollout, eval, train, data, perf, the rest) alphabetically."""
+    def key(name: str) -> tuple:
+        for i, lead in enumerate(LEAD):
+            if re.fullmatch(re.escape(lead).replace(r"\*", "[^/]+"), name):
+                return (0, i, name)
+        group = next((i for i, g in enumerate(GROUPS) if name.startswith(g)), len(GROUPS))
+        return (1, group, name)
+
+    return sorted(names, key=key)
 
 
 def _draw(ax, name: str, xs: list[int], ys: list[float]) -> None:
@@ -53,13 +71,13 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
     paths = []
     cols = min(3, len(data))
     rows = math.ceil(len(data) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
+    # constrained layout keeps the run's title above the panels (tight_layout let them overlap)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False, layout="constrained")
     for ax, (name, (xs, ys)) in zip(axes.flat, data.items(), strict=False):
         _draw(ax, name, xs, ys)
     for ax in list(axes.flat)[len(data):]:
         ax.axis("off")
     fig.suptitle(run_dir.name, fontsize=11)
-    fig.tight_layout()
     paths.append(out / "overview.png")
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)

@@ -57,7 +57,7 @@ class Router:
                     "--policy", policy, "--request-timeout-secs", str(int(request_timeout)),
                     "--health-check-interval-secs", str(max(1, int(health_interval))),
                     "--prometheus-host", host, "--prometheus-port", str(free_ports(1, host, (self.port,))[0]),
-                    "--log-level", "warn", *(["--api-key", api_key] if api_key else []), *(extra_args or [])]
+                    "--log-level", "warn", *([f"--api-key={api_key}"] if api_key else []), *(extra_args or [])]
         if worker_urls:
             self.cmd += ["--worker-urls", *worker_urls]
         self.proc = popen_tied(self.cmd, stdout=subprocess.PIPE if log_file else subprocess.DEVNULL,
