@@ -46,6 +46,13 @@ def other(s: dict) -> float:
     return s["perf/step_time"] - busy
 
 
+def base_overrides(a: argparse.Namespace) -> list[str]:
+    """--steps rollouts, no evaluation, checkpoints or wandb, --hf's weights (without them dynamic
+    sampling off: a random model never answers right), then the user's overrides."""
+    return [f"train.steps={a.steps}", "data.eval_path=null", "ckpt.save_interval=0", "log.wandb.mode=disabled",
+            *([f"ckpt.hf={a.hf}"] if a.hf else ["rollout.dynamic_sampling=false"]), *a.overrides]
+
+
 def print_table(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """A markdown table of the parts' medians, a column per run; returns the medians."""
     keys = [k for _, k in PARTS + IDLE] + ["perf/step_time"]
@@ -71,8 +78,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.steps < 4:
         ap.error("--steps must be at least 4 (the first two are warm-up)")
-    base = [f"train.steps={a.steps}", "data.eval_path=null", "ckpt.save_interval=0", "log.wandb.mode=disabled",
-            *([f"ckpt.hf={a.hf}"] if a.hf else ["rollout.dynamic_sampling=false"]), *a.overrides]
+    base = base_overrides(a)
     runs = {mode: history(a.job, [*base, f"rollout.off_policy={mode == 'one-step-off'}"])[2:]
             for mode in ("synchronous", "one-step-off")}
     job = load_job(a.job, base)

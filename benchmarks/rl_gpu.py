@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rl_cpu import history, print_table  # noqa: E402
+from benchmarks.rl_cpu import base_overrides, history, print_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +37,7 @@ def main() -> None:
         ap.error("--steps must be at least 4 (the first two are warm-up)")
     if not torch.cuda.is_available():
         ap.error("no GPU here: benchmarks/rl_cpu.py times the CPU job")
-    base = [f"train.steps={a.steps}", "data.eval_path=null", "ckpt.save_interval=0", "log.wandb.mode=disabled",
-            *([f"ckpt.hf={a.hf}"] if a.hf else ["rollout.dynamic_sampling=false"]), *a.overrides]
+    base = base_overrides(a)
     jobs = {"colocated, 1 GPU": "dapo_gpu"}
     if torch.cuda.device_count() >= 2:
         jobs["disaggregated, 2 GPUs, one-step-off"] = "dapo_gpu_2x"
