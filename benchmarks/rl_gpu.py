@@ -1,6 +1,7 @@
 """One GPU DAPO step taken apart: jobs/dapo_gpu.yaml (trainer and engine colocated on one GPU)
 and, where there are two GPUs, jobs/dapo_gpu_2x.yaml (a GPU each, NCCL broadcast,
-one-step-off), one after the other in one run, small_50m in bf16.
+one-step-off) and, where there are four, jobs/dapo_gpu_4x.yaml (a TP=2 trainer and two
+engines), one after the other in one run, small_50m in bf16.
 
     python3 benchmarks/rl_gpu.py [--steps 8] [--hf RUN/hf] [KEY=VALUE ...]
 
@@ -41,6 +42,8 @@ def main() -> None:
     jobs = {"colocated, 1 GPU": "dapo_gpu"}
     if torch.cuda.device_count() >= 2:
         jobs["disaggregated, 2 GPUs, one-step-off"] = "dapo_gpu_2x"
+    if torch.cuda.device_count() >= 4:
+        jobs["TP=2 trainer + 2 engines, 4 GPUs"] = "dapo_gpu_4x"
     runs = {mode: history(str(ROOT / "jobs" / f"{job}.yaml"), base)[2:] for mode, job in jobs.items()}
     print(f"small_50m DAPO on {torch.cuda.get_device_name()}; weights {'from ' + a.hf if a.hf else 'random'}; "
           f"medians of steps 3-{a.steps} (seconds)")

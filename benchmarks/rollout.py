@@ -181,21 +181,7 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", default=["tiny", "small_50m"], choices=sorted(PRESETS))
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sync", action="store_true", help="also time weight sync (starts a local Ray cluster)")
-    ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--no-graphs", action="store_true", help="the decode step eager on CUDA too (the A/B)")
-    args = ap.parse_args()
-    gpu = torch.cuda.is_available()
-    dev = torch.device("cuda" if gpu else "cpu")
-    graphs = "CUDA graphs" if gpu and not args.no_graphs else "eager"
-    print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}; {graphs}")
+def generation_tables(args: argparse.Namespace, dev: torch.device) -> None:
     parts: list[str] = []
     print(f"\n{'config':<10} {'workload':<18} {'engine tok/s':>13} {'baseline tok/s':>15} {'speed-up':>9}")
     for name in args.configs:
@@ -211,7 +197,27 @@ def main() -> None:
     print("\n".join(parts))
     print("(model: the decode step alone; sampler: sampling and the copy to the host; step: the engine's whole "
           "step, --gen tokens of b requests, their prefill included)")
-    if args.sync:
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["tiny", "small_50m"], choices=sorted(PRESETS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sync", action="store_true", help="also time weight sync (starts a local Ray cluster)")
+    ap.add_argument("--sync-only", action="store_true", help="only the weight sync table")
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--no-graphs", action="store_true", help="the decode step eager on CUDA too (the A/B)")
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    graphs = "CUDA graphs" if gpu and not args.no_graphs else "eager"
+    print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}; {graphs}")
+    if not args.sync_only:
+        generation_tables(args, dev)
+    if args.sync or args.sync_only:
         print(f"\n{'config':<10} {'sync path':<26} {'GB':>8} {'seconds':>9} {'GB/s':>8}")
         for name in args.configs:
             for c, p, gb, s, rate in sync_rows(name, args, gpu):

@@ -32,7 +32,7 @@ FLOW = ["train.steps=8", "train.optim.warmup_steps=1", "data.eval_interval=0", "
         "ckpt.save_hf=false", "train.parallel.dp=2", "cluster.cpus_per_worker=2", "log.interval=1",
         "log.wandb.mode=offline"]
 # The detach test interrupts `miles submit` once step 5 is logged and stops the job before step
-# 8: its steps must outlast a few CLI calls, so it trains on 64 conversations a step (~4 s).
+# 8 (its driver held meanwhile), on 64 conversations a step (~4 s here).
 DETACH_FLOW = [*FLOW, "train.global_batch_size=64"]
 
 
@@ -175,6 +175,24 @@ def job_pids(cluster) -> set[int]:
     return {p for p, cmd in procs.items() if "miles.cli sft" in cmd or cmd.startswith("ray::TrainWorker")}
 
 
+def _wait_signalled(pids: list[int], deadline: float) -> None:
+    """Until each stopped process has a SIGTERM or SIGINT pending (or has gone)."""
+    want = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+    waiting = set(pids)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                waiting.discard(pid)
+                continue
+            pending = [int(x.split()[1], 16) for x in status.splitlines() if x.startswith(("SigPnd", "ShdPnd"))]
+            if any(mask & want for mask in pending):
+                waiting.discard(pid)
+        time.sleep(0.01)
+    assert not waiting, f"`miles stop` never signalled the driver {waiting}"
+
+
 def test_a_dp2_job_spans_both_nodes_detaches_stops_cleanly_and_continues(cluster, tmp_path):
     """`miles submit` (from $RAY_ADDRESS) of a DP=2 job: one rank on each node; its output
     streams until Ctrl-C, which leaves it RUNNING; `miles logs` reads it; the upload holds the
@@ -196,6 +214,13 @@ def test_a_dp2_job_spans_both_nodes_detaches_stops_cleanly_and_continues(cluster
     deadline = time.monotonic() + 300
     while not _step_logged(run, 5) and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The driver is held (SIGSTOP) from here until `miles stop` has signalled it: on a fast host
+    # the job would otherwise finish its 8 steps during the checks below (seen on a GPU host).
+    drivers = [pid for pid, cmd in bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"]).items()
+               if "miles.cli sft" in cmd]
+    assert drivers, "no driver process found"
+    for pid in drivers:
+        os.kill(pid, signal.SIGSTOP)
     p.send_signal(signal.SIGINT)
     p.wait(timeout=60)
     reader.join(timeout=60)
@@ -219,7 +244,12 @@ def test_a_dp2_job_spans_both_nodes_detaches_stops_cleanly_and_continues(cluster
 
     running = job_pids(cluster)
     assert len(running) >= 3, running  # the driver and two workers
-    assert miles("stop", jid, env=env).stdout.strip().endswith("STOPPED")
+    stop = subprocess.Popen([sys.executable, "-m", "miles.cli", "stop", jid], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_signalled(drivers, deadline=time.monotonic() + 120)  # the SIGTERM waits until the driver runs on
+    for pid in drivers:
+        os.kill(pid, signal.SIGCONT)
+    assert stop.communicate(timeout=180)[0].strip().endswith("STOPPED")
     assert not bringup.alive(running), f"left behind: {bringup.alive(running)}"
     out = miles("logs", jid, env=env).stdout
     assert "the workers, engines and router are stopped" in out, out[-2000:]

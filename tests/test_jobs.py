@@ -298,11 +298,11 @@ def test_the_job_file_reference_is_what_the_schema_makes():
         assert key in text, key
 
 
-@pytest.mark.parametrize("name, gpus", [("sft_gpu", 1), ("dapo_gpu", 1), ("dapo_gpu_2x", 2)])
+@pytest.mark.parametrize("name, gpus", [("sft_gpu", 1), ("dapo_gpu", 1), ("dapo_gpu_2x", 2), ("dapo_gpu_4x", 4)])
 def test_gpu_jobs_validate_and_fit_their_gpus(name, gpus):
     """The GPU jobs (run on GPU machines; here validated) load as written, name shipped data,
     and the RL ones place on the GPUs they say: dapo_gpu's trainer and engine share one GPU
-    (colocated), dapo_gpu_2x's take one each."""
+    (colocated), dapo_gpu_2x's take one each, dapo_gpu_4x's trainer two (TP=2) and its engines one each."""
     from miles.controller import with_device
     from miles.rl import check_engines
 

@@ -283,3 +283,38 @@ def test_only_version_directories_this_run_wrote_are_ever_removed(tmp_path):
     with pytest.raises(FileExistsError, match="v0000001 exists and this run did not write it"):
         write_version(Trainer(), tmp_path, None, 1, owner=mine)
     assert (users / "notes.txt").read_text() == "keep me"
+
+
+def test_device_fingerprints_tell_apart_what_the_md5_tells_apart(seed, monkeypatch):
+    """The GPU sync paths (CUDA IPC, NCCL broadcast) compare fingerprints computed on the
+    device instead of MD5s: equal bytes agree, in chunks or not; a torn copy, two words
+    swapped, a view one element off, another dtype of the same values and one byte more each
+    differ; a staged bucket whose fingerprint differs is refused and stages nothing."""
+    from miles.rollout.weights import Staging, digests
+    from plugins.deepseek_v4 import checksum
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(3, 1000, generator=g).to(torch.bfloat16)
+    base = checksum.fingerprint(t)
+    monkeypatch.setattr(checksum, "FINGERPRINT_CHUNK", 7)  # many chunks, the last one short
+    assert checksum.fingerprint(t) == base == checksum.fingerprint(t.clone())
+    torn = t.clone().reshape(-1)
+    torn[len(torn) // 2:] = 0
+    swapped = t.clone().reshape(-1)
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert not torch.equal(swapped, t.reshape(-1))
+    buf = torch.cat((torch.zeros(1, dtype=t.dtype), t.reshape(-1)))
+    others = {"torn": torn, "swapped": swapped, "off by one": buf[:-1], "float32": t.float(),
+              "one byte more": torch.cat((t.reshape(-1).view(torch.uint8), torch.zeros(1, dtype=torch.uint8)))}
+    for what, x in others.items():
+        assert checksum.fingerprint(x) != base, what
+    assert digests({"w": t}) == {"w": checksum.tensor_md5(t)}  # host tensors keep their MD5s
+
+    model = torch.nn.Linear(1000, 3, bias=False)
+    staging = Staging(model)
+    w = torch.randn(3, 1000, generator=g)
+    with pytest.raises(WeightSyncError, match="fingerprint mismatch"):
+        staging.add({"weight": w}, None, {"weight": checksum.fingerprint(w) + 1})
+    assert staging.staged == {}
+    staging.add({"weight": w}, None, checksum.fingerprints({"weight": w}))
+    assert torch.equal(staging.staged["weight"], w)

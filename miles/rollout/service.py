@@ -189,9 +189,9 @@ class EngineService:
 
     def receive_broadcast(self, plan: list[dict]) -> dict[str, str]:
         """Receive every bucket of `plan` ({"src": group rank, "spec": [(name, shape, dtype)]})
-        into the staging area; returns the MD5 of each received tensor for the caller to
-        compare with the sender's."""
-        from miles.rollout.weights import checksums
+        into the staging area; returns the digest of each received tensor (weights.digests:
+        MD5s on the host, fingerprints on a GPU) for the caller to compare with the sender's."""
+        from miles.rollout.weights import digests
 
         if self._group is None:
             raise WeightSyncError("no broadcast group: open_group first")
@@ -203,9 +203,8 @@ class EngineService:
         for bucket in plan:
             flat, views = bucket_buffer(bucket["spec"], dev)
             self._group.broadcast(flat, bucket["src"]).wait()
-            got = checksums(views)
-            self.stage(views, got)
-            sums.update(got)
+            sums.update(digests(views))
+            self.stage(views, None)  # the caller compares the digests (staging them here would hash twice)
         return sums
 
     def close_group(self) -> None:

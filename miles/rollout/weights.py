@@ -32,6 +32,15 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {k: tensor_md5(v) for k, v in tensors.items()}
 
 
+def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str | int]:
+    """What the two ends of a broadcast compare for each tensor: on a GPU its fingerprint
+    (computed there: an MD5 would copy every byte to the host and hash it at ~0.5 GB/s, which
+    set the NCCL path's speed), on the host its MD5."""
+    from plugins.deepseek_v4.checksum import fingerprints
+
+    return fingerprints(tensors) if any(t.is_cuda for t in tensors.values()) else checksums(tensors)
+
+
 def update_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors an update may set: the model's state_dict entries, by name."""
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
@@ -80,7 +89,11 @@ class Staging:
     def add(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None,
             fingerprints: dict[str, int] | None = None) -> None:
         """Check and copy in a bucket: `sums` the sender's MD5s of the received bytes, or its
-        `fingerprints` (checksum.fingerprint, on the device: no host copy) of them."""
+        `fingerprints` (checksum.fingerprints, on the device: no host copy) of them."""
+        if fingerprints is not None:
+            from plugins.deepseek_v4.checksum import fingerprints as fingerprints_of
+
+            got_fps = fingerprints_of(tensors)
         for name, t in tensors.items():
             target = self.targets.get(name)
             if target is None:
@@ -96,11 +109,9 @@ class Staging:
             if name in self.staged:
                 raise WeightSyncError(f"'{name}' arrived twice in one update")
             if fingerprints is not None:
-                from plugins.deepseek_v4.checksum import fingerprint
-
                 if name not in fingerprints:
                     raise WeightSyncError(f"'{name}': no fingerprint came with the tensor")
-                if fingerprint(t) != fingerprints[name]:
+                if got_fps[name] != fingerprints[name]:
                     raise WeightSyncError(f"'{name}': fingerprint mismatch (the received view is not the sent tensor)")
             self.staged[name] = t.detach().to(device=target.device, dtype=target.dtype, copy=True)
             self.bytes += t.numel() * t.element_size()

@@ -502,14 +502,14 @@ class TrainWorker:
         stay here until release_shared(), each as (share handle, spec, {name: fingerprint}):
         the engines open the buffers in place (CUDA IPC on a GPU: no host copy)."""
         from miles.rollout.weights import pack, share, spec_of
-        from plugins.deepseek_v4.checksum import fingerprint
+        from plugins.deepseek_v4.checksum import fingerprints
 
         out = []
         self._shared = []
         for b in weight_export.buckets(self.model, bucket_bytes):
             flat = pack(b)
             self._shared.append(flat)
-            out.append((share(flat), spec_of(b), {k: fingerprint(v) for k, v in b.items()}))
+            out.append((share(flat), spec_of(b), fingerprints(b)))
         if self.device is not None:
             torch.cuda.synchronize()  # the buffers are written before another process reads them
         return out
@@ -531,8 +531,9 @@ class TrainWorker:
     def broadcast_weights(self, plan: list[dict], bucket_bytes: int, me: int | None) -> dict[str, str]:
         """Send this rank's buckets to the engines over the sync group (`me` = this rank's index
         in it, None when it sends nothing but takes part in the TP gathers); every member takes
-        part in every bucket in plan order. Returns {name: md5} of what this rank sent."""
-        from miles.rollout.weights import bucket_buffer, checksums, pack
+        part in every bucket in plan order. Returns the digests (weights.digests) of what this
+        rank sent."""
+        from miles.rollout.weights import bucket_buffer, digests, pack
 
         gen = weight_export.buckets(self.model, bucket_bytes)
         if me is None:
@@ -544,7 +545,7 @@ class TrainWorker:
             if b["src"] == me:
                 bucket = next(gen)
                 flat = pack(bucket)
-                sums.update(checksums(bucket))
+                sums.update(digests(bucket))
             else:
                 flat, _ = bucket_buffer(b["spec"], self.device)
             self._sync_group.broadcast(flat, b["src"]).wait()

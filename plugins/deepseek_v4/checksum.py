@@ -42,16 +42,34 @@ def named_md5(items: Iterable[tuple[str, torch.Tensor | None]]) -> str:
     return h.hexdigest()
 
 
+FINGERPRINT_CHUNK = 1 << 24  # 16-bit words per step: bounded int64 temporaries (128 MiB each)
+
+
 @torch.no_grad()
+def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """An integer of each tensor's raw bytes computed on its own device, one copy to the host
+    for them all: their sum, and their sum weighted by position modulo 251, as 16-bit words
+    (exact in int64 for tensors under 2**33 bytes), and the byte count. Catches a wrong offset,
+    dtype, length or a torn copy, as the MD5 does, without the host copy the MD5 needs."""
+    sums, sizes = [], []
+    for t in tensors.values():
+        b = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        if b.numel() % 2:
+            b = torch.cat((b, b.new_zeros(1)))
+        words = b.view(torch.int16)  # [n]
+        acc = torch.zeros(2, dtype=torch.int64, device=b.device)
+        for i in range(0, words.numel(), FINGERPRINT_CHUNK):
+            w = words[i: i + FINGERPRINT_CHUNK].long()
+            pos = torch.arange(i, i + w.numel(), device=w.device) % 251 + 1
+            acc += torch.stack((w.sum(), (w * pos).sum()))
+        sums.append(acc)
+        sizes.append(b.numel())
+    if not sums:
+        return {}
+    both = torch.stack([x.to(sums[0].device) for x in sums]).cpu().tolist()  # [tensors, 2]
+    return {k: s * 2**40 + ws + n for k, (s, ws), n in zip(tensors, both, sizes, strict=True)}
+
+
 def fingerprint(t: torch.Tensor) -> int:
-    """An integer of `t`'s raw bytes computed on its own device (only the result comes to the
-    host): their sum, and their sum weighted by position modulo 251, as 16-bit words (exact in
-    int64 for tensors under 2**33 bytes). Catches a wrong offset, dtype, length or a torn copy,
-    as the MD5 does, without the host copy the MD5 needs."""
-    b = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    if b.numel() % 2:
-        b = torch.cat((b, b.new_zeros(1)))
-    w = b.view(torch.int16).long()  # [n]
-    pos = torch.arange(w.numel(), device=w.device) % 251 + 1
-    both = torch.stack((w.sum(), (w * pos).sum())).cpu().tolist()
-    return both[0] * 2**40 + both[1] + b.numel()
+    """fingerprints() of one tensor."""
+    return fingerprints({"": t})[""]

@@ -61,3 +61,40 @@ def test_memory_release_drops_the_graphs_and_decoding_goes_on(seed):
         assert after["output_ids"] == before["output_ids"] and svc.engine.decoder.graphs
     finally:
         svc.stop()
+
+
+def test_graphs_captured_before_a_weight_update_decode_with_the_new_weights(seed):
+    """Disaggregated engines keep their graphs across weight syncs (nothing is released): an
+    update must reach every tensor a replayed step reads (the copy is in place), so after it
+    the engine decodes as an engine that started from the new weights, and as their full
+    forward. (A stale-weights engine would show only as slower learning in a GPU RL job.)"""
+    from miles.rollout.service import EngineService, EngineSpec
+    from miles.rollout.weights import update_targets
+
+    spec = EngineSpec(config=tiny_model(seed).config.to_dict(), seed=seed, device="cuda", dtype="bfloat16",
+                      max_running=4, max_len=64)
+    new_model = randomize(tiny_model(seed + 1, dtype=torch.bfloat16), seed + 1).cuda().eval()
+    new = {k: v.detach().clone() for k, v in update_targets(new_model).items()}
+    p = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = _prompts(seed, 3)
+    svc, fresh = EngineService(spec), EngineService(spec)
+    try:
+        before = _run(svc.engine, prompts, p)
+        assert svc.engine.decoder.graphs and svc.engine.decoder.graph_error is None
+        svc.update_all(new, None, version=1)
+        after = _run(svc.engine, prompts, p)
+        fresh.update_all(new, None, version=1)
+        want = _run(fresh.engine, prompts, p)
+    finally:
+        svc.stop()
+        fresh.stop()
+    assert any(before[k]["output_ids"] != after[k]["output_ids"] for k in after), "the update changed nothing"
+    for i, prompt in enumerate(prompts):
+        a, b = after[str(i)], want[str(i)]
+        assert a["output_ids"] == b["output_ids"], f"request {i}: the updated engine decodes with other weights"
+        assert_close(_logprobs(a), _logprobs(b), atol=1e-5, what=f"request {i} log-probs")
+        ids = torch.tensor(prompt + a["output_ids"], device="cuda")
+        with torch.no_grad():
+            full = torch.log_softmax(new_model(ids[None]).logits[0].double(), -1)
+        ref = full[len(prompt) - 1:-1].gather(-1, ids[len(prompt):, None])[:, 0].float().cpu()
+        assert_close(_logprobs(a), ref, atol=5e-2, what=f"request {i} against the new weights' full forward")

@@ -98,7 +98,30 @@ def test_dapo_disaggregated_on_two_gpus(cluster, sft_run, tmp_path):
     rows = _rows(run)
     assert [rows[k]["rollout/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
     assert rows[1]["train/first_update/train_rollout_logprob_abs_diff"] < 5e-2
-    # one-step-off: step k sends version k-1 (rollout k+1's), so step 1 has nothing new to send
-    # and the last step nothing to send for; steps 2 and 3 each broadcast
-    assert rows[1]["perf/update_weights_time"] == 0 and rows[4]["perf/update_weights_time"] == 0
-    assert all(rows[k]["perf/update_weights_time"] > 0 for k in (2, 3))
+    # one-step-off: step k sends version k-1 (rollout k+1's), so step 1 has nothing new to send;
+    # steps 2 and 3 broadcast for the next rollout, step 4 for the final evaluation of its weights
+    assert rows[1]["perf/update_weights_time"] == 0
+    assert all(rows[k]["perf/update_weights_time"] > 0 for k in (2, 3, 4))
+    assert rows[4]["eval/arith/weight_version"] == 4.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="the 4-GPU layout needs four GPUs")
+def test_dapo_tensor_parallel_trainer_and_two_engines_on_four_gpus(cluster, sft_run, tmp_path):
+    """jobs/dapo_gpu_4x.yaml: the trainer over two GPUs (TP=2), an engine on each of the other
+    two; the full weights gathered from both TP ranks reach both engines, so at the first update
+    of the on-policy rollout the trainer's log-probs are still the engines' (bf16 rounding)."""
+    run = tmp_path / "dapo4"
+    _miles(cluster, "rl", "dapo_gpu_4x", run, f"ckpt.hf={sft_run / 'hf'}", "train.steps=4", "rollout.eval_interval=0")
+    rows = _rows(run)
+    for k in (1, 2, 3, 4):
+        r = rows[k]
+        print(f"4 GPUs, rollout {k}: staleness {r['rollout/staleness']:.0f}, first update |trainer - engine| "
+              f"log-prob {r['train/first_update/train_rollout_logprob_abs_diff']:.2e}, rollout "
+              f"{r['perf/rollout_time']:.2f} s, train {r['perf/train_time']:.2f} s, sync "
+              f"{r['perf/update_weights_time']:.2f} s")
+        assert r["rollout/wrong_weights"] == 0
+    assert [rows[k]["rollout/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    assert rows[1]["train/first_update/train_rollout_logprob_abs_diff"] < 5e-2
+    assert rows[1]["perf/update_weights_time"] == 0
+    assert all(rows[k]["perf/update_weights_time"] > 0 for k in (2, 3, 4))
+    assert rows[4]["eval/arith/weight_version"] == 4.0
