@@ -464,7 +464,7 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
     owners = [p for p in prompts for _ in range(n)]
     if r.generate_fn is None:
         flat = [Response(p, res["output_ids"], [x[0] for x in res["meta_info"]["output_token_logprobs"]],
-                         tok.decode(res["output_ids"], skip_special_tokens=True),
+                         response_text(tok, res["output_ids"]),
                          res["meta_info"]["finish_reason"]["type"] == "length",
                          version=int(res["meta_info"]["weight_version"]))
                 for p, res in zip(owners, engines.generate(reqs, version=version), strict=True)]
@@ -493,7 +493,7 @@ def transcript_response(prompt: Prompt, t, max_len: int, tok, sample_id: str) ->
                            "weight version (add turns with Transcript.add_generated)")
     k = t.prompt_len
     ids = t.ids[k:]
-    return Response(prompt, ids, t.logprobs[k:], tok.decode(ids, skip_special_tokens=True),
+    return Response(prompt, ids, t.logprobs[k:], response_text(tok, ids),
                     (t.finish_reason or {}).get("type") == "length", mask=t.loss_mask[k:], turns=t.turns,
                     version=min(int(v) for v in t.weight_versions))
 
@@ -518,6 +518,19 @@ def response_tokenizer(name: str | None, template: str = "deepseek_v4"):
     from miles.data.sft import tokenizer_path
 
     return Tokenizer.from_file(str(tokenizer_path(name) or v4_tokenizer_file()))
+
+
+def response_text(tok, ids: list[int]) -> str:
+    """A response's text for the reward and the user's code. One cut at max_new_tokens can end
+    inside a character (its last tokens hold the first bytes of a multi-byte UTF-8 sequence,
+    which decode to one U+FFFD): that fragment is left out. Invalid bytes inside stay U+FFFD."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    if text.endswith("\ufffd"):
+        for k in range(1, min(3, len(ids)) + 1):  # a character is at most 4 bytes: 3 of them cut off
+            shorter = tok.decode(ids[:-k], skip_special_tokens=True)
+            if text == shorter + "\ufffd":
+                return shorter
+    return text
 
 
 def reward_groups(job: JobConfig, groups: list[list[Response]], rewards: Rewards) -> None:

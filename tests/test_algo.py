@@ -287,3 +287,28 @@ def test_a_failing_reward_function_names_itself_and_the_response():
         assert e.value.__cause__ is None and e.value.__suppress_context__
     finally:
         rewards.close()
+
+
+def test_a_response_cut_inside_a_character_reaches_user_code_without_a_replacement_character():
+    """A response stopped at max_new_tokens can end on the first bytes of a multi-byte
+    character: byte-level tokenizers decode those to U+FFFD, which reward functions then see
+    (and `Answer: 4` + U+FFFD fails an exact match). The fragment is left out; invalid bytes
+    inside a response stay what they are."""
+    from miles.rl import response_text, response_tokenizer
+
+    tok = response_tokenizer("tiny")
+    text = "Answer: 4 é 😀 done"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    seen_partial = False
+    for k in range(1, len(ids) + 1):
+        raw = tok.decode(ids[:k], skip_special_tokens=True)
+        got = response_text(tok, ids[:k])
+        seen_partial |= raw.endswith("\ufffd")
+        assert "\ufffd" not in got and text.startswith(got), (k, raw, got)
+        assert raw.startswith(got) and len(raw) - len(got) <= 1, (k, raw, got)
+    assert seen_partial, "no prefix ended inside a character: the test shows nothing"
+    assert response_text(tok, ids) == text
+    lone = tok.encode("é", add_special_tokens=False).ids[-1:]  # a continuation byte alone: invalid, not cut off
+    inside = ids[:3] + lone + ids[3:5]
+    assert "\ufffd" in tok.decode(inside) and not tok.decode(inside).endswith("\ufffd")
+    assert response_text(tok, inside) == tok.decode(inside)

@@ -158,6 +158,15 @@ def test_the_engines_and_the_router_answer_only_the_runs_key(manager):
     assert httpx.post(f"{manager.router.url}/generate", json=body, timeout=30).status_code == 401
     r = httpx.post(f"{manager.router.url}/generate", json=body, headers=manager.router.headers, timeout=30)
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+    # SGLang's servers get the same key (--api-key); the adapter's own call, a weight update from
+    # disk, carries it (the embedded engine serves that call as SGLang does)
+    from miles.rollout.sglang import SGLangClient
+
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        SGLangClient(url).update_from_disk("/nonexistent")
+    with pytest.raises(RuntimeError, match=r"HTTP 4\d\d: .*nonexistent") as refused:
+        SGLangClient(url, manager.api_key).update_from_disk("/nonexistent")
+    assert "HTTP 401" not in str(refused.value)
 
 
 def test_aborted_responses_are_generated_again_and_wrong_weights_never_returned(manager):

@@ -20,7 +20,15 @@ def test_every_option_is_passed_through_unchanged():
         "--kv-cache-dtype", "fp8_e4m3", "--cuda-graph-bs", "1", "2", "4", "--chunked-prefill-size", "4096"]
 
 
-@pytest.mark.parametrize("key", ["model_path", "port", "host", "model-path"])
+def test_the_runs_key_is_given_as_one_argument():
+    """SGLang's --api-key guards every endpoint but /health*; a key may start with '-' (one in
+    64 of token_urlsafe's), so it goes as --api-key=KEY."""
+    cmd = launch_command("/m", "127.0.0.1", 1, {"tp_size": 2}, api_key="-k3y")
+    assert cmd[-3:] == ["--api-key=-k3y", "--tp-size", "2"]
+    assert not any(x.startswith("--api-key") for x in launch_command("/m", "127.0.0.1", 1, {}))
+
+
+@pytest.mark.parametrize("key", ["model_path", "port", "host", "model-path", "api_key", "api-key"])
 def test_options_miles_sets_are_refused(key):
     with pytest.raises(ValueError, match="set by miles"):
         launch_command("/m", "127.0.0.1", 1, {key: "x"})

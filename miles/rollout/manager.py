@@ -62,8 +62,8 @@ class RolloutManager:
         shared with the trainer: engine e in bundle colocation.engine_bundles[e]."""
         self.cfg = cfg if isinstance(cfg, RolloutConfig) else RolloutConfig.model_validate(cfg)
         c = self.cfg
-        # The run's key: its engines answer only the router and this manager (they listen on the
-        # node's address on a cluster). SGLang's servers are started without one (not tried here).
+        # The run's key: its engines (embedded or SGLang's) answer only the router and this
+        # manager (they listen on the node's address on a cluster).
         self.api_key = secrets.token_urlsafe(24)
         self.spec = {**spec, "max_running": c.max_running, "max_len": c.max_len, "prefill_tokens": c.prefill_tokens,
                      "hang_timeout": c.hang_timeout, "api_key": self.api_key}
@@ -111,7 +111,8 @@ class RolloutManager:
                 placement_group=self._pg, placement_group_bundle_index=b)) for b in bundles]
         if c.engine == "sglang":  # a replacement starts from the weights the others serve
             path = self.latest["path"] if self.latest and "path" in self.latest else self.spec["hf"]
-            actors = [k.remote(path, dict(c.sglang), startup_timeout=c.startup_timeout) for k in cls]
+            actors = [k.remote(path, dict(c.sglang), startup_timeout=c.startup_timeout, api_key=self.api_key)
+                      for k in cls]
         else:
             actors = [k.remote(self.spec) for k in cls]
         try:  # an engine's constructor returns once it serves (SGLang's: its own wait, same timeout)
