@@ -213,10 +213,7 @@ def _submit(argv: list[str]) -> None:
     if final != "SUCCEEDED":
         print(f"miles submit: job {jid} {final}; what it wrote is in {run_dir}", file=sys.stderr)
         raise SystemExit(1)
-    print(f"\nmiles submit: job {jid} SUCCEEDED\nrun directory: {run_dir} (metrics.jsonl, config.yaml, summary.json)")
-    if job.log.wandb.mode != "disabled":
-        print(wandb_note(job, Path(run_dir)))
-    print(f"plots:         {run_dir}/report" if args.report else f"plots:         miles report {run_dir}")
+    print(f"miles submit: job {jid} SUCCEEDED")  # the job's own last lines name its run directory, wandb run, plots
 
 
 def _job_command(argv: list[str], name: str) -> None:

@@ -7,6 +7,7 @@ repeating or skipping a prompt."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -501,3 +502,10 @@ def test_a_new_user_trains_on_their_own_prompts_and_reward_then_chats_with_the_r
                        text=True, timeout=600)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert [r["step"] for r in _metrics(tmp_path / "submitted")] == [1, 2]
+    # The console: the job's lines and miles's, each once, in order; not Ray's set-up lines and
+    # its CLI's colored banners (timestamped before the lines they came after)
+    console = p.stdout + p.stderr
+    assert "\x1b[" not in console and "Running entrypoint" not in console, console[-3000:]
+    assert not re.search(r"^\d{4}-\d\d-\d\d [\d:,]+\s+(INFO|SUCC)", console, re.M), console[-3000:]
+    assert console.count("\nrun directory: ") == 1 and console.count("plots: ") == 1, console[-3000:]
+    assert re.fullmatch(r"miles submit: job \S+ SUCCEEDED", p.stdout.strip().splitlines()[-1]), p.stdout[-500:]

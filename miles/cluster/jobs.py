@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -107,12 +108,33 @@ def explain(output: str) -> str:
     return output + "".join(f"\nhint: {fix}" for needle, fix in hints if needle in output)
 
 
+# Ray's own lines at the head of every job's log (its job manager setting the job up)
+RAY_SETUP = re.compile(r"^\S+ \S+\s+INFO job_manager\.py:\d+ -- Runtime env is setting up\.$"
+                       r"|^Running entrypoint for job ")
+
+
 def follow(address: str, env: dict[str, str], jid: str) -> None:
     """Stream the job's output until it ends (Ctrl-C stops following, not the job), line by
-    line also into a pipe (`miles submit ... | tee`): Ray's CLI buffers its output otherwise."""
+    line also into a pipe (`miles submit ... | tee`). The job's lines alone: not Ray's set-up
+    lines nor its CLI's banners (colored, timestamped before the lines they follow)."""
+    import asyncio
+    import logging
+
+    c = client(address, env)
+    logging.getLogger(type(c).__module__).setLevel(logging.WARNING)  # its "WebSocket closed ..." at the end
+
+    async def tail() -> None:
+        rest = ""
+        async for chunk in c.tail_job_logs(jid):
+            *lines, rest = (rest + chunk).split("\n")
+            for line in lines:
+                if not RAY_SETUP.match(line):
+                    print(line, flush=True)
+        if rest and not RAY_SETUP.match(rest):
+            print(rest, flush=True)
+
     sys.stdout.flush()
-    subprocess.run([ray_bin(), "job", "logs", "--address", address, "--follow", jid],
-                   env={**env, "PYTHONUNBUFFERED": "1"})
+    asyncio.run(tail())
 
 
 def client(address: str, env: dict[str, str]):
