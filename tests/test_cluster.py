@@ -141,6 +141,74 @@ def test_up_starts_a_token_auth_head_idempotently_and_a_second_node(cluster):
     assert "token auth, 127.0.0.1 only" in status
 
 
+def listening(pids: set[int]) -> list[tuple[str, int, str]]:
+    """(address, port, command) of every TCP socket the processes `pids` listen on."""
+    import ipaddress
+
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A":  # LISTEN
+                hexaddr, hexport = f[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+                found[f[9]] = (str(ipaddress.ip_address(raw)), int(hexport, 16))
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in found:
+                out.append((*found[target[8:-1]], cmd))
+    return sorted(set(out))
+
+
+# What Ray 2.60 listens on beyond loopback whatever --node-ip-address says: gRPC servers (GCS,
+# raylets, agents) on every interface, the agents' HTTP and the Ray Client server on the
+# machine's outside address, Prometheus metrics on 0.0.0.0. The README's security paragraph
+# says so; the token guards all but the metrics.
+RAY_EXPOSED = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray.util.client.server",
+               "dashboard/dashboard.py", "autoscaler/_private/monitor.py")
+
+
+def test_what_a_local_cluster_listens_on_beyond_loopback(cluster):
+    """cluster/up.sh --local ("this machine only"): the job server and dashboard listen on
+    127.0.0.1 alone; what listens beyond loopback is Ray's own (RAY_EXPOSED, no miles process),
+    and each of those that speaks HTTP refuses a request without the token (401) or serves
+    Prometheus metrics only. The GCS port is among what is found (the listing works)."""
+    import ipaddress
+
+    import httpx
+
+    procs = bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"])
+    socks = listening(set(procs))
+    print("\n".join(f"{a:>16} {p:<6} {c[:100]}" for a, p, c in socks))
+    assert any(p == cluster["port"] for _, p, _ in socks), "the GCS port is not among the listeners found"
+    dashboard = [a for a, p, _ in socks if p == cluster["dash"]]
+    assert dashboard and set(dashboard) == {"127.0.0.1"}, dashboard
+    ips = [(ipaddress.ip_address(a), p, c) for a, p, c in socks]
+    ips = [(getattr(ip, "ipv4_mapped", None) or ip, p, c) for ip, p, c in ips]  # ::ffff:a.b.c.d -> a.b.c.d
+    outside = [(ip, p, c) for ip, p, c in ips if not ip.is_loopback]
+    unexpected = [(str(ip), p, c) for ip, p, c in outside if not any(name in c for name in RAY_EXPOSED)]
+    assert not unexpected, f"listening beyond loopback: {unexpected}"
+    for ip, port, cmd in outside:
+        host = "127.0.0.1" if ip.is_unspecified else (f"[{ip}]" if ip.version == 6 else str(ip))
+        try:
+            r = httpx.get(f"http://{host}:{port}/", timeout=5)
+        except httpx.HTTPError:
+            continue  # gRPC: not an HTTP/1.1 server
+        assert r.status_code == 401 or r.text.startswith("# HELP"), (str(ip), port, cmd[:60], r.status_code,
+                                                                     r.text[:200])
+
+
 def test_a_submission_without_the_token_is_refused(cluster):
     env = {k: v for k, v in cluster["env"].items() if not k.startswith("RAY_AUTH")}
     p = miles("submit", "jobs/sft_tiny.yaml", *FLOW, "--address", f"http://127.0.0.1:{cluster['dash']}", env=env,

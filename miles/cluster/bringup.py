@@ -1,7 +1,7 @@
 """`cluster/up.sh`, `cluster/down.sh`, `cluster/status.sh`: a Ray cluster that miles jobs are
 submitted to, with token authentication always on.
 
-    cluster/up.sh --local                  a head on this machine, nothing listening beyond loopback
+    cluster/up.sh --local                  a head on this machine, its job server on 127.0.0.1
     cluster/up.sh --hostfile hosts.txt     a head here and a worker node per line, started over ssh
     cluster/up.sh --join HEAD:PORT --node-ip IP    one worker node (what up.sh runs on each host)
     cluster/down.sh                        stop every node up.sh started (processes found by PID)
@@ -464,7 +464,9 @@ def main(argv: list[str] | None = None) -> None:
     common.add_argument("--ssh", default="ssh -o BatchMode=yes", help="how to reach worker hosts (default: ssh)")
     u = sub.add_parser("up", parents=[common], prog="cluster/up.sh", help="start (or complete) the cluster")
     where = u.add_mutually_exclusive_group()
-    where.add_argument("--local", action="store_true", help="this machine only, on 127.0.0.1")
+    where.add_argument("--local", action="store_true",
+                       help="this machine only: node address and job server on 127.0.0.1 (Ray's own ports: the "
+                            "README's Security)")
     where.add_argument("--hostfile", help="worker hosts, `host [ip]` per line, started over ssh")
     where.add_argument("--join", metavar="HEAD:PORT", help="join this machine to a cluster as a worker node")
     u.add_argument("--node-ip", help="this node's address in the cluster (default: its outside address)")
