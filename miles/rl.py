@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
+import numpy as np
 import torch
 
 from miles.algo.advantages import group_advantages
@@ -61,12 +62,16 @@ from miles.train.batching import MicroBatch, packed_replica_micro_batches
 
 @dataclass
 class Response:
+    """One sampled response. Per-token data as arrays (int32 ids, float32 log-probs, int8
+    mask): a V4-Flash rollout holds tens of millions of tokens in the driver, where Python
+    lists cost ~60 bytes a token (benchmarks/driver_memory.py)."""
+
     prompt: Prompt
-    ids: list[int]  # generated tokens (the end-of-sentence id included when it stopped there)
-    logprobs: list[float]  # the engine's log-probs of them
+    ids: np.ndarray  # [T] generated tokens (the end-of-sentence id included when it stopped there)
+    logprobs: np.ndarray  # [T] the engine's log-probs of them
     text: str
     truncated: bool  # stopped by the length limit
-    mask: list[int] | None = None  # per token: 1 the policy's (trained), 0 environment / tools (multi-turn)
+    mask: np.ndarray | None = None  # [T] per token: 1 the policy's (trained), 0 environment / tools (multi-turn)
     turns: int = 1
     version: int | None = None  # the weights it was generated with (the engine's weight_version; multi-turn: the
     # oldest of its turns')
@@ -74,10 +79,16 @@ class Response:
     raw: float = 0.0  # the reward function's value
     reward: float = 0.0  # shaped (overlong penalty added)
 
+    def __post_init__(self) -> None:
+        self.ids = np.asarray(self.ids, dtype=np.int32)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        if self.mask is not None:
+            self.mask = np.asarray(self.mask, dtype=np.int8)
+
     @property
     def trained(self) -> int:
         """Tokens the loss sees (the policy's)."""
-        return len(self.ids) if self.mask is None else sum(self.mask)
+        return len(self.ids) if self.mask is None else int(self.mask.sum())
 
 
 @dataclass
@@ -432,8 +443,8 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
     metrics = {"rollout/raw_reward": stats["raw"] / n, "rollout/accuracy": stats["correct"] / n,
                "rollout/response_len/mean": stats["tokens"] / n, "rollout/truncated_ratio": stats["truncated"] / n,
                "rollout/reward": sum(x.reward for x in responses) / len(responses),
-               "rollout/log_probs": sum(sum(x.logprobs) for x in responses) / max(1, sum(x.trained
-                                                                                       for x in responses)),
+               "rollout/log_probs": sum(float(x.logprobs.sum(dtype=np.float64)) for x in responses)
+               / max(1, sum(x.trained for x in responses)),
                "rollout/prompts_drawn": float(len(drawn)),
                "perf/rollout_time": seconds, "perf/reward_time": stats["reward_time"],
                "perf/rollout_tok_per_s": stats["tokens"] / seconds}
@@ -462,18 +473,25 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
             for p in prompts for i in range(n)]
     tok = response_tokenizer(job.data.tokenizer, job.data.template)
     owners = [p for p in prompts for _ in range(n)]
-    if r.generate_fn is None:
-        flat = [Response(p, res["output_ids"], [x[0] for x in res["meta_info"]["output_token_logprobs"]],
-                         response_text(tok, res["output_ids"]),
-                         res["meta_info"]["finish_reason"]["type"] == "length",
-                         version=int(res["meta_info"]["weight_version"]))
-                for p, res in zip(owners, engines.generate(reqs, version=version), strict=True)]
+    if r.generate_fn is None:  # each result made compact as it arrives (its JSON lists dropped)
+        results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok))
+        flat = [Response(p, *res) for p, res in zip(owners, results, strict=True)]
     else:  # the user's function drives each conversation through the router
         samples = [q | {"label": p.label, "messages": p.messages} for q, p in zip(reqs, owners, strict=True)]
         transcripts = engines.generate_transcripts(samples, r.generate_fn, version=version)
         flat = [transcript_response(p, t, r.max_len, tok, q["id"])
                 for p, t, q in zip(owners, transcripts, samples, strict=True)]
     return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+
+def compact_result(tok, res: dict) -> tuple:
+    """An engine's /generate result as Response's fields after the prompt: (ids, log-probs,
+    text, truncated, weight version), arrays instead of its JSON lists."""
+    meta = res["meta_info"]
+    return (np.asarray(res["output_ids"], dtype=np.int32),
+            np.fromiter((x[0] for x in meta["output_token_logprobs"]), np.float32, len(res["output_ids"])),
+            response_text(tok, res["output_ids"]), meta["finish_reason"]["type"] == "length", None, 1,
+            int(meta["weight_version"]))
 
 
 def transcript_response(prompt: Prompt, t, max_len: int, tok, sample_id: str) -> Response:
@@ -524,6 +542,7 @@ def response_text(tok, ids: list[int]) -> str:
     """A response's text for the reward and the user's code. One cut at max_new_tokens can end
     inside a character (its last tokens hold the first bytes of a multi-byte UTF-8 sequence,
     which decode to one U+FFFD): that fragment is left out. Invalid bytes inside stay U+FFFD."""
+    ids = [int(i) for i in ids]
     text = tok.decode(ids, skip_special_tokens=True)
     if text.endswith("\ufffd"):
         for k in range(1, min(3, len(ids)) + 1):  # a character is at most 4 bytes: 3 of them cut off
@@ -567,10 +586,14 @@ def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample
         weights = response_weights([x.trained for x, _ in part], job.algo.agg, norm_len)
         batch = []
         for (x, a), w in zip(part, weights, strict=True):
-            p, mask = len(x.prompt.input_ids), x.mask or [1] * len(x.ids)
-            batch.append(Sample(x.prompt.input_ids + x.ids, [0] * p + mask, origin=x.prompt.id, values={
-                "advantages": [0.0] * p + [a * m for m in mask], "rollout_logprobs": [0.0] * p + x.logprobs,
-                "token_weights": [0.0] * p + [w * m for m in mask]}))
+            p = len(x.prompt.input_ids)
+            mask = np.ones(len(x.ids), np.int8) if x.mask is None else x.mask  # [T]
+            zeros = np.zeros(p, np.float32)  # the prompt's positions  [P]
+            batch.append(Sample(np.concatenate((np.asarray(x.prompt.input_ids, np.int32), x.ids)),
+                                np.concatenate((np.zeros(p, np.int8), mask)), origin=x.prompt.id, values={
+                "advantages": np.concatenate((zeros, (a * mask).astype(np.float32))),
+                "rollout_logprobs": np.concatenate((zeros, x.logprobs)),
+                "token_weights": np.concatenate((zeros, (w * mask).astype(np.float32)))}))
         batches.append(batch)
     return batches
 

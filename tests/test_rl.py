@@ -172,7 +172,7 @@ def test_multi_turn_samples_train_and_weigh_the_policys_tokens_only(agg):
     reward_groups(job, [[multi, single]], Rewards.of(job.algo))
     (batch,) = to_samples(job, [[multi, single]])
     m, one = batch
-    assert m.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1] and one.loss_mask == [0, 0, 0, 1, 1]
+    assert m.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1] and one.loss_mask.tolist() == [0, 0, 0, 1, 1]
     weights = [w for s in batch for w, k in zip(s.values["token_weights"], s.loss_mask, strict=True) if k]
     assert all(w == 0 for s in batch for w, k in zip(s.values["token_weights"], s.loss_mask, strict=True) if not k)
     if agg == "token_mean":
@@ -509,3 +509,47 @@ def test_a_new_user_trains_on_their_own_prompts_and_reward_then_chats_with_the_r
     assert not re.search(r"^\d{4}-\d\d-\d\d [\d:,]+\s+(INFO|SUCC)", console, re.M), console[-3000:]
     assert console.count("\nrun directory: ") == 1 and console.count("plots: ") == 1, console[-3000:]
     assert re.fullmatch(r"miles submit: job \S+ SUCCEEDED", p.stdout.strip().splitlines()[-1]), p.stdout[-500:]
+
+
+def test_a_rollouts_per_token_data_is_held_as_arrays_and_trains_the_same(seed):
+    """A V4-Flash rollout holds tens of millions of tokens in the driver: Responses and their
+    samples keep them as int32 / float32 / int8 arrays (benchmarks/driver_memory.py: ~5x less
+    than Python lists), and the micro-batches made of them are those of the same data as lists,
+    bit for bit."""
+    import numpy as np
+    import torch
+
+    from miles.data.prompts import Prompt
+    from miles.data.sample import Sample
+    from miles.rl import Response, compact_result, response_tokenizer, to_samples
+    from miles.train.batching import to_micro_batch
+
+    g = torch.Generator().manual_seed(seed)
+    job = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["rollout.n_samples_per_prompt=2", "train.global_batch_size=2",
+                                                       "rollout.rollout_batch_size=1"])
+    prompt = Prompt("p:0", torch.randint(3, 500, (7,), generator=g).tolist(), "3", [])
+    tok = response_tokenizer("tiny")
+    raw = []
+    for n in (5, 9):
+        ids = torch.randint(3, 500, (n,), generator=g).tolist()
+        lps = (-torch.rand(n, generator=g, dtype=torch.float64) * 3).tolist()
+        raw.append({"output_ids": ids, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in
+                                                                                zip(lps, ids, strict=True)],
+                                                      "finish_reason": {"type": "stop"}, "weight_version": 2}})
+    group = [Response(prompt, *compact_result(tok, r)) for r in raw]
+    group[0].reward, group[1].reward = 1.0, -1.0
+    assert all(x.ids.dtype == np.int32 and x.logprobs.dtype == np.float32 and x.version == 2 for x in group)
+    (batch,) = to_samples(job, [group])
+    for s in batch:
+        assert s.tokens.dtype == np.int32 and s.loss_mask.dtype == np.int8
+        assert all(v.dtype == np.float32 for v in s.values.values())
+    # the same samples as Python lists, the engine's float64 log-probs as they came (the driver before)
+    p = len(prompt.input_ids)
+    as_lists = [Sample(prompt.input_ids + r["output_ids"], [0] * p + [1] * len(r["output_ids"]), values={
+        "rollout_logprobs": [0.0] * p + [x[0] for x in r["meta_info"]["output_token_logprobs"]],
+        **{k: [float(x) for x in s.values[k]] for k in ("advantages", "token_weights")}})
+        for r, s in zip(raw, batch, strict=True)]
+    a, b = to_micro_batch([batch]), to_micro_batch([as_lists])
+    for field in ("input_ids", "labels", "loss_mask", "advantages", "rollout_logprobs", "token_weights"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert torch.isfinite(x.float()).all() and torch.equal(x, y), field

@@ -311,16 +311,18 @@ class RolloutManager:
         return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines)}
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: list[dict], version: int | None = None) -> list[dict]:
+    def generate(self, requests: list[dict], version: int | None = None, each=None) -> list:
         """requests: {"id": sample id, "input_ids" or "text", "sampling_params", ...} (the rest
         is SGLang's /generate body). Returns one result per request, in order, each the
-        engine's response plus its "id"; every sample finished exactly once. An aborted
+        engine's response plus its "id" (or `each(it)`, applied as it arrives: what is kept of
+        a large rollout instead of its JSON); every sample finished exactly once. An aborted
         response is generated again; with `version` (the trainer step whose weights the
         engines should serve) so is one from weights that are no trainer version up to it."""
         self._unique(requests)
 
-        async def one(post, req: dict) -> dict:
-            return {**await post({k: v for k, v in req.items() if k != "id"}, req["id"]), "id": req["id"]}
+        async def one(post, req: dict):
+            res = {**await post({k: v for k, v in req.items() if k != "id"}, req["id"]), "id": req["id"]}
+            return res if each is None else each(res)
 
         return asyncio.run(self._each(requests, one, version))
 
