@@ -172,6 +172,8 @@ def _submit(argv: list[str]) -> None:
     kept = [o for o in args.overrides if not o.startswith(("log.run_dir=", "ckpt.load="))]
     meta = {"miles_job": job.name, "run_dir": run_dir}
 
+    ended_why = ""  # Ray's message when the job did not succeed
+
     def go(address: str, env: dict[str, str], detach: bool) -> str:
         jobs.submit(address, env, jid, entry, workdir, meta)
         print(f"miles submit: {job.name} submitted to {address} as {jid}; run directory {run_dir}", flush=True)
@@ -189,7 +191,11 @@ def _submit(argv: list[str]) -> None:
                 print(f"\nmiles submit: stopped following; {jid} keeps running on {address}. Follow it with `ray "
                       f"job logs --follow {jid}`, stop it with `miles stop {jid}`.", file=sys.stderr)
             raise
-        return jobs.status(address, env, jid)
+        final = jobs.status(address, env, jid)
+        if final not in ("SUCCEEDED", "RUNNING", "PENDING"):
+            nonlocal ended_why
+            ended_why = jobs.why(address, env, jid)
+        return final
 
     try:
         address = _address(args.address)
@@ -211,7 +217,8 @@ def _submit(argv: list[str]) -> None:
     if final == "SUBMITTED":
         return
     if final != "SUCCEEDED":
-        print(f"miles submit: job {jid} {final}; what it wrote is in {run_dir}", file=sys.stderr)
+        reason = f" ({why})" if (why := ended_why) else ""
+        print(f"miles submit: job {jid} {final}{reason}; what it wrote is in {run_dir}", file=sys.stderr)
         raise SystemExit(1)
     print(f"miles submit: job {jid} SUCCEEDED")  # the job's own last lines name its run directory, wandb run, plots
 

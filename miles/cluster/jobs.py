@@ -162,6 +162,12 @@ def status(address: str, env: dict[str, str], jid: str) -> str:
     return client(address, env).get_job_status(jid).value
 
 
+def why(address: str, env: dict[str, str], jid: str) -> str:
+    """Ray's message on how the job ended (a failed runtime environment, the entrypoint's exit
+    code): not part of the job's log."""
+    return client(address, env).get_job_info(jid).message or ""
+
+
 def stop(address: str, env: dict[str, str], jid: str, timeout: float = 120.0) -> str:
     """Ray's stop: SIGTERM to the job's processes (the driver unwinds: actors, engines and
     router stopped), SIGKILL after the cluster's stop window. Waits until the job has ended;
