@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
 
+from miles.data.chat import ReasoningEffort
 from miles.train.losses import LossCoefs
 from plugins.deepseek_v4.config import ConfigError, DeepSeekV4Config
 
@@ -60,7 +61,6 @@ class ClusterConfig(Section):
     cpus_per_worker: PosFloat = 1.0  # Ray CPUs each training rank asks for (GPU jobs: one GPU each too)
 
 
-ReasoningEffort = Literal["low", "high", "xhigh", "max"]  # deepseek-recipe's reasoning efforts
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
 # model.<name>, not overrides: they change how the model computes, not its weights
 KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks", "tf32_projections",

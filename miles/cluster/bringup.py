@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.cluster.node import free_ports
+from miles.cluster.node import free_ports, ray_bin
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "cluster" / "env"
@@ -102,10 +102,6 @@ def read_preset(name: str) -> dict[str, str]:
             raise ClusterError(f"{path}:{i}: expected KEY=VALUE, got {line!r}")
         out[m[1]] = m[2]
     return out
-
-
-def ray_bin() -> str:
-    return str(Path(sys.executable).with_name("ray"))
 
 
 def own_ports(host: str, avoid: tuple[int, ...] = ()) -> list[str]:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from miles.cluster.bringup import ray_bin
+from miles.cluster.node import ray_bin
 
 # gitignore patterns, relative to the working directory (a leading / anchors at its top).
 EXCLUDES = ["/.git", "/.venv", "/venv", "/runs", "/checkpoints", "/data", "/wandb", "/.whl", "/.device",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+import sys
+from pathlib import Path
 
 
 def node_address() -> str:
@@ -81,3 +83,8 @@ def _ephemeral_low() -> int:
         return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     except (OSError, ValueError, IndexError):
         return 49152
+
+
+def ray_bin() -> str:
+    """The `ray` command of this Python environment."""
+    return str(Path(sys.executable).with_name("ray"))

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import deepseek_recipe as dr
 
 Ids = list[int]
+ReasoningEffort = Literal["low", "high", "xhigh", "max"]  # deepseek-recipe's reasoning efforts
 
 
 class ChatFormatError(ValueError):

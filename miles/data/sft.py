@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import get_args
 
-from miles.config import ReasoningEffort
 from miles.data.chat import (
     ChatFormatError,
+    ReasoningEffort,
     conversation_samples,
     hf_conversation_sample,
     load_hf_tokenizer,

@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch import nn
 
+from .forward import Fwd, Rope
 from .layout import SequenceLayout
 
 
@@ -49,8 +50,6 @@ class _BlockStep(nn.Module):
         self.n_indexer = 0
 
     def forward(self, x, ids, doc, pos, cos_swa, sin_swa, cos_comp, sin_comp):
-        from .model import Fwd, Rope
-
         layout = SequenceLayout(doc=doc, pos=pos, static_blocks=True)
         ropes = {"swa": Rope(self.inv_freq["swa"], cos_swa, sin_swa),
                  "compressed": Rope(self.inv_freq["compressed"], cos_comp, sin_comp)}
@@ -172,8 +171,9 @@ class BlockGraphs:
     losses); at most `max_sets` sets are kept (each holds its own memory pool, the size of a
     step's activations), later signatures run eagerly: pad micro-batches to one length."""
 
-    def __init__(self, model: nn.Module, max_sets: int = 1):
-        self.model, self.max_sets = model, max_sets
+    def __init__(self, model: nn.Module, gates: list[nn.Module], max_sets: int = 1):
+        """gates: the model's routing gates that count expert load (restored after the warm-up)."""
+        self.model, self.gates, self.max_sets = model, gates, max_sets
         self._sets: dict[tuple, dict[int, _Graphed]] = {}
         self._eager: set[tuple] = set()
         self.captures = 0
@@ -201,8 +201,6 @@ class BlockGraphs:
         return y
 
     def _capture(self, args: tuple[torch.Tensor, ...], aux: frozenset[str]) -> dict[int, _Graphed]:
-        from .model import Gate
-
         m = self.model
         blocks = [*m.layers, *m.mtp]  # the order they run in
         if not all(hasattr(p, "main_grad") for b in blocks for p in b.parameters() if p.requires_grad):
@@ -210,7 +208,7 @@ class BlockGraphs:
                                "backward graph adds each parameter's gradient into its main_grad")
         inv = {"swa": m.inv_freq_swa, "compressed": m.inv_freq_compressed}
         steps = [_BlockStep(b, inv, aux) for b in blocks]
-        gates = [g for g in m.modules() if isinstance(g, Gate) and not g.is_hash]
+        gates = self.gates
         loads = [g.expert_load.clone() for g in gates]
         # Warm-up (autotuning, lazy allocations), then every forward in run order and every
         # backward in reverse, on one side stream and one memory pool: replays must come in

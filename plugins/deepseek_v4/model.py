@@ -24,6 +24,8 @@ from torch import nn
 
 from . import ops
 from .config import DeepSeekV4Config
+from .forward import Fwd, Rope
+from .graphs import BlockGraphs
 from .layout import Blocks, SequenceLayout
 from .parallel import ParallelContext, VocabHead
 
@@ -62,33 +64,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, fused=use_fused(self.cfg, x))
-
-
-@dataclass
-class Rope:
-    """cos/sin [B, S, rd/2] at token positions for one rotation kind, plus its inv_freq."""
-
-    inv_freq: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope_cos_sin(positions, self.inv_freq)
-
-
-@dataclass
-class Fwd:
-    """Per-forward facts shared by all layers. `layout` and `ropes` cover the whole
-    sequence; `q` is the slice of it whose queries this rank computes (context parallel)."""
-
-    layout: SequenceLayout
-    ropes: dict[str, Rope]
-    q: slice | torch.Tensor = field(default_factory=lambda: slice(None))  # this rank's tokens [s] (CP)
-    aux: frozenset[str] = frozenset()  # auxiliary losses to compute: "indexer", "balance"
-    indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
-    balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
-    capture: PrefillCapture | None = None  # set by prefill
-    replay: bool = False  # a block's forward run again in the backward (config.recompute)
 
 
 # =========================================================================== decoding state
@@ -971,9 +946,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             if split:
                 raise ValueError(f"cuda_graphs: the graphed blocks run one model replica per process; this "
                                  f"layout splits it ({', '.join(f'{k}={v}' for k, v in split.items())})")
-            from .graphs import BlockGraphs
-
-            self._graphs = BlockGraphs(self)
+            self._graphs = BlockGraphs(self, [g for g in self.modules() if isinstance(g, Gate) and not g.is_hash])
         return self._graphs
 
     def _aux_sums(self, fwd: Fwd) -> dict[str, torch.Tensor]:

@@ -1,0 +1,39 @@
+"""Per-forward facts every layer reads: the sequence layout, the rotary tables of each kind,
+this rank's query tokens, and the auxiliary-loss terms the layers append."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import ops
+from .layout import SequenceLayout
+
+
+@dataclass
+class Rope:
+    """cos/sin [B, S, rd/2] at token positions for one rotation kind, plus its inv_freq."""
+
+    inv_freq: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_cos_sin(positions, self.inv_freq)
+
+
+@dataclass
+class Fwd:
+    """Per-forward facts shared by all layers. `layout` and `ropes` cover the whole
+    sequence; `q` is the slice of it whose queries this rank computes (context parallel)."""
+
+    layout: SequenceLayout
+    ropes: dict[str, Rope]
+    q: slice | torch.Tensor = field(default_factory=lambda: slice(None))  # this rank's tokens [s] (CP)
+    aux: frozenset[str] = frozenset()  # auxiliary losses to compute: "indexer", "balance"
+    indexer_terms: list[torch.Tensor] = field(default_factory=list)  # per CSA layer: KL summed over rows
+    balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
+    capture: Any = None  # model.PrefillCapture, set by prefill
+    replay: bool = False  # a block's forward run again in the backward (config.recompute)
