@@ -314,7 +314,7 @@ class AlgoConfig(Section):
     # 0 for policy (RL: MTP's cross-entropy on the policy's own samples, wrong ones too, is supervised training)
     indexer_loss_coef: NonNegFloat = LossCoefs.indexer  # the lightning indexer's KL to the attention (0: untrained)
     balance_loss_coef: NonNegFloat = LossCoefs.balance  # sequence-level expert balance (V4 balances by router bias)
-    # -- RL (ALGORITHMS.md)
+    # -- RL (docs/algorithms.md)
     advantage: Literal["grpo", "dr_grpo"] = "grpo"  # group-normalised (grpo) or mean-centred only (dr_grpo)
     eps_low: NonNegFloat = 0.2  # ratio clipped below at 1 - eps_low
     eps_high: NonNegFloat = 0.28  # clip-higher

@@ -259,7 +259,7 @@ def evaluate(job: JobConfig, trainer, samples: list[Sample]) -> dict[str, float]
 
 
 def step_metrics(rank0: dict, data_time: float, train_time: float, tokens: int) -> dict[str, float]:
-    """A worker's step result under the metric names of ALGORITHMS.md. perf/train_time is the
+    """A worker's step result under the metric names of docs/algorithms.md. perf/train_time is the
     Ray call, perf/worker_time the step inside the worker (the difference: the object store and
     the actor call)."""
     out = {f"train/{k}": float(v) for k, v in rank0.items() if k not in ("grad_md5", "step_time")}

@@ -1,4 +1,4 @@
-"""RL formulas against hand-computed values (ALGORITHMS.md)."""
+"""RL formulas against hand-computed values (docs/algorithms.md)."""
 
 from __future__ import annotations
 

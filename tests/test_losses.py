@@ -171,7 +171,7 @@ def test_aux_losses_do_not_change_when_positions_are_masked_as_prompt(seed):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
     """The trainer's policy loss with the RL loop's token weights (response_weights, GRPO's
-    per-response mean) equals the clipped objective (ALGORITHMS.md) written out here in
+    per-response mean) equals the clipped objective (docs/algorithms.md) written out here in
     float64 from the logits at the rollouts' temperature, log_softmax(z / T): loss, head
     gradient, clip fraction; the entropy metric is the tempered softmax's too."""
     from miles.algo.losses import response_weights

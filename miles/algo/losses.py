@@ -1,4 +1,4 @@
-"""The clipped policy-gradient loss with DAPO's options (ALGORITHMS.md).
+"""The clipped policy-gradient loss with DAPO's options (docs/algorithms.md).
 
 One formula per token (`token_terms`) and the aggregation as per-token weights
 (`response_weights`): the loss is sum_t weight_t * pg_t. The RL loop computes the weights once

@@ -2,7 +2,7 @@
 (offline by default) with the same names and steps, and the terminal (a progress bar on a
 terminal, one line per `log.interval` steps otherwise).
 
-Metric names follow ../shared/design/ALGORITHMS.md: train/loss, train/grad_norm, train/lr,
+Metric names follow docs/algorithms.md: train/loss, train/grad_norm, train/lr,
 train/mtp_loss, train/indexer_loss, perf/step_time, perf/train_tok_per_s, eval/<source>/...
 """
 

@@ -44,7 +44,7 @@ class LossCoefs:
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    """The policy loss's settings (a job's `algo` section; ALGORITHMS.md)."""
+    """The policy loss's settings (a job's `algo` section; docs/algorithms.md)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher
