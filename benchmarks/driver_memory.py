@@ -57,7 +57,7 @@ def as_lists(job, prompt: Prompt, n: int, tokens: int, seed: int) -> list:
 
 def as_arrays(job, prompt: Prompt, n: int, tokens: int, seed: int) -> list:
     tok = response_tokenizer("tiny")
-    flat = [Response(prompt, *compact_result(tok, res)) for res in results(n, tokens, seed)]
+    flat = [Response(prompt, **compact_result(tok, res)) for res in results(n, tokens, seed)]
     for i, x in enumerate(flat):
         x.reward = float(i % 2)
     return [flat, to_samples(job, [flat[k:k + 8] for k in range(0, n, 8)])]

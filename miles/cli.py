@@ -172,9 +172,8 @@ def _submit(argv: list[str]) -> None:
     kept = [o for o in args.overrides if not o.startswith(("log.run_dir=", "ckpt.load="))]
     meta = {"miles_job": job.name, "run_dir": run_dir}
 
-    ended_why = ""  # Ray's message when the job did not succeed
-
-    def go(address: str, env: dict[str, str], detach: bool) -> str:
+    def go(address: str, env: dict[str, str], detach: bool) -> tuple[str, str]:
+        """The job's final status and, when it did not succeed, Ray's reason."""
         jobs.submit(address, env, jid, entry, workdir, meta)
         print(f"miles submit: {job.name} submitted to {address} as {jid}; run directory {run_dir}", flush=True)
         if args.no_wait:
@@ -183,7 +182,7 @@ def _submit(argv: list[str]) -> None:
                   f"  status:   miles jobs{a}\n  stop:     miles stop {jid}{a}\n"
                   f"  continue: miles submit {shlex.join([args.job, *kept])} log.run_dir={run_dir} "
                   f"ckpt.load=auto{a}")
-            return "SUBMITTED"
+            return "SUBMITTED", ""
         try:
             jobs.follow(address, env, jid)
         except KeyboardInterrupt:
@@ -192,19 +191,16 @@ def _submit(argv: list[str]) -> None:
                       f"job logs --follow {jid}`, stop it with `miles stop {jid}`.", file=sys.stderr)
             raise
         final = jobs.status(address, env, jid)
-        if final not in ("SUCCEEDED", "RUNNING", "PENDING"):
-            nonlocal ended_why
-            ended_why = jobs.why(address, env, jid)
-        return final
+        return final, ("" if final in ("SUCCEEDED", "RUNNING", "PENDING") else jobs.why(address, env, jid))
 
     try:
         address = _address(args.address)
         if address:
-            final = go(address, dict(os.environ), detach=True)
+            final, why = go(address, dict(os.environ), detach=True)
         else:
             with local_cluster(job.cluster.num_cpus) as cluster:
                 try:
-                    final = go(cluster.address, cluster.env, detach=False)
+                    final, why = go(cluster.address, cluster.env, detach=False)
                 except KeyboardInterrupt:
                     print("\nmiles submit: stopping the local cluster started for this job (and the job)",
                           file=sys.stderr)
@@ -217,7 +213,7 @@ def _submit(argv: list[str]) -> None:
     if final == "SUBMITTED":
         return
     if final != "SUCCEEDED":
-        reason = f" ({why})" if (why := ended_why) else ""
+        reason = f" ({why})" if why else ""
         print(f"miles submit: job {jid} {final}{reason}; what it wrote is in {run_dir}", file=sys.stderr)
         raise SystemExit(1)
     print(f"miles submit: job {jid} SUCCEEDED")  # the job's own last lines name its run directory, wandb run, plots

@@ -475,7 +475,7 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
     owners = [p for p in prompts for _ in range(n)]
     if r.generate_fn is None:  # each result made compact as it arrives (its JSON lists dropped)
         results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok))
-        flat = [Response(p, *res) for p, res in zip(owners, results, strict=True)]
+        flat = [Response(p, **res) for p, res in zip(owners, results, strict=True)]
     else:  # the user's function drives each conversation through the router
         samples = [q | {"label": p.label, "messages": p.messages} for q, p in zip(reqs, owners, strict=True)]
         transcripts = engines.generate_transcripts(samples, r.generate_fn, version=version)
@@ -484,14 +484,14 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
     return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
 
 
-def compact_result(tok, res: dict) -> tuple:
-    """An engine's /generate result as Response's fields after the prompt: (ids, log-probs,
-    text, truncated, weight version), arrays instead of its JSON lists."""
+def compact_result(tok, res: dict) -> dict:
+    """An engine's /generate result as Response's fields (all but the prompt), arrays instead
+    of its JSON lists."""
     meta = res["meta_info"]
-    return (np.asarray(res["output_ids"], dtype=np.int32),
-            np.fromiter((x[0] for x in meta["output_token_logprobs"]), np.float32, len(res["output_ids"])),
-            response_text(tok, res["output_ids"]), meta["finish_reason"]["type"] == "length", None, 1,
-            int(meta["weight_version"]))
+    return {"ids": np.asarray(res["output_ids"], dtype=np.int32),
+            "logprobs": np.fromiter((x[0] for x in meta["output_token_logprobs"]), np.float32, len(res["output_ids"])),
+            "text": response_text(tok, res["output_ids"]), "truncated": meta["finish_reason"]["type"] == "length",
+            "version": int(meta["weight_version"])}
 
 
 def transcript_response(prompt: Prompt, t, max_len: int, tok, sample_id: str) -> Response:
@@ -542,7 +542,6 @@ def response_text(tok, ids: list[int]) -> str:
     """A response's text for the reward and the user's code. One cut at max_new_tokens can end
     inside a character (its last tokens hold the first bytes of a multi-byte UTF-8 sequence,
     which decode to one U+FFFD): that fragment is left out. Invalid bytes inside stay U+FFFD."""
-    ids = [int(i) for i in ids]
     text = tok.decode(ids, skip_special_tokens=True)
     if text.endswith("\ufffd"):
         for k in range(1, min(3, len(ids)) + 1):  # a character is at most 4 bytes: 3 of them cut off

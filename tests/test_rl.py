@@ -536,7 +536,7 @@ def test_a_rollouts_per_token_data_is_held_as_arrays_and_trains_the_same(seed):
         raw.append({"output_ids": ids, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in
                                                                                 zip(lps, ids, strict=True)],
                                                       "finish_reason": {"type": "stop"}, "weight_version": 2}})
-    group = [Response(prompt, *compact_result(tok, r)) for r in raw]
+    group = [Response(prompt, **compact_result(tok, r)) for r in raw]
     group[0].reward, group[1].reward = 1.0, -1.0
     assert all(x.ids.dtype == np.int32 and x.logprobs.dtype == np.float32 and x.version == 2 for x in group)
     (batch,) = to_samples(job, [group])

@@ -15,6 +15,16 @@ from tests.test_rollout_engine import _logprobs, _prompts, _run
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU engine needs CUDA")
 
 
+def _against_full_forward(model, prompt: list[int], result: dict, what: str) -> None:
+    """The engine's log-probs of its tokens against `model`'s full forward of prompt + them
+    (bf16: the decode step and the packed forward round their sums differently)."""
+    ids = torch.tensor(prompt + result["output_ids"], device="cuda")
+    with torch.no_grad():
+        full = torch.log_softmax(model(ids[None]).logits[0].double(), -1)
+    want = full[len(prompt) - 1:-1].gather(-1, ids[len(prompt):, None])[:, 0].float().cpu()
+    assert_close(_logprobs(result), want, atol=5e-2, what=what)
+
+
 def test_graph_replayed_decode_equals_the_eager_step_and_the_full_forward(seed):
     """bf16 (the grouped expert GEMMs that need no host: fp32's loop falls back to eager)."""
     model = randomize(tiny_model(seed, dtype=torch.bfloat16), seed).cuda().eval()
@@ -34,12 +44,7 @@ def test_graph_replayed_decode_equals_the_eager_step_and_the_full_forward(seed):
         a, b = runs[True][str(i)], runs[False][str(i)]
         assert a["output_ids"] == b["output_ids"], f"request {i}: graphs and eager decode differ"
         assert_close(_logprobs(a), _logprobs(b), atol=1e-5, what=f"request {i} log-probs")
-        ids = torch.tensor(p + a["output_ids"], device="cuda")
-        with torch.no_grad():
-            full = torch.log_softmax(model(ids[None]).logits[0].double(), -1)
-        want = full[len(p) - 1:-1].gather(-1, ids[len(p):, None])[:, 0].float().cpu()
-        # bf16: the decode step and the packed forward round their sums differently
-        assert_close(_logprobs(a), want, atol=5e-2, what=f"request {i} against the full forward")
+        _against_full_forward(model, p, a, f"request {i} against the full forward")
 
 
 def test_memory_release_drops_the_graphs_and_decoding_goes_on(seed):
@@ -93,8 +98,4 @@ def test_graphs_captured_before_a_weight_update_decode_with_the_new_weights(seed
         a, b = after[str(i)], want[str(i)]
         assert a["output_ids"] == b["output_ids"], f"request {i}: the updated engine decodes with other weights"
         assert_close(_logprobs(a), _logprobs(b), atol=1e-5, what=f"request {i} log-probs")
-        ids = torch.tensor(prompt + a["output_ids"], device="cuda")
-        with torch.no_grad():
-            full = torch.log_softmax(new_model(ids[None]).logits[0].double(), -1)
-        ref = full[len(prompt) - 1:-1].gather(-1, ids[len(prompt):, None])[:, 0].float().cpu()
-        assert_close(_logprobs(a), ref, atol=5e-2, what=f"request {i} against the new weights' full forward")
+        _against_full_forward(new_model, prompt, a, f"request {i} against the new weights' full forward")
