@@ -219,7 +219,12 @@ def trim(site_dir: Path) -> None:
 
 
 def strip_elves(site_dir: Path) -> None:
+    """Strip every ELF file but the libraries auditwheel vendored (`<pkg>.libs/`): patchelf
+    rewrote their program headers and strip leaves them unloadable ("ELF load command
+    address/offset not page-aligned": numpy 2.3.5's OpenBLAS on the GPU image)."""
     for p in site_dir.rglob("*"):
+        if any(part.endswith(".libs") for part in p.relative_to(site_dir).parts):
+            continue
         if p.is_file() and not p.is_symlink() and p.open("rb").read(4) == b"\x7fELF":
             subprocess.run(["strip", "--strip-unneeded", str(p)], check=True)
 
