@@ -1,5 +1,5 @@
 """What one rollout's per-token data costs the RL driver: synthetic engine results (as the
-router returns them) made into Responses and training samples the way miles/rl.py does
+router returns them) made into Responses and training samples the way miles/rl/ does
 (`compact_result`, `to_samples`: arrays), against the same data held as Python lists (what the
 driver held before: ids, log-probs, then the samples' tokens, mask and three per-token value
 lists). Memory is what tracemalloc counts as live after each build (numpy reports its buffers
@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from miles.config import load_job  # noqa: E402
 from miles.data.prompts import Prompt  # noqa: E402
 from miles.data.sample import Sample  # noqa: E402
-from miles.rl import Response, compact_result, response_tokenizer, to_samples  # noqa: E402
+from miles.rl.rollout import Response, compact_result, response_tokenizer  # noqa: E402
+from miles.rl.train import to_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLASH = 8192 * 8192  # responses x tokens of a V4-Flash-sized rollout (8,192 responses of 8k tokens)
@@ -93,7 +94,7 @@ def main() -> None:
     prompt = Prompt("p:0", list(range(3, 67)), "1", [])
     n_tok = a.responses * a.tokens
     rows = {}
-    for name, build in (("Python lists (before)", as_lists), ("arrays (miles/rl.py)", as_arrays)):
+    for name, build in (("Python lists (before)", as_lists), ("arrays (miles/rl/)", as_arrays)):
         runs = [measure(build, job, prompt, a.responses, a.tokens, seed) for seed in range(a.repeats)]
         rows[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
     print(f"{a.responses} responses x {a.tokens} tokens ({n_tok:,} tokens), median of {a.repeats}")

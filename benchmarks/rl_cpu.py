@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from miles.config import load_job
-from miles.rl import run_rl
+from miles.rl.loop import run_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = [("generation (wall)", "perf/rollout_time"), ("  of which reward", "perf/reward_time"),

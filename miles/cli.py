@@ -85,12 +85,13 @@ def _run(argv: list[str], command: str = "run") -> None:
     from miles.algo.rewards import RewardError
     from miles.algo.sampling import DynamicSamplingError
     from miles.ckpt.store import CheckpointError
-    from miles.controller import JobError, run
+    from miles.controller import run
     from miles.data.dataset import DataError
     from miles.observe import records
-    from miles.rl import run_rl
+    from miles.rl.loop import run_rl
     from miles.rollout.manager import RolloutError
     from miles.rollout.weights import WeightSyncError
+    from miles.session import JobError
 
     try:
         result = run_rl(job) if job.data.source == "prompts" else run(job)

@@ -136,7 +136,7 @@ def test_dynamic_sampling_drops_an_all_correct_group_that_shaping_made_differ():
     from miles.algo.rewards import Rewards
     from miles.config import load_job
     from miles.data.prompts import Prompt
-    from miles.rl import Response, filter_scores, reward_groups
+    from miles.rl.rollout import Response, filter_scores, reward_groups
 
     job = load_job("jobs/dapo_tiny.yaml")  # overlong shaping on: max 12 tokens, buffer 4
     a = job.algo
@@ -294,7 +294,7 @@ def test_a_response_cut_inside_a_character_reaches_user_code_without_a_replaceme
     character: byte-level tokenizers decode those to U+FFFD, which reward functions then see
     (and `Answer: 4` + U+FFFD fails an exact match). The fragment is left out; invalid bytes
     inside a response stay what they are."""
-    from miles.rl import response_text, response_tokenizer
+    from miles.rl.rollout import response_text, response_tokenizer
 
     tok = response_tokenizer("tiny")
     text = "Answer: 4 é 😀 done"

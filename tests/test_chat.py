@@ -306,7 +306,7 @@ def test_rl_decodes_responses_with_the_prompts_tokenizer(hf_dir):
     from transformers import AutoTokenizer
 
     from miles.data.sft import tokenizer_path
-    from miles.rl import response_tokenizer
+    from miles.rl.rollout import response_tokenizer
 
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     ids = tok("Answer: 42", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -303,8 +303,8 @@ def test_gpu_jobs_validate_and_fit_their_gpus(name, gpus):
     """The GPU jobs (run on GPU machines; here validated) load as written, name shipped data,
     and the RL ones place on the GPUs they say: dapo_gpu's trainer and engine share one GPU
     (colocated), dapo_gpu_2x's take one each, dapo_gpu_4x's trainer two (TP=2) and its engines one each."""
-    from miles.controller import with_device
-    from miles.rl import check_engines
+    from miles.rl.engines import check_engines
+    from miles.session import with_device
 
     job = load_job(ROOT / "jobs" / f"{name}.yaml")
     assert job.cluster.device == "gpu" and job.model.dtype == "bfloat16"

@@ -137,7 +137,7 @@ def test_a_job_starting_its_own_ray_prints_none_of_rays_start_up_lines(tmp_path)
 
     code = ("import sys, ray\n"
             "from miles.config import load_job\n"
-            "from miles.controller import ray_session\n"
+            "from miles.session import ray_session\n"
             "job = load_job('jobs/demo_tiny.yaml', [f'log.run_dir={sys.argv[1]}', 'cluster.num_cpus=1'])\n"
             "with ray_session(job):\n"
             "    assert ray.is_initialized()\n")

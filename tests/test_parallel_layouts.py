@@ -633,16 +633,16 @@ def test_sleep_and_wake_up_free_and_restore_everything(ray_cluster, seed):
         group.call("build_model", cfg.to_dict(), seed)
         group.call("setup_training", LR, eps=EPS, weight_decay=WD, clip_grad=CLIP, decay="constant")
         first = group.call("train_step", [_batch(seed, 0)])[0]
-        resident, digest = group.call("resident_bytes")[0], group.call("state_digest")[0]
+        resident, digest = group.call("inspect", "resident_bytes")[0], group.call("inspect", "state_digest")[0]
         n_params = sum(p.numel() for p in DeepSeekV4ForCausalLM(cfg, seed=None).parameters())
         assert resident >= 4 * n_params * 4, "weights, gradients and two Adam moments (fp32)"
         assert group.call("sleep")[0] == resident
-        assert group.call("resident_bytes")[0] == 0
+        assert group.call("inspect", "resident_bytes")[0] == 0
         with pytest.raises(Exception, match="called twice"):
             group.call("sleep")
         group.call("wake_up")
-        assert group.call("resident_bytes")[0] == resident
-        assert group.call("state_digest")[0] == digest, "wake_up did not restore the training state"
+        assert group.call("inspect", "resident_bytes")[0] == resident
+        assert group.call("inspect", "state_digest")[0] == digest, "wake_up did not restore the training state"
         second = group.call("train_step", [_batch(seed, 0)])[0]
     finally:
         group.shutdown()

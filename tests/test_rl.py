@@ -160,7 +160,8 @@ def test_multi_turn_samples_train_and_weigh_the_policys_tokens_only(agg):
     overlong shaping measures them too."""
     from miles.algo.rewards import Rewards
     from miles.data.prompts import Prompt
-    from miles.rl import Response, reward_groups, to_samples
+    from miles.rl.rollout import Response, reward_groups
+    from miles.rl.train import to_samples
 
     job = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["rollout.n_samples_per_prompt=2", "train.global_batch_size=2",
                                                        "rollout.rollout_batch_size=1", f"algo.agg={agg}",
@@ -314,7 +315,7 @@ def test_the_v4_flash_dapo_job_validates_against_v4_flash(tmp_path):
     assert job.train.parallel.world == 64 and job.model.arch.num_hidden_layers == 43
     assert job.rollout.engine == "sglang" and job.rollout.num_engines * job.rollout.gpus_per_engine == 64
     assert job.rollout.sync == "disk"
-    from miles.rl import sglang_options
+    from miles.rl.engines import sglang_options
 
     assert sglang_options(job) == {**job.rollout.sglang, "tokenizer-path": str(tmp_path / "flash")}
     assert job.updates_per_rollout == 16 and job.rollout.rollout_batch_size * job.rollout.n_samples_per_prompt == 8192
@@ -337,14 +338,14 @@ def test_engine_setups_the_rl_loop_cannot_run_are_refused_before_anything_starts
     """Each of these failed minutes in (SGLang's engines without the disk sync they need, an
     engine hidden from every GPU, a placement that never comes): now an error naming the key,
     before the trainer starts. The CPU setup and GPU ones that fit pass."""
-    from miles.controller import JobError
+    from miles.session import JobError
 
     def job(*extra):
         return load_job(ROOT / "jobs" / "dapo_tiny.yaml", list(extra))
 
     def check_engines(job, device: str, gpus: float):  # as run_rl calls it: the job's device resolved
-        from miles.controller import with_device
-        from miles.rl import check_engines
+        from miles.rl.engines import check_engines
+        from miles.session import with_device
 
         return check_engines(with_device(job, device), gpus)
 
@@ -383,8 +384,8 @@ def test_the_weight_sync_backend_comes_from_the_resolved_device():
     and the trainer's GPU ranks nccl: a hang until the group's timeout): run_rl resolves the
     device once (with_device) and sync_backend, which both sides' groups take, reads that; an
     unresolved job is refused, not guessed."""
-    from miles.controller import with_device
-    from miles.rl import sync_backend
+    from miles.rl.engines import sync_backend
+    from miles.session import with_device
 
     job = load_job(ROOT / "jobs" / "dapo_tiny.yaml", ["cluster.device=auto", "rollout.sync=broadcast"])
     with pytest.raises(ValueError, match="cluster.device is 'auto'"):
@@ -398,7 +399,7 @@ def test_staleness_is_measured_from_the_engines_versions():
     version 3 and trained at step 5 whose engines answered with versions 3, 3 and 2 (a replaced
     engine one behind) is 1.33 stale on average, 2 at most, with one stale sample."""
     from miles.data.prompts import Prompt
-    from miles.rl import Response, Rollout, staleness
+    from miles.rl.rollout import Response, Rollout, staleness
 
     p = Prompt("p:0", [1], "1", [])
     group = [Response(p, [5], [-0.1], "x", False, version=v) for v in (3, 3, 2)]
@@ -427,7 +428,7 @@ def test_rollouts_jsonl_keeps_the_texts_log_rollouts_asks_for(tmp_path):
     record). The default keeps 64 a rollout: full texts of every step ran to hundreds of GB."""
     from types import SimpleNamespace
 
-    from miles.rl import Rollout, write_rollout
+    from miles.rl.rollout import Rollout, write_rollout
 
     def rollout(step: int) -> Rollout:
         groups = [[SimpleNamespace(prompt=SimpleNamespace(id=f"p{g}"), reward=float(i), text=f"answer {g}.{i}",
@@ -521,7 +522,8 @@ def test_a_rollouts_per_token_data_is_held_as_arrays_and_trains_the_same(seed):
 
     from miles.data.prompts import Prompt
     from miles.data.sample import Sample
-    from miles.rl import Response, compact_result, response_tokenizer, to_samples
+    from miles.rl.rollout import Response, compact_result, response_tokenizer
+    from miles.rl.train import to_samples
     from miles.train.batching import to_micro_batch
 
     g = torch.Generator().manual_seed(seed)

@@ -2,7 +2,7 @@
 
 One formula per token (`token_terms`) and the aggregation as per-token weights
 (`response_weights`): the loss is sum_t weight_t * pg_t. The RL loop computes the weights once
-per optimizer step's batch (miles.rl.to_samples) and the trainer's workers apply token_terms
+per optimizer step's batch (miles.rl.train.to_samples) and the trainer's workers apply token_terms
 to their micro-batches (miles.train.losses.policy_loss), so the aggregation does not depend on
 how the batch is split.
 """

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from miles.train.batching import MicroBatch
+from plugins.deepseek_v4.checksum import named_md5
 from plugins.deepseek_v4.model import MoE
 
 
@@ -121,3 +122,16 @@ def model_state(worker) -> dict[str, torch.Tensor]:
     from miles.ckpt.sharded import model_tensors
 
     return {k: v.detach().cpu().clone() for k, v in model_tensors(worker.model, keep_vars=False).items()}
+
+
+def resident_bytes(worker) -> int:
+    """Device bytes of every training-state storage (what sleep frees and wake_up restores)."""
+    return sum(t.untyped_storage().nbytes() for t in worker._storages())
+
+
+def state_digest(worker) -> str:
+    """MD5 over the bytes of every training-state storage (weights, DDP buffers, optimizer
+    parameters and moments), in a fixed order."""
+    views = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+             for t in worker._storages()]
+    return named_md5((str(i), v) for i, v in enumerate(views))

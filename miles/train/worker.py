@@ -26,7 +26,6 @@ from miles.observe.alignment import grad_checksums
 from miles.train import losses, weight_export
 from miles.train.batching import MicroBatch, to_device
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
-from plugins.deepseek_v4.checksum import named_md5
 from plugins.deepseek_v4.model import Gate
 
 
@@ -582,16 +581,6 @@ class TrainWorker:
                 for st in o.optimizer.state.values():
                     ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
         return unique_storages(ts)
-
-    def resident_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._storages())
-
-    def state_digest(self) -> str:
-        """MD5 over the bytes of every training-state storage (weights, DDP buffers,
-        optimizer parameters and moments), in a fixed order."""
-        views = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-                 for t in self._storages()]
-        return named_md5((str(i), v) for i, v in enumerate(views))
 
     def memory(self) -> dict[str, float]:
         """miles.memory.device_memory of this rank's GPU (empty on CPUs)."""
