@@ -1,9 +1,7 @@
-"""The rollout manager: engines, SGLang's router in front of them, and generation that loses
-no sample.
+"""The rollout manager: engines, SGLang's router in front of them, their weight updates, and
+generation through the router (miles.rollout.client: no sample lost).
 
-Every sample goes through the router with a timeout; a failed or timed-out request is
-re-queued (up to `max_attempts`), and a sample's result is recorded once, by its id. A health
-monitor checks each engine's /health; an engine that fails `health_failures` checks in a row
+A health monitor checks each engine's /health; an engine that fails `health_failures` checks in a row
 (dead, hung, or stuck with work waiting) is removed from the router, killed and replaced,
 and the replacement gets the latest weights before it is added back. Runs in the driver or
 as a Ray actor (`ray.remote(RolloutManager)`).
@@ -11,35 +9,25 @@ as a Ray actor (`ray.remote(RolloutManager)`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import threading
-import time
 from dataclasses import dataclass
 
-import aiohttp
 import httpx
 import ray
 
 from miles.cluster.node import device_options
 from miles.config import RolloutConfig
+from miles.rollout.client import RolloutError, RouterClient
 from miles.rollout.embedded import EmbeddedEngine
 from miles.rollout.router import Router
 from miles.rollout.sglang import SGLangEngine
+from miles.rollout.updates import apply_update
 from miles.rollout.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 PEER_COPY_TIMEOUT = 600.0  # seconds a live engine may take to put its weights for a replacement
-
-
-def _cause(err: Exception) -> Exception:
-    """The exception raised inside an actor (Ray wraps it in a RayTaskError)."""
-    return err.cause if isinstance(getattr(err, "cause", None), Exception) else err
-
-
-class RolloutError(RuntimeError):
-    """A sample that could not be generated (a 4xx from the engines, or every attempt failed)."""
 
 
 @dataclass
@@ -93,6 +81,7 @@ class RolloutManager:
                              health_interval=c.health_interval, extra_args=list(c.router_args),
                              log_file=f"{log_dir}/router.log" if log_dir else None, api_key=self.api_key)
         self.stats = {"restarts": 0, "retries": 0, "timeouts": 0, "aborted": 0, "wrong_weights": 0}
+        self.client = RouterClient(self.router.url, self.router.headers, c, self.stats)
         self._lock = threading.RLock()
         self._update_lock = threading.RLock()  # an update and a replacement's catch-up never interleave
         self._stop = threading.Event()
@@ -178,7 +167,7 @@ class RolloutManager:
                 if behind and self._copy_from_peer(new):
                     behind = False
                 elif self.latest is not None:
-                    self._apply([new], self.latest)
+                    apply_update([new], self.latest)
                 if behind:  # the next sync brings every engine up to date
                     log.warning("engine %s serves older weights than version %s until the next weight sync",
                                 new.url, self.version)
@@ -210,7 +199,7 @@ class RolloutManager:
             if served["version"] != self.version:  # a sync that reached only some engines
                 continue
             buckets = served["buckets"]
-            self._apply([new], {"buckets": buckets, "names": [n for _, s in buckets for n in s],
+            apply_update([new], {"buckets": buckets, "names": [n for _, s in buckets for n in s],
                                 "version": self.version})
             log.info("engine %s copied version %s from %s", new.url, self.version, peer.url)
             return True
@@ -236,7 +225,7 @@ class RolloutManager:
             with self._lock:
                 engines = [e for e in self.engines if e.alive]
             try:
-                res = self._apply(engines, {"shared": buckets, "names": names, "version": version})
+                res = apply_update(engines, {"shared": buckets, "names": names, "version": version})
             except ray.exceptions.RayActorError as e:
                 raise WeightSyncError(f"an engine died during the weight update: {e}") from None
             self.version = version
@@ -269,167 +258,21 @@ class RolloutManager:
             with self._lock:
                 engines = [e for e in self.engines if e.alive]
             try:
-                res = self._apply(engines, update)
+                res = apply_update(engines, update)
             except ray.exceptions.RayActorError as e:  # died mid-update: the monitor replaces it
                 raise WeightSyncError(f"an engine died during the weight update: {e}") from None
             self.latest, self.version = update, update["version"]
             return res
 
-    @staticmethod
-    def _apply(engines: list[EngineSlot], update: dict) -> dict:
-        t0 = time.perf_counter()
-        if "path" in update:  # one call per engine; an engine that refuses keeps its weights
-            refs = [e.actor.update_from_disk.remote(update["path"], update["version"]) for e in engines]
-            errors = []
-            for e, ref in zip(engines, refs, strict=True):
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayTaskError as err:
-                    errors.append(f"{e.url}: {_cause(err)}")
-            if errors:
-                rest = len(engines) - len(errors)
-                raise WeightSyncError(f"{len(errors)} of {len(engines)} engines refused the weights at "
-                                      f"{update['path']} and keep their previous ones"
-                                      + (f" (the other {rest} serve version {update['version']})" if rest else "")
-                                      + f": {errors[0]}")
-            return {"seconds": time.perf_counter() - t0, "engines": len(engines)}
-        ray.get([e.actor.begin_update.remote() for e in engines])
-        if "shared" in update:
-            staged = [e.actor.stage_shared.remote(*bucket) for e in engines for bucket in update["shared"]]
-        else:
-            staged = [e.actor.stage.remote(ref, sums) for e in engines for ref, sums in update["buckets"]]
-        errors = []
-        for ref in staged:  # in order: the first error is the cause, later ones its echo
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayTaskError as err:
-                errors.append(_cause(err))
-        if errors:
-            ray.get([e.actor.abort_update.remote() for e in engines])
-            raise WeightSyncError(f"weight update failed, engines keep their weights: {errors[0]}")
-        res = ray.get([e.actor.commit.remote(update["names"], update["version"]) for e in engines])
-        return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines)}
-
     # ------------------------------------------------------------------ generation
     def generate(self, requests: list[dict], version: int | None = None, each=None) -> list:
-        """requests: {"id": sample id, "input_ids" or "text", "sampling_params", ...} (the rest
-        is SGLang's /generate body). Returns one result per request, in order, each the
-        engine's response plus its "id" (or `each(it)`, applied as it arrives: what is kept of
-        a large rollout instead of its JSON); every sample finished exactly once. An aborted
-        response is generated again; with `version` (the trainer step whose weights the
-        engines should serve) so is one from weights that are no trainer version up to it."""
-        self._unique(requests)
-
-        async def one(post, req: dict):
-            res = {**await post({k: v for k, v in req.items() if k != "id"}, req["id"]), "id": req["id"]}
-            return res if each is None else each(res)
-
-        return asyncio.run(self._each(requests, one, version))
+        """RouterClient.generate through this manager's router."""
+        return self.client.generate(requests, version, each)
 
     def generate_transcripts(self, samples: list[dict], fn: str = "miles.rollout.multiturn:single_turn",
                              version: int | None = None) -> list:
-        """Multi-turn: the generate function `fn` ("module:function") runs once per sample
-        {"id", "input_ids", ...} with a client whose every request has the timeouts, retries
-        and checks of `generate`. Returns the Transcripts, in order."""
-        from miles.rollout.multiturn import Client, load_generate_fn
-
-        gen = load_generate_fn(fn)
-        self._unique(samples)
-
-        async def one(post, sample: dict):
-            return await gen(Client(lambda body: post(body, sample["id"])), sample)
-
-        return asyncio.run(self._each(samples, one, version))
-
-    @staticmethod
-    def _unique(items: list[dict]) -> None:
-        ids = [r["id"] for r in items]
-        if len(set(ids)) != len(ids):
-            raise RolloutError("sample ids must be unique within one generate call")
-
-    async def _each(self, items: list[dict], one, version: int | None = None) -> list:
-        """Run `one(post, item)` for every item; results recorded once per item id. aiohttp, not
-        httpx: httpx's connection pool scans every connection for every request it places
-        (192 requests cost the driver 0.8 s of CPU at 256 connections; aiohttp 0.06 s)."""
-        c = self.cfg
-        done: dict[str, object] = {}
-        sem = asyncio.Semaphore(c.concurrency)
-        timeout = aiohttp.ClientTimeout(total=c.request_timeout)
-        async with aiohttp.ClientSession(self.router.url, timeout=timeout, headers=self.router.headers,
-                                         connector=aiohttp.TCPConnector(limit=c.concurrency)) as client:
-            async def post(body: dict, sample_id: str) -> dict:
-                return await self._post(client, sem, body, sample_id, version)
-
-            async def run(item: dict) -> None:
-                res = await one(post, item)
-                done.setdefault(item["id"], res)  # exactly once, whatever retried underneath
-
-            tasks = [asyncio.ensure_future(run(x)) for x in items]
-            try:
-                await asyncio.gather(*tasks)
-            except BaseException:  # one sample failed the rollout: the others stop now, not retry
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-        return [done[x["id"]] for x in items]
-
-    async def _post(self, client: aiohttp.ClientSession, sem: asyncio.Semaphore, body: dict,
-                    sample_id: str, version: int | None = None) -> dict:
-        """One /generate through the router with a timeout; failures and timeouts retried
-        (a 4xx other than 408/429 is the request's fault and is not), and so are answers that
-        must not be trained: an aborted response (stats "aborted": cut short, not complete) and,
-        with `version`, one whose weight_version is no trainer version up to it (stats
-        "wrong_weights": an engine's own initial weights, say). An older trainer version is
-        kept: the caller measures staleness from it."""
-        c = self.cfg
-        sp = body.get("sampling_params") or {}
-        if "seed" in sp:  # the router forwards SGLang's name only
-            sp = {k: v for k, v in sp.items() if k != "seed"} | {"sampling_seed": sp["seed"]}
-            body = {**body, "sampling_params": sp}
-        last = ""
-        for attempt in range(c.max_attempts):
-            if attempt:
-                self.stats["retries"] += 1
-                await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
-            try:
-                async with sem, client.post("/generate", json=body) as r:
-                    if r.status == 200:
-                        res = await r.json(content_type=None)
-                        last = self._unusable(res, version)
-                        if not last:
-                            return res
-                        continue
-                    last = f"HTTP {r.status}: {(await r.text(errors='replace'))[:300]}"
-            except TimeoutError:
-                self.stats["timeouts"] += 1
-                last = f"timed out after {c.request_timeout:.0f} s"
-                continue
-            except aiohttp.ClientError as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if 400 <= r.status < 500 and r.status not in (408, 429):
-                raise RolloutError(f"sample {sample_id}: the engine refused it: {last}")
-        raise RolloutError(f"sample {sample_id}: {c.max_attempts} attempts failed, the last: {last}")
-
-    def _unusable(self, res: dict, version: int | None) -> str:
-        """Why a 200 answer cannot be used ('' when it can), counted in stats."""
-        meta = res.get("meta_info") or {}
-        reason = meta.get("finish_reason") or {}
-        if reason.get("type") == "abort":
-            self.stats["aborted"] += 1
-            return f"aborted ({reason.get('message', 'no reason given')})"
-        if version is not None:
-            got = meta.get("weight_version")
-            try:
-                ok = got is not None and int(got) <= version
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                self.stats["wrong_weights"] += 1
-                return (f"answered with weight_version {got!r}, not the trainer's weights of version {version} "
-                        "(an engine that missed its weight sync)")
-        return ""
+        """RouterClient.generate_transcripts through this manager's router."""
+        return self.client.generate_transcripts(samples, fn, version)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from miles.memory import offload, restore, unique_storages
 from miles.observe.alignment import grad_checksums
-from miles.train import losses, weight_export
+from miles.train import losses
 from miles.train.batching import MicroBatch, to_device
+from miles.train.weight_sender import WeightSender
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.model import Gate
 
@@ -65,8 +66,7 @@ class TrainWorker:
         self._profile = None
         self._asleep: list | None = None
         self._save = None  # an async save being written (miles.ckpt.sharded.BackgroundSave)
-        self._sync_group = None  # weight-sync broadcast group with the engines
-        self._shared: list[torch.Tensor] = []  # buffers colocated engines read (share_weight_buckets)
+        self.weights: WeightSender | None = None  # every path of the weights out (after build_model)
         self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -132,6 +132,7 @@ class TrainWorker:
         self.model = DeepSeekV4ForCausalLM(cfg, dtype=dt, ctx=MegatronContext(dt), seed=seed).train()
         if self.device is not None:
             self.model.to(self.device)
+        self.weights = WeightSender(self.model, self.rank, self.device)
         if self.model.embed is not None and self.model.ctx.pp_size > 1:
             w = self.model.embed.weight
             w.shared_embedding = True  # own DDP bucket; gradients summed over the embedding group
@@ -468,92 +469,33 @@ class TrainWorker:
         path, self._profile = self._profile.stop(), None
         return str(path)
 
-    # ------------------------------------------------------------------ weights
+    # ------------------------------------------------------------------ weights out (WeightSender)
     def export_weights(self, bucket_bytes: int = 256 << 20) -> list[dict[str, torch.Tensor]]:
-        """This rank's share of the full (TP-gathered) weights under DeepSeek's names, in host
-        buckets of about `bucket_bytes` (see weight_export). Every rank must call it."""
-        return [{k: v.cpu().clone() for k, v in b.items()} for b in weight_export.buckets(self.model, bucket_bytes)]
+        return self.weights.export(bucket_bytes)
 
     def save_hf_shards(self, directory: str, bucket_bytes: int = 1 << 30) -> tuple[dict[str, str], int, list[str]]:
-        """Write this rank's share of the full weights (export_weights' buckets) into
-        `directory` as safetensors files of its own; returns ({name: file}, bytes, the names of
-        every tensor this rank holds: the driver checks each was written). Every rank must call
-        it; nothing passes through the driver."""
-        from miles.ckpt.sharded import model_tensors
-        from plugins.deepseek_v4.hf_io import write_shard
-
-        names, total = {}, 0
-        for i, b in enumerate(weight_export.buckets(self.model, bucket_bytes)):
-            fname = f"model-rank{self.rank:05d}-{i + 1:05d}.safetensors"
-            total += write_shard(directory, fname, b)
-            names.update(dict.fromkeys(b, fname))
-        return names, total, list(model_tensors(self.model))
+        return self.weights.save_hf_shards(directory, bucket_bytes)
 
     def put_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
-        """Weight sync through the object store: this rank's buckets put one at a time, as
-        [(ObjectRef, {name: md5})]; nothing passes through the driver."""
-        from miles.rollout.weights import put_buckets
-
-        return put_buckets(weight_export.buckets(self.model, bucket_bytes))
+        return self.weights.put(bucket_bytes)
 
     def share_weight_buckets(self, bucket_bytes: int) -> list[tuple]:
-        """Weight sync to colocated engines: this rank's buckets packed into flat buffers that
-        stay here until release_shared(), each as (share handle, spec, {name: fingerprint}):
-        the engines open the buffers in place (CUDA IPC on a GPU: no host copy)."""
-        from miles.rollout.weights import pack, share, spec_of
-        from plugins.deepseek_v4.checksum import fingerprints
-
-        out = []
-        self._shared = []
-        for b in weight_export.buckets(self.model, bucket_bytes):
-            flat = pack(b)
-            self._shared.append(flat)
-            out.append((share(flat), spec_of(b), fingerprints(b)))
-        if self.device is not None:
-            torch.cuda.synchronize()  # the buffers are written before another process reads them
-        return out
+        return self.weights.share(bucket_bytes)
 
     def release_shared(self) -> None:
-        """The engines are done with share_weight_buckets' buffers: free them."""
-        self._shared = []
+        self.weights.release()
 
     def weight_plan(self, bucket_bytes: int) -> list:
-        return weight_export.plan(self.model, bucket_bytes)
+        return self.weights.plan(bucket_bytes)
 
     def open_sync_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
-        """Join the weight-sync broadcast group with the engines (`backend`: the one the engines
-        use, from the job's resolved device)."""
-        from miles.rollout.weights import open_group
-
-        self._sync_group = open_group(host, port, rank, size, backend)
+        self.weights.open_group(host, port, rank, size, backend)
 
     def broadcast_weights(self, plan: list[dict], bucket_bytes: int, me: int | None) -> dict[str, str]:
-        """Send this rank's buckets to the engines over the sync group (`me` = this rank's index
-        in it, None when it sends nothing but takes part in the TP gathers); every member takes
-        part in every bucket in plan order. Returns the digests (weights.digests) of what this
-        rank sent."""
-        from miles.rollout.weights import bucket_buffer, digests, pack
-
-        gen = weight_export.buckets(self.model, bucket_bytes)
-        if me is None:
-            for _ in gen:
-                pass
-            return {}
-        sums = {}
-        for b in plan:
-            if b["src"] == me:
-                bucket = next(gen)
-                flat = pack(bucket)
-                sums.update(digests(bucket))
-            else:
-                flat, _ = bucket_buffer(b["spec"], self.device)
-            self._sync_group.broadcast(flat, b["src"]).wait()
-        if next(gen, None) is not None:
-            raise RuntimeError(f"rank {self.rank}: the sync plan misses some of this rank's buckets")
-        return sums
+        return self.weights.broadcast(plan, bucket_bytes, me)
 
     def close_sync_group(self) -> None:
-        self._sync_group = None
+        self.weights.close_group()
 
     def inspect(self, what: str, *args):
         """Run miles.train.inspect.<what>(this worker, *args): read-only views of the training
