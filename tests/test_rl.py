@@ -555,3 +555,38 @@ def test_a_rollouts_per_token_data_is_held_as_arrays_and_trains_the_same(seed):
     for field in ("input_ids", "labels", "loss_mask", "advantages", "rollout_logprobs", "token_weights"):
         x, y = getattr(a, field), getattr(b, field)
         assert torch.isfinite(x.float()).all() and torch.equal(x, y), field
+
+
+def test_a_prompt_drawn_twice_in_one_round_gets_new_samples_not_a_clash(tmp_path):
+    """A round that crosses into the next epoch (or a prompts file smaller than a round) draws
+    a prompt again: its requests need ids of their own (the manager refuses a repeated id) and
+    seeds of their own (else its samples repeat the first draw's); the first draw's ids and
+    seeds are what they always were (resumed runs draw the same samples)."""
+    import zlib
+
+    from miles.config import DataConfig
+    from miles.data.prompts import PromptSource
+    from miles.rl.rollout import requests
+
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Which is larger: {i} or {i + 7}?", "label": str(i + 7)}) + "\n"
+                            for i in range(10)))
+    source = PromptSource(DataConfig(source="prompts", path=str(rows), tokenizer="tiny", eval_size=0), 1234, 64,
+                          tmp_path)
+    drawn = [source.batch(step, 4) for step in range(1, 6)]
+    source.close()
+    twice = next((b for b in drawn if len({p.id for p in b}) < len(b)), None)
+    assert twice is not None, "no round drew a prompt twice: the data no longer exercises the case"
+    reqs = requests(twice, 3, {"temperature": 1.0}, seed=(1234, 3, 0))
+    ids = [r["id"] for r in reqs]
+    assert len(set(ids)) == len(ids), "a prompt drawn twice repeats its request ids"
+    first = {}
+    for p, r in zip([p for p in twice for _ in range(3)], reqs, strict=True):
+        first.setdefault(p.id, []).append(r)
+    for pid, rs in first.items():
+        head = rs[:3]  # the first draw: the ids and seeds of a round without repeats
+        assert [r["id"] for r in head] == [f"1234/3/0/{pid}/{i}" for i in range(3)]
+        assert [r["sampling_params"]["seed"] for r in head] == [
+            zlib.crc32(f"{(1234, 3, 0)}/{pid}/{i}".encode()) & 0x7FFFFFFF for i in range(3)]
+        if len(rs) > 3:
+            assert {r["sampling_params"]["seed"] for r in rs[3:]}.isdisjoint(r["sampling_params"]["seed"] for r in head)

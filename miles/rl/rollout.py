@@ -135,9 +135,7 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
     version); each request seeded by (seed, prompt, i), so a resumed run draws the same samples."""
     r = job.rollout
     params = {"temperature": temperature, "top_p": top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
-    reqs = [{"id": f"{'/'.join(map(str, seed))}/{p.id}/{i}", "input_ids": p.input_ids, "return_logprob": True,
-             "sampling_params": params | {"seed": _seed(seed, p.id, i)}}
-            for p in prompts for i in range(n)]
+    reqs = requests(prompts, n, params, seed)
     tok = response_tokenizer(job.data.tokenizer, job.data.template)
     owners = [p for p in prompts for _ in range(n)]
     if r.generate_fn is None:  # each result made compact as it arrives (its JSON lists dropped)
@@ -149,6 +147,21 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
         flat = [transcript_response(p, t, r.max_len, tok, q["id"])
                 for p, t, q in zip(owners, transcripts, samples, strict=True)]
     return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+
+def requests(prompts: list[Prompt], n: int, params: dict, seed: tuple) -> list[dict]:
+    """The /generate requests of n samples per prompt, each with its own id and sampling seed
+    from (seed, prompt, i). A prompt drawn again in the same round (a round that crosses into
+    the next epoch, or a file smaller than a round) is the same prompt's k-th draw: its ids and
+    seeds take a `#k` (the first draw's are unchanged), so its samples are new ones."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        k = seen[p.id] = seen.get(p.id, -1) + 1
+        key = p.id if k == 0 else f"{p.id}#{k}"
+        out += [{"id": f"{'/'.join(map(str, seed))}/{key}/{i}", "input_ids": p.input_ids, "return_logprob": True,
+                 "sampling_params": params | {"seed": _seed(seed, key, i)}} for i in range(n)]
+    return out
 
 
 def compact_result(tok, res: dict) -> dict:
