@@ -169,6 +169,9 @@ def test_the_examples_of_the_rl_docs_score_and_generate_as_documented(tmp_path):
     assert set(examples) == {"my_reward.py", "retry.py"}, sorted(examples)
     for name, text in examples.items():
         (tmp_path / name).write_text(text)
+    for name in ("my_reward", "retry"):  # another test's module of the same name, imported in this process
+        sys.modules.pop(name, None)
+    importlib.invalidate_caches()
     sys.path.insert(0, str(tmp_path))
     try:
         score = load_reward("my_reward:score")  # as algo.reward names it
