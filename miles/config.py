@@ -334,6 +334,12 @@ class AlgoConfig(Section):
     # verifier run in min(this, CPUs) processes
     overlong_max_len: PosInt | None = None  # DAPO's overlong shaping: L_max (response tokens) ...
     overlong_cache: PosInt | None = None  # ... and the buffer L_cache before it
+    # -- the MoE router in training (docs/rl.md)
+    freeze_router_bias: Bool | None = None  # keep the aux-loss-free selection bias as loaded (default: frozen for
+    # policy-loss jobs, updated for lm jobs). RL's tokens are the policy's own samples, few and correlated: a bias
+    # that chases their loads moves the engines' routing away from what pre-training balanced, for no gain in
+    # reward. The loads are still counted and logged (train/router_load_max_over_mean).
+    freeze_router: Bool = False  # the gate weights out of the optimizer (they get no updates)
 
     @model_validator(mode="after")
     def _rl(self) -> AlgoConfig:
@@ -353,6 +359,8 @@ class AlgoConfig(Section):
             self.kl_reference = Path(os.path.abspath(self.kl_reference))
         if self.mtp_loss_coef is None:  # RL trains MTP only when the job asks for it
             self.mtp_loss_coef = 0.0 if self.loss == "policy" else LossCoefs.mtp
+        if self.freeze_router_bias is None:
+            self.freeze_router_bias = self.loss == "policy"
         return self
 
     def policy_options(self, rollout: RolloutConfig) -> dict:

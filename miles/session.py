@@ -176,6 +176,7 @@ def start_trainer(job: JobConfig, colocation=None) -> TrainGroup:
         rl = algo.loss == "policy"  # RL: train.steps counts rollouts, each several optimizer steps
         group.call("set_loss", algo.loss, algo.policy_options(job.rollout) if rl else None,
                    mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef, balance=algo.balance_loss_coef)
+        group.call("set_router", freeze_bias=algo.freeze_router_bias, freeze_weights=algo.freeze_router)
         group.call("setup_training", **job.train.optim.model_dump(), total_steps=job.optimizer_steps)
     except BaseException:
         group.shutdown()

@@ -100,6 +100,13 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     texts = [[s["text"] for s in json.loads(x)["samples"]] for x in
              ((r / "rollouts.jsonl").read_text() for r in runs.values())]
     assert texts[0] == texts[1], "the placements sampled different responses"
+    from safetensors.torch import load_file
+
+    # RL keeps the router's selection bias (algo.freeze_router_bias): the seeded start's zeros
+    biases = {k: v for f in (runs["disaggregated"] / "hf").glob("*.safetensors") for k, v in load_file(f).items()
+              if k.endswith(".gate.bias")}
+    assert biases and all(not v.any() for v in biases.values()), "the router bias moved in an RL run"
+    assert dis["train/router_load_max_over_mean"] >= 1.0
 
 
 def test_colocated_rl_with_evals_math_rewards_and_a_temperature(cluster, tmp_path):
@@ -590,3 +597,48 @@ def test_a_prompt_drawn_twice_in_one_round_gets_new_samples_not_a_clash(tmp_path
             zlib.crc32(f"{(1234, 3, 0)}/{pid}/{i}".encode()) & 0x7FFFFFFF for i in range(3)]
         if len(rs) > 3:
             assert {r["sampling_params"]["seed"] for r in rs[3:]}.isdisjoint(r["sampling_params"]["seed"] for r in head)
+
+
+def test_the_router_in_training_frozen_bias_frozen_gates_and_its_load_metric(cluster, seed):
+    """algo.freeze_router_bias (RL's default): the aux-loss-free bias stays bit for bit while
+    the rest trains, and the loads are still reported; unfrozen (lm jobs) it moves.
+    algo.freeze_router: every gate's weights stay bit for bit, the experts still train."""
+    import torch
+
+    from miles.cluster.train_group import TrainGroup
+    from miles.config import AlgoConfig
+    from miles.data.synthetic import SyntheticSource
+    from miles.train.batching import replica_micro_batches
+    from plugins.deepseek_v4 import DeepSeekV4Config
+
+    assert AlgoConfig(loss="policy").freeze_router_bias and not AlgoConfig(loss="lm").freeze_router_bias
+    cfg = DeepSeekV4Config.tiny()
+
+    def train(freeze_bias: bool, freeze_weights: bool):
+        group = TrainGroup(1, resources={"CPU": 1})
+        try:
+            group.call("build_model", cfg.to_dict(), seed)
+            group.call("set_router", freeze_bias=freeze_bias, freeze_weights=freeze_weights)
+            group.call("setup_training", lr=1e-2, total_steps=10)
+            weights = lambda: {k: v for b in group.export_weights() for k, v in b.items()}  # noqa: E731
+            before = weights()
+            src = SyntheticSource(32, cfg.vocab_size, seed)
+            logs = [group.train_step(replica_micro_batches(src.batch(s, 4), 1, 1))[0] for s in (1, 2)]
+            return before, weights(), logs
+        finally:
+            group.shutdown()
+
+    def same(a, b, part: str) -> bool:
+        names = [k for k in a if part in k]
+        assert names, part
+        assert all(torch.isfinite(b[k]).all() for k in names)
+        return all(torch.equal(a[k], b[k]) for k in names)
+
+    before, after, logs = train(freeze_bias=True, freeze_weights=False)
+    assert same(before, after, ".gate.bias"), "a frozen router bias moved"
+    assert not same(before, after, ".gate.weight") and not same(before, after, ".ffn.experts.")
+    assert all(x["router_load_max_over_mean"] >= 1.0 for x in logs), logs
+    before, after, _ = train(freeze_bias=False, freeze_weights=True)
+    assert not same(before, after, ".gate.bias"), "the bias is not updated where it should be"
+    assert same(before, after, ".gate.weight"), "frozen gate weights moved"
+    assert not same(before, after, ".ffn.experts.")

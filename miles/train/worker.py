@@ -13,6 +13,7 @@ peers) receives the same micro-batches.
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
 from datetime import timedelta
@@ -20,14 +21,40 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.enums import ModelType
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
 
-from miles.memory import offload, restore, unique_storages
+from miles.ckpt import sharded
+from miles.ckpt.hf_slices import hf_slices
+from miles.ckpt.sharded import model_tensors
+from miles.cluster.node import node_address
+from miles.memory import device_memory, offload, restore, unique_storages
 from miles.observe.alignment import grad_checksums
-from miles.train import losses
+from miles.observe.profiler import Profile
+from miles.train import inspect, losses
 from miles.train.batching import MicroBatch, to_device
+from miles.train.parallel_context import MegatronContext
 from miles.train.weight_sender import WeightSender
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+from plugins.deepseek_v4.determinism import enable_deterministic
 from plugins.deepseek_v4.model import Gate
+
+
+def router_balance(gates: list[Gate]) -> torch.Tensor | None:
+    """The mean over MoE layers of the busiest expert's load over the mean load, from the loads
+    counted since the last step (1: balanced; layers that counted no token left out, 0 if none
+    did); None without a learned router."""
+    if not gates:
+        return None
+    loads = torch.stack([g.expert_load.float() for g in gates])  # [layers, experts]
+    counted = loads.sum(-1) > 0  # [layers]
+    ratio = loads.amax(-1) / loads.mean(-1).clamp_min(1e-12)  # [layers]
+    return (ratio * counted).sum() / counted.sum().clamp_min(1)
 
 
 class _ScheduleView:
@@ -35,8 +62,6 @@ class _ScheduleView:
     and (through `.module`) set_input_tensor on the plugin's model."""
 
     def __init__(self, module, config):
-        from megatron.core.enums import ModelType
-
         self.module, self.config, self.model_type = module, config, ModelType.encoder_or_decoder
 
 
@@ -68,12 +93,11 @@ class TrainWorker:
         self._save = None  # an async save being written (miles.ckpt.sharded.BackgroundSave)
         self.weights: WeightSender | None = None  # every path of the weights out (after build_model)
         self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
+        self.freeze_router_bias = False  # set_router
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the others connect: its Ray node's address (other nodes reach
         it there) and a free port."""
-        from miles.cluster.node import node_address
-
         host = node_address()
         with socket.socket() as s:
             s.bind((host, 0))
@@ -93,17 +117,11 @@ class TrainWorker:
             megatron_cpu.apply()
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(minutes=5))
-        from megatron.core import parallel_state as ps
-
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep, context_parallel_size=cp)
         return self.layout()
 
     def layout(self) -> dict:
-        from megatron.core import parallel_state as ps
-
-        from miles.cluster.node import node_address
-
         return {"rank": self.rank, "node": node_address(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
@@ -115,14 +133,7 @@ class TrainWorker:
         """Build this rank's part of the model (seeded per tensor name, so every layout starts
         from the single-process weights). Deterministic mode: fixed seeds, deterministic
         kernels (no atomics), bit-identical reruns."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer import TransformerConfig
-
-        from miles.train.parallel_context import MegatronContext
-
         if deterministic:
-            from plugins.deepseek_v4.determinism import enable_deterministic
-
             enable_deterministic(seed)
         dt = getattr(torch, dtype)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -164,6 +175,25 @@ class TrainWorker:
         self.temperature = losses.temperature(name, options)  # of forward_logprobs too
         self._metric_keys = None
 
+    def set_router(self, freeze_bias: bool, freeze_weights: bool = False) -> None:
+        """The MoE router in training: `freeze_bias` keeps the aux-loss-free selection bias as it
+        is (the expert loads are still counted and reported); `freeze_weights` takes the gate
+        weights out of the optimizer. Before setup_training, which builds DDP and the optimizer
+        over the parameters that require gradients."""
+        if self.ddp is not None and freeze_weights != self._router_frozen():
+            raise RuntimeError("set_router(freeze_weights=...) must come before setup_training")
+        self.freeze_router_bias = freeze_bias
+        for g in self._gates(learned_only=False):  # hash layers' gates weigh their experts too
+            g.weight.requires_grad_(not freeze_weights)
+
+    def _gates(self, learned_only: bool = True) -> list[Gate]:
+        """The MoE gates; `learned_only`: those that route (hash layers route by token id: no
+        loads to balance, no bias)."""
+        return [m for m in self.model.modules() if isinstance(m, Gate) and not (learned_only and m.is_hash)]
+
+    def _router_frozen(self) -> bool:
+        return any(not g.weight.requires_grad for g in self._gates(learned_only=False))
+
     def setup_training(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine",
                        weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                        clip_grad: float = 1.0, total_steps: int = 1000) -> None:
@@ -172,10 +202,6 @@ class TrainWorker:
         (cosine, linear or constant) to `min_lr` at k = total_steps. Gradients are summed over
         DP x CP (calculate_per_token_loss): the losses are already divided by global counts.
         The arguments are a job's `train.optim` group."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         bf16 = self.tcfg.bf16
         self.model.zero_grad(set_to_none=True)
         # No overlapped reduction: the CUDA graphs, the grouped expert GEMMs and the LM/MTP heads
@@ -198,8 +224,6 @@ class TrainWorker:
             override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
         # What exists now lives as long as the worker: the collector need not scan it again.
         # (Megatron's checkpointing calls gc.collect() twice per save: 0.65 s -> 0.01 s.)
-        import gc
-
         gc.collect()
         gc.freeze()
 
@@ -212,8 +236,6 @@ class TrainWorker:
         data-parallel replicas (the TP/PP/CP peers of a replica hold the same micro-batches);
         at least 1, so an empty term is 0, not NaN. Counted from the host's micro-batches (a few
         small ops each: on a GPU they would be launches it idles through), then one copy."""
-        from megatron.core import parallel_state as ps
-
         dp = ps.get_data_parallel_group()
         if self.model.ctx.ep_size > 1:  # the expert exchange is a collective per micro-batch
             n = [torch.zeros((), device=self.device) for _ in range(dist.get_world_size(dp))]
@@ -231,8 +253,6 @@ class TrainWorker:
         """Megatron's forward-backward over the micro-batches. Returns, on the last pipeline
         stage, per micro-batch {metrics, logprobs [B, s]} (forward-only: logprobs); and this
         stage's summed auxiliary metrics (earlier stages compute some auxiliary terms)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         stage_metrics: dict[str, torch.Tensor] = {}
         ctx = self.model.ctx
 
@@ -264,8 +284,6 @@ class TrainWorker:
         holds its share of the global mean) and over PP (earlier stages' auxiliary shares);
         metrics named *_max are maxima of values >= 0 instead. The same keys on every rank,
         whatever its stage."""
-        from megatron.core import parallel_state as ps
-
         mine = sorted(set().union(*(r["metrics"] for r in res), stage_metrics))
         if self._metric_keys is None:  # stages report different terms: agree on the union once
             every = [None] * dist.get_world_size()
@@ -292,8 +310,6 @@ class TrainWorker:
     def _sync_embedding_grads(self, grads: list[torch.Tensor]) -> None:
         """The first and last pipeline stages each hold the embedding (input, and MTP):
         their gradients are summed, as Megatron does for tied embeddings."""
-        from megatron.core import parallel_state as ps
-
         if self.model.ctx.pp_size > 1 and self.model.embed is not None and ps.is_rank_in_embedding_group():
             for g in grads:
                 dist.all_reduce(g, group=ps.get_embedding_group())
@@ -316,20 +332,17 @@ class TrainWorker:
         """Store the reference policy (RL's KL term) on the host: this rank's slices of DeepSeek's
         HF checkpoint `hf` (algo.kl_reference; the live weights untouched), else this rank's
         current weights. Returns its bytes."""
-        from miles.ckpt.sharded import model_tensors
-
         own = model_tensors(self.model)
         if hf is None:
             self._reference = {k: v.detach().cpu().clone() for k, v in own.items()}
         else:
-            self._reference = {name: part.to(own[name].dtype).cpu().clone() for name, part in self._hf_slices(hf, own)}
+            self._reference = {name: part.to(own[name].dtype).cpu().clone()
+                               for name, part in hf_slices(self.model, hf, own, self.rank)}
         return sum(v.numel() * v.element_size() for v in self._reference.values())
 
     @torch.no_grad()
     def _swap_weights(self, weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Copy `weights` into the model; returns a host copy of what they replaced."""
-        from miles.ckpt.sharded import model_tensors
-
         if weights is None:
             raise RuntimeError(f"rank {self.rank}: no reference weights (keep_reference() first)")
         own = model_tensors(self.model)
@@ -359,8 +372,6 @@ class TrainWorker:
         gradient. Returns the global batch's loss metrics, grad norm, lr and, with `checksums`,
         an MD5 per parameter group of this rank's reduced gradients (alignment records; it
         copies every gradient to the host); `step_time`, the seconds the step took in here."""
-        from megatron.core import parallel_state as ps
-
         from miles.train import megatron_gpu
 
         start = time.perf_counter()
@@ -372,11 +383,18 @@ class TrainWorker:
         if not ok:
             raise FloatingPointError(f"rank {self.rank}: optimizer step skipped (non-finite gradients)")
         dpcp = ps.get_data_parallel_group(with_context_parallel=True)
-        for mod in self.model.modules():  # aux-loss-free balancing sees the global expert loads
-            if isinstance(mod, Gate) and not mod.is_hash:
-                dist.all_reduce(mod.expert_load, group=dpcp)
-        self.model.update_router_bias()
+        gates = self._gates()
+        for g in gates:  # aux-loss-free balancing sees the global expert loads
+            dist.all_reduce(g.expert_load, group=dpcp)
+        balance = router_balance(gates)
+        if self.freeze_router_bias:
+            for g in gates:
+                g.expert_load.zero_()
+        else:
+            self.model.update_router_bias()
         out = self._reported(res, aux)
+        if balance is not None:
+            out["router_load_max_over_mean"] = float(balance)
         if self.device is not None:
             torch.cuda.synchronize()
         out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5,
@@ -389,8 +407,6 @@ class TrainWorker:
         alone: a conversion) into `directory` (miles.ckpt.sharded; the caller commits the
         directory). With `async_save` the files are written in the background: finish_save()
         reports when."""
-        from miles.ckpt import sharded
-
         if self._save is not None:
             raise RuntimeError("a checkpoint is still being written: finish_save(blocking=True) first")
         self._save = sharded.save(directory, self.model, None if model_only else self.opt, self.sched,
@@ -407,40 +423,19 @@ class TrainWorker:
         """This rank's slices of DeepSeek's HF checkpoint (FP8/FP4 dequantized), read one tensor
         at a time: only the names this rank holds (its stage's layers, its EP rank's experts),
         each sliced to its TP part. Returns what was read (names, peak bytes in flight)."""
-        from miles.ckpt.sharded import model_tensors
-
         own = model_tensors(self.model)
         peak = [0]
         with torch.no_grad():
-            for name, part in self._hf_slices(directory, own, peak):
+            for name, part in hf_slices(self.model, directory, own, self.rank, peak):
                 own[name].copy_(part.to(own[name].dtype))
         if self.opt is not None:  # bf16: the optimizer's fp32 main copies start from these weights
             self.opt.reload_model_params()
         return {"names": sorted(own), "peak_bytes": peak[0],
                 "shard_bytes": sum(t.numel() * t.element_size() for t in own.values())}
 
-    def _hf_slices(self, directory: str, own: dict[str, torch.Tensor], peak: list[int] | None = None):
-        """(name, this rank's slice) of each tensor of `own` in DeepSeek's HF checkpoint, read one
-        at a time and checked against the model's shape; peak[0]: the most bytes in flight."""
-        from plugins.deepseek_v4.hf_io import iter_tensors
-
-        ctx = self.model.ctx
-        for name, full, held in iter_tensors(directory, sorted(own)):
-            if peak is not None:
-                peak[0] = max(peak[0], held)
-            t = own[name]
-            if getattr(t, "tensor_model_parallel", False) and ctx.tp_size > 1:
-                full = full.chunk(ctx.tp_size, t.partition_dim)[ctx.tp_rank]
-            if tuple(full.shape) != tuple(t.shape):
-                raise ValueError(f"{directory}: tensor '{name}' gives {list(full.shape)} on rank {self.rank}, "
-                                 f"the model needs {list(t.shape)} (does config.json match the job?)")
-            yield name, full
-
     def load_checkpoint(self, directory: str, same_layout: bool, with_optimizer: bool = True) -> None:
         """Collective: this rank's slices of a checkpoint saved at any layout (RNG states when
         `same_layout`); without the optimizer, the weights alone (fresh moments and schedule)."""
-        from miles.ckpt import sharded
-
         sharded.load(directory, self.model, self.opt, self.sched, self.world_size, self.rank, same_layout,
                      with_optimizer)
         self._fuse_adam()
@@ -456,8 +451,6 @@ class TrainWorker:
                       profile_memory: bool = False) -> None:
         """Profile this rank until stop_profile(), which writes <trace_dir>/rank<N>.json
         (miles.observe.profiler)."""
-        from miles.observe.profiler import Profile
-
         if self._profile is not None:
             raise RuntimeError(f"rank {self.rank}: a profile is already running")
         self._profile = Profile(Path(trace_dir) / f"rank{self.rank}.json", record_shapes, with_stack, profile_memory)
@@ -501,8 +494,6 @@ class TrainWorker:
         """Run miles.train.inspect.<what>(this worker, *args): read-only views of the training
         state for parity checks and debugging (reduced gradient shards, optimizer moments,
         parameters), kept out of the training path."""
-        from miles.train import inspect
-
         fn = getattr(inspect, what, None)
         if what.startswith("_") or not callable(fn):
             raise ValueError(f"miles.train.inspect has no function {what!r}")
@@ -526,8 +517,6 @@ class TrainWorker:
 
     def memory(self) -> dict[str, float]:
         """miles.memory.device_memory of this rank's GPU (empty on CPUs)."""
-        from miles.memory import device_memory
-
         return device_memory(self.device)
 
     def sleep(self) -> int:
