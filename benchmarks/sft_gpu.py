@@ -1,0 +1,126 @@
+"""`miles sft` against the trainer alone, on the same rows (issue 53's goal: the job at >= 90%
+of the trainer's tokens/s on one GPU).
+
+    python3 benchmarks/sft_gpu.py [--seq 4096] [--batch 2] [--steps 10]
+    .venv/bin/python benchmarks/sft_gpu.py --device cpu --preset tiny --seq 256 --steps 4   # the path, on CPU
+
+Writes a JSONL of long conversations (random words, one conversation a packed row of about
+0.9 x --seq tokens), then
+1. the trainer alone: one TrainWorker in this process, built as the job builds its workers,
+   trains on the very micro-batches the job's data source gives for each step (the same
+   SFTSource, seed and packing), timed around train_step;
+2. `miles sft jobs/sft_gpu.yaml` with that data on a local Ray cluster: tokens / step time
+   of each step from its metrics.jsonl (the controller, Ray and batching included).
+Medians after --warmup steps; the ratio is the job's share of the trainer's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from miles.config import load_job  # noqa: E402
+from miles.controller import layout_batch  # noqa: E402
+from miles.data.chat import tokenize_conversation  # noqa: E402
+from miles.data.sft import SFTSource, tokenizer_path  # noqa: E402
+from miles.train.worker import TrainWorker  # noqa: E402
+
+WORDS = ["alpha", "beta", "gamma", "delta", "number", "seven", "river", "stone", "light", "cloud", "apple",
+         "green", "table", "window", "answer", "question", "small", "large", "first", "second"]
+
+
+def write_conversations(path: Path, n: int, seq: int, seed: int) -> float:
+    """n conversations of about 0.9 x seq tokens (the tiny tokenizer); returns their mean length."""
+    rng = random.Random(seed)
+
+    def conversation(words: int) -> list[dict]:
+        return [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words // 2))},
+                {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(words - words // 2))}]
+
+    tok = tokenizer_path("tiny")
+    per_word = len(tokenize_conversation(conversation(400), tok)[0]) / 400
+    words = int(0.9 * seq / per_word)
+    rows = [conversation(words) for _ in range(n)]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    return statistics.mean(len(tokenize_conversation(m, tok)[0]) for m in rows[:8])
+
+
+def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[float]:
+    """tokens/s of each step: one in-process worker on the job's own micro-batches."""
+    if job.cluster.device == "cpu":  # as many threads as Ray gives the job's worker (its CPUs)
+        torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
+    w = TrainWorker(0, 1)
+    w.init_distributed(*w.rendezvous_address())
+    m, a = job.model, job.algo
+    w.build_model(m.arch.to_dict(), job.train.seed, dtype=m.dtype, deterministic=job.train.deterministic)
+    w.set_loss(a.loss, None, mtp=a.mtp_loss_coef, indexer=a.indexer_loss_coef, balance=a.balance_loss_coef)
+    w.setup_training(**job.train.optim.model_dump(), total_steps=job.optimizer_steps)
+    data = SFTSource(job.data, job.train.seed, run_dir)
+    out = []
+    for step in range(1, steps + 1):
+        samples = data.batch(step, job.train.global_batch_size)
+        mbs = layout_batch(job, samples)[0]
+        t0 = time.perf_counter()
+        w.train_step(mbs)  # returns its metrics as host numbers: the step has finished
+        out.append(sum(len(s.tokens) - 1 for s in samples) / (time.perf_counter() - t0))
+    data.close()
+    w.shutdown()
+    return out[warmup:]
+
+
+def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -> list[float]:
+    """tokens/s of each step of `miles sft` (perf/tokens over perf/step_time: data, batching,
+    the Ray call and the step)."""
+    cmd = [sys.executable, "-m", "miles.cli", "sft", job_file, *overrides, f"log.run_dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"miles sft failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    return [r["perf/tokens"] / r["perf/step_time"] for r in steps][warmup:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=4096, help="positions per packed row")
+    ap.add_argument("--batch", type=int, default=2, help="rows (conversations) per step")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="first steps left out (compiles, allocator)")
+    ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    ap.add_argument("--preset", choices=["small_50m", "tiny"], default="small_50m")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="sft_gpu-"))
+    mean_len = write_conversations(tmp / "long.jsonl", 4 * a.batch * a.steps, a.seq, seed=0)
+    dtype = "bfloat16" if a.device == "gpu" else "float32"
+    overrides = [f"cluster.device={a.device}", f"model.preset={a.preset}", f"model.dtype={dtype}",
+                 f"model.overrides.max_position_embeddings={max(a.seq, 4096)}", f"data.path={tmp / 'long.jsonl'}",
+                 "data.eval_path=null", "data.eval_size=0", f"data.seq_len={a.seq}",
+                 f"train.global_batch_size={a.batch}", "train.micro_batch_size=1", f"train.steps={a.steps}",
+                 "ckpt.save_hf=false", "log.wandb.mode=disabled", "log.interval=1"]
+    job_file = str(ROOT / "jobs" / "sft_gpu.yaml")
+    job = load_job(job_file, overrides)
+    alone = trainer_alone(job, a.steps, a.warmup, tmp / "alone")
+    job_speed = whole_job(job_file, overrides, tmp / "job", a.warmup)
+    med_alone, med_job = statistics.median(alone), statistics.median(job_speed)
+    print(f"{a.preset} {dtype} on {a.device}: {a.batch} rows of up to {a.seq} positions a step (conversations of "
+          f"{mean_len:.0f} tokens), medians of steps {a.warmup + 1}-{a.steps}\n")
+    print(f"{'':34}{'tokens/s':>12}")
+    print(f"{'trainer alone (one worker here)':34}{med_alone:12,.0f}")
+    print(f"{'miles sft (controller, Ray, data)':34}{med_job:12,.0f}")
+    print(f"{'miles sft / trainer alone':34}{med_job / med_alone:12.1%}   (goal >= 90%)")
+
+
+if __name__ == "__main__":
+    main()
