@@ -37,3 +37,8 @@ class Fwd:
     balance_terms: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: summed over rows
     capture: Any = None  # model.PrefillCapture, set by prefill
     replay: bool = False  # a block's forward run again in the backward (config.recompute)
+    # Routing replay (RL): routed [B, S, L, k] the experts each token of the whole sequence took
+    # in the rollout's engine, per learned MoE layer l = layer - num_hash_layers (-1: route as
+    # this model does); routes, when a dict, collects the experts this forward chose, by l, [B, s, k].
+    routed: torch.Tensor | None = None
+    routes: dict[int, torch.Tensor] | None = None

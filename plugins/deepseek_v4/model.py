@@ -571,13 +571,19 @@ class Gate(nn.Module):
             self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
             self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, d], ids [N] -> experts [N, k], weights [N, k] fp32, scores [N, E] fp32."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, forced: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, d], ids [N] -> experts [N, k], weights [N, k] fp32, scores [N, E] fp32.
+        `forced` [N, k]: experts to use instead of this router's choice (routing replay; rows of
+        -1 route as usual); the weights still come from this router's scores, so it keeps its
+        gradient."""
         s = ops.sqrtsoftplus(ops.fp32_linear(x, self.weight, use_tf32(self.cfg, x)))  # [N, E]
         if self.is_hash:
             idx = self.tid2eid[ids]
         else:
             idx = torch.topk(s + self.bias, self.topk, dim=-1, sorted=False).indices
+            if forced is not None:
+                idx = torch.where(forced[:, :1] >= 0, forced.to(idx.dtype), idx)
         w = s.gather(-1, idx)
         return idx, w / w.sum(-1, keepdim=True) * self.scaling, s
 
@@ -587,6 +593,9 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.gate = Gate(ctx, cfg, layer, is_hash, dtype)
+        # this layer's index among the main stack's learned routers (routing replay); None for
+        # hash layers (routed by token id) and MTP's
+        self.route_index = layer - cfg.num_hash_layers if not is_hash and layer < cfg.num_hidden_layers else None
         self.experts = RoutedExperts(ctx, cfg, dtype)
         self.shared_experts = (Expert(ctx, cfg, dtype)
                                if cfg.n_shared_experts else None)
@@ -595,7 +604,13 @@ class MoE(nn.Module):
         """x [B, S, d]; ids, valid [B, S] -> [B, S, d]."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        idx, w, s = self.gate(xf, ids.reshape(-1))
+        r = self.route_index if fwd is not None else None
+        forced = None
+        if r is not None and fwd.routed is not None:
+            forced = fwd.routed[:, fwd.q, r].reshape(-1, fwd.routed.shape[-1])  # [N, k]
+        idx, w, s = self.gate(xf, ids.reshape(-1), forced)
+        if r is not None and fwd.routes is not None and not fwd.replay:
+            fwd.routes[r] = idx.view(*shape[:2], -1)  # [B, s, k]
         w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
         # EP: the (token, slot) pairs of every rank routed to this rank's experts, one row each
         xs, idxs, ws, route = self.ctx.ep_dispatch(xf, idx, w, self.cfg.n_routed_experts)
@@ -730,6 +745,7 @@ class CausalLMOutput:
     # layers of a per-layer sum over rows: "indexer" (KL, rows of `loss_rows()["indexer"]`),
     # "balance" (sequence balance term, rows with tokens). Divide by their global counts.
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    routes: torch.Tensor | None = None  # [B, s, L, k] with record_routes: the experts chosen per learned MoE layer
     _built: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -853,10 +869,14 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, aux: tuple[str, ...] | frozenset[str] = (),
-                _capture: PrefillCapture | None = None) -> CausalLMOutput:
+                _capture: PrefillCapture | None = None, routed_experts: torch.Tensor | None = None,
+                record_routes: bool = False) -> CausalLMOutput:
         """input_ids [B, S] (the whole sequence on every rank); attention_mask (padding) or
         doc_ids (packed documents). `aux`: the auxiliary loss sums to compute ("indexer",
-        "balance"; training forwards only). Under context parallelism outputs cover this
+        "balance"; training forwards only). `routed_experts` [B, S, L, k]: routing replay, the
+        experts each token takes in the L learned MoE layers of the main stack (-1: its own
+        routing); `record_routes`: `out.routes` holds the experts this forward chose, [B, s, L', k]
+        for the L' learned layers of this stage. Under context parallelism outputs cover this
         rank's chunk s of S; before the last pipeline stage the output is `hidden`."""
         b, s = input_ids.shape
         ctx, cfg = self.ctx, self.config
@@ -868,6 +888,13 @@ class DeepSeekV4ForCausalLM(nn.Module):
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids,
                                       static_blocks=use_kernels(cfg, input_ids))
         fwd = Fwd(layout, self._ropes(layout.pos), q=q, capture=_capture, aux=frozenset(aux))
+        n_routed = cfg.num_hidden_layers - cfg.num_hash_layers
+        if routed_experts is not None:
+            if routed_experts.shape != (b, s, n_routed, cfg.num_experts_per_tok):
+                raise ValueError(f"routed_experts has shape {list(routed_experts.shape)}; routing replay needs "
+                                 f"[{b}, {s}, {n_routed}, {cfg.num_experts_per_tok}] (tokens x learned MoE layers x k)")
+            fwd.routed = routed_experts.to(input_ids.device)
+        fwd.routes = {} if record_routes else None
         ids = input_ids[:, q]
         if ctx.first_stage:
             x = self._streams(self.embed(ids))  # [B, s, n, d]
@@ -875,8 +902,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
             x = self._stage_input.view(b, ids.shape[1], cfg.hc_mult, cfg.hidden_size)
         for layer in self.layers:
             x = self._block(layer, x, fwd, ids)
+        routes = torch.stack([fwd.routes[r] for r in sorted(fwd.routes)], 2) if fwd.routes else None
         if not ctx.last_stage:
-            return CausalLMOutput(hidden=x.flatten(2), aux=self._aux_sums(fwd))
+            return CausalLMOutput(hidden=x.flatten(2), aux=self._aux_sums(fwd), routes=routes)
         if _capture is not None:
             x = x[torch.arange(b, device=x.device), _capture.at][:, None]  # [B, 1, n, d]: each row's last token
         out = CausalLMOutput(self._head(head_collapse(self, cfg, x)))  # hidden [B, s, d]
@@ -887,6 +915,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             out.aux = {k: v + mtp[k] for k, v in main.items()}
         else:
             out.aux = self._aux_sums(fwd)
+        out.routes = routes
         return out
 
     def loss_rows(self, layout: SequenceLayout) -> dict[str, torch.Tensor]:
@@ -918,7 +947,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         runs again in the backward, flagged `fwd.replay` so side effects happen once; with
         config.cuda_graphs (training) its forward and backward replay as CUDA graphs."""
         train = self.training and torch.is_grad_enabled()
-        if self.config.cuda_graphs and train and fwd.capture is None:
+        replaying_routes = fwd.routed is not None or fwd.routes is not None
+        if self.config.cuda_graphs and train and fwd.capture is None and not replaying_routes:
             if not (x.is_cuda and use_kernels(self.config, x)):
                 raise ValueError("cuda_graphs: the graphed blocks need CUDA and the GPU kernels (config.kernels)")
             y = self._block_graphs()(block, x, fwd, ids)
