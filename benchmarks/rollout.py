@@ -90,7 +90,7 @@ def step_parts(engine: Engine, b: int, gen: int, repeats: int) -> tuple[float, f
 
     with engine.step_lock:
         model = timed(lambda: engine.decoder(ids, slots))
-        logits = engine.decoder(ids, slots)
+        logits, _ = engine.decoder(ids, slots)
         sampler = timed(lambda: sample(logits, params, uniforms([None] * b))[0].cpu())
         engine.cache.length[slots] = 0
     t = engine_run(engine, [[3] * 8 + [i] for i in range(b)], gen)

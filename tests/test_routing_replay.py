@@ -6,6 +6,8 @@ for a share of tokens, which replay removes."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -104,3 +106,49 @@ def test_a_replay_of_the_wrong_shape_is_refused(seed):
     ids = random_ids(seed, 1, 8)
     with pytest.raises(ValueError, match="routing replay needs"):
         model(ids, routed_experts=torch.zeros(1, 8, 1, 1, dtype=torch.long))
+
+
+def test_the_engine_returns_the_experts_every_token_it_read_took(seed):
+    """return_routed_experts: meta_info["routed_experts"] holds, for the prompt and every
+    generated token fed back (prompt + output - 1 tokens), the experts of each learned MoE
+    layer; they are the ones a full forward of that sequence chooses (fp32 on CPU), whatever
+    the batch (requests joining a running batch, two of them sharing one prompt's prefill);
+    a request that did not ask gets none."""
+    from miles.rollout.engine import Engine, decode_routes
+    from miles.rollout.sampling import SamplingParams
+    from tests.conftest import randomize
+
+    model = randomize(tiny_model(seed), seed).eval()
+    cfg = model.config
+    layers, k = cfg.num_hidden_layers - cfg.num_hash_layers, cfg.num_experts_per_tok
+    engine = Engine(model, max_len=96, max_running=4)
+    g = torch.Generator().manual_seed(seed + 11)
+    prompts = [torch.randint(2, 320, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (5,), generator=g)]
+    prompts.append(list(prompts[0]))  # shares the first one's prefill
+    results: dict[str, dict] = {}
+    done = threading.Event()
+
+    def collect(r: dict) -> None:
+        results[r["meta_info"]["id"]] = r
+        if len(results) == len(prompts):
+            done.set()
+
+    try:
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=1.0, max_new_tokens=8 + i, seed=seed + i, ignore_eos=True)
+            engine.submit(p, params, collect, True, rid=str(i), return_routed_experts=i != 2)
+        assert done.wait(120), f"{len(results)}/{len(prompts)} finished"
+    finally:
+        engine.stop()
+    assert "routed_experts" not in results["2"]["meta_info"]
+    for i, p in enumerate(prompts):
+        if i == 2:
+            continue
+        out = results[str(i)]["output_ids"]
+        got = decode_routes(results[str(i)]["meta_info"]["routed_experts"], layers, k)
+        seq = torch.tensor([p + out[:-1]])
+        assert got.shape == (seq.shape[1], layers, k), got.shape
+        with torch.no_grad():
+            want = model(seq, record_routes=True).routes[0]  # [T, L, k]
+        assert torch.equal(torch.from_numpy(got).sort(-1).values, want.sort(-1).values.to(torch.int32)), \
+            f"request {i}: the engine's experts are not the full forward's"

@@ -24,6 +24,7 @@ class _Graph:
     ids: torch.Tensor  # [bs] the replay's inputs, copied in before each replay
     slots: torch.Tensor  # [bs]
     logits: torch.Tensor  # [bs, V] the replay's output
+    routes: torch.Tensor  # [bs, L, k] the experts each input token took (routing replay)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -53,23 +54,24 @@ class DecodeStep:
         return next(b for b in self.buckets if b >= n)
 
     @torch.no_grad()
-    def __call__(self, ids: list[int], slots: list[int]) -> torch.Tensor:
-        """Next-token logits [n, V] of n sequences (their last tokens `ids`, in cache `slots`);
-        each slot advances one token."""
+    def __call__(self, ids: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token logits [n, V] of n sequences (their last tokens `ids`, in cache `slots`)
+        and the experts those tokens took per learned MoE layer [n, L, k]; each slot advances
+        one token."""
         n = len(ids)
         bs = self.bucket(n)
         ids_t = torch.tensor(ids + [0] * (bs - n), dtype=torch.long)
         slots_t = torch.tensor(slots + [self.scratch] * (bs - n), dtype=torch.long)
         self.cache.length[self.scratch] = 0  # the scratch slot never fills up
-        if not self.use_graphs:
-            return self.model.decode(ids_t.to(self.device), self.cache, slots_t.to(self.device))[:n]
-        g = self.graphs.get(bs) or self._try_capture(bs)
+        g = (self.graphs.get(bs) or self._try_capture(bs)) if self.use_graphs else None
         if g is None:
-            return self.model.decode(ids_t.to(self.device), self.cache, slots_t.to(self.device))[:n]
+            logits, routes = self.model.decode(ids_t.to(self.device), self.cache, slots_t.to(self.device),
+                                               record_routes=True)
+            return logits[:n], routes[:n]
         g.ids.copy_(ids_t)
         g.slots.copy_(slots_t)
         g.graph.replay()
-        return g.logits[:n]
+        return g.logits[:n], g.routes[:n]
 
     def _try_capture(self, bs: int) -> _Graph | None:
         """The bucket's graph, or None (and eager steps from now on, said once in the log) where
@@ -92,14 +94,14 @@ class DecodeStep:
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.cache.length[self.scratch] = 0
-                self.model.decode(ids, self.cache, slots)
+                self.model.decode(ids, self.cache, slots, record_routes=True)
         torch.cuda.current_stream().wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         self.cache.length[self.scratch] = 0
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model.decode(ids, self.cache, slots)
-        self.graphs[bs] = _Graph(graph, ids, slots, logits)
+            logits, routes = self.model.decode(ids, self.cache, slots, record_routes=True)
+        self.graphs[bs] = _Graph(graph, ids, slots, logits, routes)
         log.info("decode step captured for batch %d (%d buckets captured)", bs, len(self.graphs))
         return self.graphs[bs]
 

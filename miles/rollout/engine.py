@@ -9,6 +9,7 @@ are staged off to the side and swapped in between two steps (see `weights.py`).
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from miles.rollout.decode_step import DecodeStep
@@ -44,6 +46,8 @@ class Sequence:
     aborted: str | None = None
     finish: dict | None = None
     started: float = field(default_factory=time.monotonic)
+    return_routes: bool = False  # return_routed_experts: the experts every token the model read took
+    routes: list[np.ndarray] = field(default_factory=list)  # [P, L, k] for the prompt, then [1, L, k] a step
 
 
 class Engine:
@@ -91,10 +95,10 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
 
     def submit(self, prompt: list[int], params: SamplingParams, on_done: Callable[[dict], None],
-               return_logprob: bool = False, rid: str | None = None) -> str:
+               return_logprob: bool = False, rid: str | None = None, return_routed_experts: bool = False) -> str:
         self.check(prompt, params)
         seq = Sequence(rid or uuid.uuid4().hex, list(prompt), params, return_logprob, on_done,
-                       params.generator())
+                       params.generator(), return_routes=return_routed_experts)
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return seq.rid
@@ -197,13 +201,18 @@ class Engine:
             groups.setdefault(tuple(s.prompt), []).append(s)
         firsts = [g[0] for g in groups.values()]
         prompts = [torch.tensor(s.prompt, dtype=torch.long, device=self.device) for s in firsts]
-        logits = self.model.prefill(prompts, self.cache, [s.slot for s in firsts])  # [P, V]
+        logits, routes = self.model.prefill(prompts, self.cache, [s.slot for s in firsts],
+                                            record_routes=True)  # [P, V], [P, S, L, k]
         self.counters["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
         rows = []
         for i, g in enumerate(groups.values()):
             if len(g) > 1:
                 self.cache.copy_slot(g[0].slot, [s.slot for s in g[1:]])
             rows += [i] * len(g)
+            if any(s.return_routes for s in g):
+                prompt_routes = routes[i, :len(g[0].prompt)].to(torch.int32).cpu().numpy()  # [P, L, k]
+                for s in g:
+                    s.routes = [prompt_routes] if s.return_routes else []
         seqs = [s for g in groups.values() for s in g]
         with self.cv:
             self.running += seqs
@@ -211,12 +220,20 @@ class Engine:
 
     def _decode(self) -> None:
         seqs = list(self.running)
-        self._append(seqs, self.decoder([s.out[-1] for s in seqs], [s.slot for s in seqs]))
+        logits, routes = self.decoder([s.out[-1] for s in seqs], [s.slot for s in seqs])
+        self._append(seqs, logits, routes)
 
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor, routes: torch.Tensor | None = None) -> None:
+        """Sample each sequence's next token from `logits`; `routes` [n, L, k]: the experts the
+        step's input tokens (each sequence's last) took, kept for those that asked."""
         tokens, logps = sample(logits, [s.params for s in seqs], uniforms([s.gen for s in seqs]))
         self.counters["generated_tokens"] += len(seqs)
         both = torch.stack((tokens.double(), logps.double())).cpu()  # the step's one wait for the device
+        if routes is not None and any(s.return_routes for s in seqs):
+            host = routes.to(torch.int32).cpu().numpy()  # after the wait above: a copy, no stall
+            for s, r in zip(seqs, host, strict=True):
+                if s.return_routes:
+                    s.routes.append(r[None])
         for s, t, lp in zip(seqs, both[0].long().tolist(), both[1].tolist(), strict=True):
             s.out.append(t)
             s.logprobs.append(lp)
@@ -270,4 +287,20 @@ class Engine:
                 "e2e_latency": time.monotonic() - s.started}
         if s.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.out, strict=True)]
+        if s.return_routes:
+            meta["routed_experts"] = encode_routes(s.routes)
         return {"text": text, "output_ids": list(s.out), "meta_info": meta}
+
+
+def encode_routes(routes: list[np.ndarray]) -> str:
+    """meta_info["routed_experts"], SGLang's shape of it: base64 of int32 expert ids ordered by
+    token, layer, top-k slot, for every token the model read (the prompt's and each generated
+    token fed back: prompt + output - 1 tokens), the layers being the learned MoE layers of the
+    main stack (hash layers route by token id). decode_routes reads it back."""
+    flat = np.concatenate(routes) if routes else np.zeros((0, 0, 0), np.int32)
+    return base64.b64encode(np.ascontiguousarray(flat, dtype="<i4").tobytes()).decode()
+
+
+def decode_routes(text: str, layers: int, k: int) -> np.ndarray:
+    """[tokens, layers, k] int32 from meta_info["routed_experts"]."""
+    return np.frombuffer(base64.b64decode(text), dtype="<i4").reshape(-1, layers, k)

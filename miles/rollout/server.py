@@ -30,6 +30,7 @@ class GenerateRequest(BaseModel):
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] = SamplingParams()
     return_logprob: StrictBool | list[StrictBool] = False
+    return_routed_experts: StrictBool | list[StrictBool] = False  # meta_info["routed_experts"] (routing replay)
     rid: StrictStr | list[StrictStr] | None = None
     stream: Literal[False] = False  # streaming is not served
     logprob_start_len: StrictInt = -1  # accepted for SGLang clients; prompt log-probs are not returned
@@ -46,8 +47,8 @@ class GenerateRequest(BaseModel):
     lora_path: None = None
     data_parallel_rank: None = None
 
-    def items(self, tokenizer) -> tuple[bool, list[tuple[list[int], SamplingParams, bool, str | None]]]:
-        """(batched?, one (ids, params, return_logprob, rid) per request)."""
+    def items(self, tokenizer) -> tuple[bool, list[tuple[list[int], SamplingParams, bool, str | None, bool]]]:
+        """(batched?, one (ids, params, return_logprob, rid, return_routed_experts) per request)."""
         if (self.text is None) == (self.input_ids is None):
             raise RequestError("give exactly one of 'text' and 'input_ids'")
         if self.text is not None:
@@ -72,7 +73,8 @@ class GenerateRequest(BaseModel):
 
         rids = per(self.rid, "rid") if self.rid is not None else [None] * n
         return batched, list(zip(prompts, per(self.sampling_params, "sampling_params"),
-                                 per(self.return_logprob, "return_logprob"), rids, strict=True))
+                                 per(self.return_logprob, "return_logprob"), rids,
+                                 per(self.return_routed_experts, "return_routed_experts"), strict=True))
 
 
 class ChatRequest(BaseModel):
@@ -177,15 +179,15 @@ def build_app(svc: EngineService) -> FastAPI:
     async def generate(request: Request):
         req = GenerateRequest.model_validate(await _body(request))
         batched, items = req.items(svc.tokenizer)
-        for ids, params, _, _ in items:  # all checked before any is queued
+        for ids, params, *_ in items:  # all checked before any is queued
             engine.check(ids, params)
         loop = asyncio.get_running_loop()
         futs = []
-        for ids, params, lp, rid in items:
+        for ids, params, lp, rid, routes in items:
             fut = loop.create_future()
             futs.append(fut)
             engine.submit(ids, params, lambda r, f=fut: loop.call_soon_threadsafe(
-                lambda: f.done() or f.set_result(r)), lp, rid)
+                lambda: f.done() or f.set_result(r)), lp, rid, return_routed_experts=routes)
         results = await asyncio.gather(*futs)
         failed = [r for r in results if r["meta_info"]["finish_reason"].get("message", "").startswith("engine")]
         if failed:

@@ -600,17 +600,20 @@ class MoE(nn.Module):
         self.shared_experts = (Expert(ctx, cfg, dtype)
                                if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, fwd: Fwd | None, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """x [B, S, d]; ids, valid [B, S] -> [B, S, d]."""
+    def forward(self, x: torch.Tensor, fwd: Fwd | None, ids: torch.Tensor, valid: torch.Tensor,
+                routes: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [B, S, d]; ids, valid [B, S] -> [B, S, d]. `routes` (decoding, without a Fwd):
+        where the experts chosen go, as Fwd.routes."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        r = self.route_index if fwd is not None else None
+        r = self.route_index
         forced = None
-        if r is not None and fwd.routed is not None:
+        if r is not None and fwd is not None and fwd.routed is not None:
             forced = fwd.routed[:, fwd.q, r].reshape(-1, fwd.routed.shape[-1])  # [N, k]
         idx, w, s = self.gate(xf, ids.reshape(-1), forced)
-        if r is not None and fwd.routes is not None and not fwd.replay:
-            fwd.routes[r] = idx.view(*shape[:2], -1)  # [B, s, k]
+        record = fwd.routes if fwd is not None and not fwd.replay else routes
+        if r is not None and record is not None:
+            record[r] = idx.view(*shape[:2], -1)  # [B, s, k]
         w = self.ctx.to_tp_region(w)  # scales TP-split expert activations
         # EP: the (token, slot) pairs of every rank routed to this rank's experts, one row each
         xs, idxs, ws, route = self.ctx.ep_dispatch(xf, idx, w, self.cfg.n_routed_experts)
@@ -679,12 +682,13 @@ class Block(nn.Module):
                            fused=fused)
 
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
-             ropes: dict[str, Rope], ids: torch.Tensor) -> torch.Tensor:
+             ropes: dict[str, Rope], ids: torch.Tensor, routes: dict[int, torch.Tensor] | None = None
+             ) -> torch.Tensor:
         fused = use_kernels(self.cfg, x)  # Sinkhorn and stream sum; hc_post stays the reference here
         u, post, comb, x = self._hc("attn", x, fused)
         x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes), x, post, comb)
         u, post, comb, x = self._hc("ffn", x, fused)
-        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool)),
+        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool), routes),
                            x, post, comb)
 
 
@@ -902,7 +906,10 @@ class DeepSeekV4ForCausalLM(nn.Module):
             x = self._stage_input.view(b, ids.shape[1], cfg.hc_mult, cfg.hidden_size)
         for layer in self.layers:
             x = self._block(layer, x, fwd, ids)
-        routes = torch.stack([fwd.routes[r] for r in sorted(fwd.routes)], 2) if fwd.routes else None
+        routes = None
+        if record_routes:  # [B, s, L', k] (L' = 0: no learned router on this stage)
+            routes = torch.stack([fwd.routes[r] for r in sorted(fwd.routes)], 2) if fwd.routes else \
+                ids.new_zeros(*ids.shape, 0, cfg.num_experts_per_tok)
         if not ctx.last_stage:
             return CausalLMOutput(hidden=x.flatten(2), aux=self._aux_sums(fwd), routes=routes)
         if _capture is not None:
@@ -1015,10 +1022,11 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return KVCache(layers, torch.zeros(slots, dtype=torch.long, device=device), max_len)
 
     @torch.no_grad()
-    def prefill(self, prompts: list[torch.Tensor], cache: KVCache, slots: list[int]) -> torch.Tensor:
+    def prefill(self, prompts: list[torch.Tensor], cache: KVCache, slots: list[int], record_routes: bool = False):
         """Prompts (1-D token ids, any lengths >= 1) as the rows of one right-padded forward
         (padding never attends or pools); each prompt's state goes to its cache slot. Returns
-        the logits after each prompt's last token [B, V]."""
+        the logits after each prompt's last token [B, V]; with `record_routes` also the experts
+        each prompt token took per learned MoE layer [B, S, L, k] (routing replay)."""
         lens = [int(p.numel()) for p in prompts]
         if min(lens) < 1 or max(lens) >= cache.max_len:
             raise ValueError(f"prompt lengths must be in [1, {cache.max_len - 1}], got {lens}")
@@ -1029,17 +1037,19 @@ class DeepSeekV4ForCausalLM(nn.Module):
         n = torch.tensor(lens, device=dev)
         mask = torch.arange(max(lens), device=dev) < n[:, None]
         capture = PrefillCapture(at=n - 1)
-        out = self.forward(ids, attention_mask=mask, _capture=capture)
+        out = self.forward(ids, attention_mask=mask, _capture=capture, record_routes=record_routes)
         for lc, layer, captured in zip(cache.layers, self.layers, capture.layers, strict=True):
             for b, slot in enumerate(slots):
                 layer.attn.fill(lc, slot, captured, b, lens[b])
         cache.length[slots] = n.to(cache.length.device)
-        return self.ctx.gather_vocab(out.logits)[:, 0]
+        logits = self.ctx.gather_vocab(out.logits)[:, 0]
+        return (logits, out.routes) if record_routes else logits
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, record_routes: bool = False):
         """Next-token logits [B, V] after input_ids [B], row b being the next token of slot
-        slots[b] (each slot at its own position); the slots advance by one token."""
+        slots[b] (each slot at its own position); the slots advance by one token. With
+        `record_routes` also the experts each input token took per learned MoE layer [B, L, k]."""
         slots = slots.to(cache.length.device)
         pos = cache.length[slots]  # [B]
         if not pos.is_cuda and int(pos.max()) >= cache.max_len:  # on a GPU the caller keeps count (no wait)
@@ -1047,10 +1057,16 @@ class DeepSeekV4ForCausalLM(nn.Module):
         ids = input_ids.reshape(-1, 1)
         ropes = {"swa": Rope(self.inv_freq_swa, None, None), "compressed": Rope(self.inv_freq_compressed, None, None)}
         x = self._streams(self.embed(ids))
+        routes = {} if record_routes else None
         for layer, lc in zip(self.layers, cache.layers, strict=True):
-            x = layer.step(x, lc, slots, pos, ropes, ids)
+            x = layer.step(x, lc, slots, pos, ropes, ids, routes)
         cache.length[slots] += 1
-        return self.ctx.gather_vocab(self._head(head_collapse(self, self.config, x)).logits())[:, 0]
+        logits = self.ctx.gather_vocab(self._head(head_collapse(self, self.config, x)).logits())[:, 0]
+        if not record_routes:
+            return logits
+        if not routes:  # no learned router
+            return logits, ids.new_zeros(ids.shape[0], 0, self.config.num_experts_per_tok)
+        return logits, torch.stack([routes[r][:, 0] for r in sorted(routes)], 1)  # [B, L, k]
 
     # ------------------------------------------------------------------ HF layout
     def save_pretrained(self, directory: str | Path, max_shard_bytes: int = 2 ** 30) -> None:
