@@ -340,6 +340,9 @@ class AlgoConfig(Section):
     # that chases their loads moves the engines' routing away from what pre-training balanced, for no gain in
     # reward. The loads are still counted and logged (train/router_load_max_over_mean).
     freeze_router: Bool = False  # the gate weights out of the optimizer (they get no updates)
+    routing_replay: Bool | None = None  # the trainer's forward on rollout tokens takes the experts the engine
+    # used (R3; the router still gets its gradient). Default: on for policy-loss jobs with the embedded engine and
+    # no generate_fn (the only setup that returns the experts today)
 
     @model_validator(mode="after")
     def _rl(self) -> AlgoConfig:
@@ -456,6 +459,12 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _across_groups(self) -> JobConfig:
+        able = self.algo.loss == "policy" and self.rollout.engine == "embedded" and self.rollout.generate_fn is None
+        if self.algo.routing_replay is None:
+            self.algo.routing_replay = able
+        elif self.algo.routing_replay and not able:
+            raise ValueError("algo.routing_replay needs algo.loss: policy, rollout.engine: embedded and no "
+                             "rollout.generate_fn (SGLang's experts and multi-turn transcripts are not carried yet)")
         cp, multiple = self.train.parallel.cp, self.train.parallel.seq_multiple
         if self.data.seq_len % multiple:
             raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of {multiple} (2 x "

@@ -107,6 +107,8 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
               if k.endswith(".gate.bias")}
     assert biases and all(not v.any() for v in biases.values()), "the router bias moved in an RL run"
     assert dis["train/router_load_max_over_mean"] >= 1.0
+    # algo.routing_replay (on by default here): the engines' experts reach the trainer's forward
+    assert dis["train/replayed_tokens"] > 0 and col["train/replayed_tokens"] == dis["train/replayed_tokens"]
 
 
 def test_colocated_rl_with_evals_math_rewards_and_a_temperature(cluster, tmp_path):
@@ -642,3 +644,53 @@ def test_the_router_in_training_frozen_bias_frozen_gates_and_its_load_metric(clu
     assert not same(before, after, ".gate.bias"), "the bias is not updated where it should be"
     assert same(before, after, ".gate.weight"), "frozen gate weights moved"
     assert not same(before, after, ".ffn.experts.")
+
+
+def test_the_trainer_replays_the_routes_its_samples_carry(cluster, seed):
+    """Routing replay through the trainer: samples carrying an engine's experts per token
+    (Sample.routes) become micro-batches whose routed_experts put each token's experts where it
+    is read (-1 on padding); the trainer's forward takes them (its log-probs are the replayed
+    forward's of the same weights, and differ from its own routing's)."""
+    import numpy as np
+    import torch
+
+    from miles.cluster.train_group import TrainGroup
+    from miles.data.sample import Sample
+    from miles.train.batching import replica_micro_batches
+    from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
+
+    cfg = DeepSeekV4Config.tiny()
+    local, engine = (DeepSeekV4ForCausalLM(cfg, seed=seed).eval() for _ in range(2))
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in engine.named_parameters():
+            if name.endswith(".ffn.gate.weight"):  # the engine routes some tokens elsewhere
+                p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std())
+    ids = torch.randint(2, cfg.vocab_size, (2, 30), generator=g)
+    lens = [30, 21]
+    with torch.no_grad():
+        routes = [engine(ids[i:i + 1, :n], record_routes=True).routes[0].numpy() for i, n in enumerate(lens)]
+    samples = [Sample(ids[i, :n].tolist(), [0] * 5 + [1] * (n - 5), routes=np.asarray(routes[i], np.int16))
+               for i, n in enumerate(lens)]
+    (mb,) = replica_micro_batches(samples, 1, 2)[0]
+    assert mb.routed_experts.shape == (2, 29, *routes[0].shape[1:]) and mb.routed_experts.dtype == torch.int16
+    assert torch.equal(mb.routed_experts[1, :20], torch.as_tensor(routes[1][:-1]))
+    assert (mb.routed_experts[1, 20:] == -1).all(), "padding must route as the trainer does"
+    with pytest.raises(ValueError, match="routing-replay routes"):
+        replica_micro_batches([samples[0], Sample(samples[1].tokens, samples[1].loss_mask)], 1, 2)
+    group = TrainGroup(1, resources={"CPU": 1})
+    try:
+        group.call("build_model", cfg.to_dict(), seed)
+        got = group.forward_logprobs([[mb]])[0][0][0, :28]
+    finally:
+        group.shutdown()
+
+    def logprobs(**kw) -> torch.Tensor:
+        with torch.no_grad():
+            logits = local(ids[:1, :29], **kw).head.logits().double()
+        return torch.log_softmax(logits, -1)[0, :28].gather(-1, ids[0, 1:29, None])[..., 0]
+
+    replayed = logprobs(routed_experts=torch.as_tensor(routes[0][None, :-1]))
+    assert torch.isfinite(got).all() and torch.isfinite(replayed).all()
+    assert (got.double() - replayed).abs().max() <= 1e-5, "the trainer did not take the samples' routes"
+    assert (got.double() - logprobs()).abs().max() > 1e-4, "replay changed nothing: the test cannot see it"

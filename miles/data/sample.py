@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,9 @@ class Sample:
     # Per-token values for policy losses, by MicroBatch field name (advantages, rollout_logprobs,
     # token_weights, ...), each aligned with `tokens` (0 where loss_mask is 0).
     values: dict[str, list[float]] = field(default_factory=dict, compare=False)
+    # Routing replay: the experts each token took when the engine read it, [T, L, k] (L learned
+    # MoE layers, top-k), -1 for a token the engine never read (the last one it generated).
+    routes: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.loss_mask):
@@ -26,5 +30,7 @@ class Sample:
         for k, v in self.values.items():
             if len(v) != len(self.tokens):
                 raise ValueError(f"sample: {len(self.tokens)} tokens but {len(v)} values of {k}")
+        if self.routes is not None and len(self.routes) != len(self.tokens):
+            raise ValueError(f"sample: {len(self.tokens)} tokens but routes for {len(self.routes)}")
         if self.loss_mask[0]:
             raise ValueError("sample: the first token cannot be trained (nothing precedes it)")

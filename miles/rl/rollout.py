@@ -26,6 +26,7 @@ from miles.data.sft import tokenizer_path
 from miles.memory import phase_metrics
 from miles.observe import records
 from miles.rl.engines import generation_phase, ray_get_all
+from miles.rollout.engine import decode_routes
 from miles.rollout.manager import RolloutError
 
 
@@ -41,6 +42,7 @@ class Response:
     text: str
     truncated: bool  # stopped by the length limit
     mask: np.ndarray | None = None  # [T] per token: 1 the policy's (trained), 0 environment / tools (multi-turn)
+    routes: np.ndarray | None = None  # [P + T - 1, L, k] int16: the experts each token the engine read took
     turns: int = 1
     version: int | None = None  # the weights it was generated with (the engine's weight_version; multi-turn: the
     # oldest of its turns')
@@ -84,7 +86,7 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
         drawn.extend(p.id for p in prompts)
         position.update(data.state())
         groups = sample_groups(job, engines, prompts, r.n_samples_per_prompt, r.temperature, r.top_p,
-                               seed=(job.train.seed, step, rnd), version=version)
+                               seed=(job.train.seed, step, rnd), version=version, routes=job.algo.routing_replay)
         t1 = time.perf_counter()
         reward_groups(job, groups, rewards)
         stats["reward_time"] += time.perf_counter() - t1
@@ -129,17 +131,21 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
 
 
 def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temperature: float, top_p: float,
-                  seed: tuple, version: int) -> list[list[Response]]:
+                  seed: tuple, version: int, routes: bool = False) -> list[list[Response]]:
     """n responses per prompt through the router, from the trainer's weights of `version` (the
     manager generates again what the engines abort or answer from other weights than a trainer
     version); each request seeded by (seed, prompt, i), so a resumed run draws the same samples."""
     r = job.rollout
     params = {"temperature": temperature, "top_p": top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
     reqs = requests(prompts, n, params, seed)
+    if routes:  # routing replay: the experts every token took
+        reqs = [q | {"return_routed_experts": True} for q in reqs]
     tok = response_tokenizer(job.data.tokenizer, job.data.template)
     owners = [p for p in prompts for _ in range(n)]
     if r.generate_fn is None:  # each result made compact as it arrives (its JSON lists dropped)
-        results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok))
+        arch = job.model.arch
+        shape = (arch.num_hidden_layers - arch.num_hash_layers, arch.num_experts_per_tok) if routes else None
+        results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok, routes=shape))
         flat = [Response(p, **res) for p, res in zip(owners, results, strict=True)]
     else:  # the user's function drives each conversation through the router
         samples = [q | {"label": p.label, "messages": p.messages} for q, p in zip(reqs, owners, strict=True)]
@@ -164,14 +170,20 @@ def requests(prompts: list[Prompt], n: int, params: dict, seed: tuple) -> list[d
     return out
 
 
-def compact_result(tok, res: dict) -> dict:
+def compact_result(tok, res: dict, routes: tuple[int, int] | None = None) -> dict:
     """An engine's /generate result as Response's fields (all but the prompt), arrays instead
-    of its JSON lists."""
+    of its JSON lists; `routes` (layers, k): its routed_experts as int16 [tokens, layers, k]."""
     meta = res["meta_info"]
-    return {"ids": np.asarray(res["output_ids"], dtype=np.int32),
-            "logprobs": np.fromiter((x[0] for x in meta["output_token_logprobs"]), np.float32, len(res["output_ids"])),
-            "text": response_text(tok, res["output_ids"]), "truncated": meta["finish_reason"]["type"] == "length",
-            "version": int(meta["weight_version"])}
+    out = {"ids": np.asarray(res["output_ids"], dtype=np.int32),
+           "logprobs": np.fromiter((x[0] for x in meta["output_token_logprobs"]), np.float32, len(res["output_ids"])),
+           "text": response_text(tok, res["output_ids"]), "truncated": meta["finish_reason"]["type"] == "length",
+           "version": int(meta["weight_version"])}
+    if routes is not None:
+        if "routed_experts" not in meta:
+            raise RolloutError(f"sample {res.get('id')}: algo.routing_replay asked for the experts each token took; "
+                               "the engine's answer has no meta_info.routed_experts")
+        out["routes"] = decode_routes(meta["routed_experts"], *routes).astype(np.int16)
+    return out
 
 
 def transcript_response(prompt: Prompt, t, max_len: int, tok, sample_id: str) -> Response:

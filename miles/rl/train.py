@@ -35,8 +35,12 @@ def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample
             p = len(x.prompt.input_ids)
             mask = np.ones(len(x.ids), np.int8) if x.mask is None else x.mask  # [T]
             zeros = np.zeros(p, np.float32)  # the prompt's positions  [P]
+            routes = None  # the last token was never read by the engine: it routes as the trainer does
+            if x.routes is not None:
+                routes = np.concatenate((x.routes, np.full((1, *x.routes.shape[1:]), -1, np.int16)))  # [P + T, L, k]
             batch.append(Sample(np.concatenate((np.asarray(x.prompt.input_ids, np.int32), x.ids)),
-                                np.concatenate((np.zeros(p, np.int8), mask)), origin=x.prompt.id, values={
+                                np.concatenate((np.zeros(p, np.int8), mask)), origin=x.prompt.id, routes=routes,
+                                values={
                 "advantages": np.concatenate((zeros, (a * mask).astype(np.float32))),
                 "rollout_logprobs": np.concatenate((zeros, x.logprobs)),
                 "token_weights": np.concatenate((zeros, (w * mask).astype(np.float32)))}))
@@ -80,6 +84,9 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> tu
                 for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
                           "tis_weight", "kl_loss") if k in logs[0]})
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
+    if job.algo.routing_replay:  # positions whose experts came from the engine (the rest: padding, last tokens)
+        out["train/replayed_tokens"] = float(sum(int((mb.routed_experts[..., :1, :1] >= 0).sum()) for s in steps
+                                                 for mbs in s for mb in mbs if mb.routed_experts is not None))
     out.update({"perf/logprob_time": t1 - t0, "perf/train_time": t2 - t1, "perf/train_tok_per_s": tokens / (t2 - t1),
                 "train/updates": float(len(logs))})
     return out, results[0]

@@ -55,8 +55,11 @@ class Engine:
     stats; `run_exclusive` runs a function between two decoding steps (weight swaps)."""
 
     def __init__(self, model: DeepSeekV4ForCausalLM, max_running: int = 64, max_len: int = 4096,
-                 tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192, cuda_graphs: bool = True):
+                 tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192, cuda_graphs: bool = True,
+                 return_routed_experts: bool = False):
+        """`return_routed_experts`: every request's answer carries the experts (as if each asked)."""
         self.model = model.eval()
+        self.routes_always = return_routed_experts
         self.device = next(model.parameters()).device
         self.max_running, self.max_len, self.prefill_tokens = max_running, max_len, prefill_tokens
         self.tokenizer = tokenizer
@@ -98,7 +101,7 @@ class Engine:
                return_logprob: bool = False, rid: str | None = None, return_routed_experts: bool = False) -> str:
         self.check(prompt, params)
         seq = Sequence(rid or uuid.uuid4().hex, list(prompt), params, return_logprob, on_done,
-                       params.generator(), return_routes=return_routed_experts)
+                       params.generator(), return_routes=return_routed_experts or self.routes_always)
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return seq.rid

@@ -195,5 +195,5 @@ def compute(model: DeepSeekV4ForCausalLM, mb: MicroBatch, coef: LossCoefs = Loss
     micro-batch's own counts). What a trainer rank computes, for tests and tools."""
     if norm is None:
         norm = {k: v.clamp_min(1) for k, v in counts(model, mb).items()}
-    out = model(mb.input_ids, doc_ids=mb.doc_ids, aux=coef.aux_terms)
+    out = model(mb.input_ids, doc_ids=mb.doc_ids, aux=coef.aux_terms, routed_experts=mb.routed_experts)
     return out, get(name, options)(out, mb, norm, coef, model.ctx)

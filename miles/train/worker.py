@@ -258,7 +258,8 @@ class TrainWorker:
 
         def step(data, model):
             mb = next(data)
-            out = module(mb.input_ids, doc_ids=mb.doc_ids, aux=() if forward_only else self.coef.aux_terms)
+            out = module(mb.input_ids, doc_ids=mb.doc_ids, aux=() if forward_only else self.coef.aux_terms,
+                         routed_experts=mb.routed_experts)
             if out.head is None:  # an earlier stage: its output goes to the next stage
                 if forward_only:
                     return out.hidden, None
