@@ -109,6 +109,8 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     assert dis["train/router_load_max_over_mean"] >= 1.0
     # algo.routing_replay (on by default here): the engines' experts reach the trainer's forward
     assert dis["train/replayed_tokens"] > 0 and col["train/replayed_tokens"] == dis["train/replayed_tokens"]
+    assert 0 <= dis["train/router_replay_disagreement"] < 0.05, "fp32 engine and trainer should route alike"
+    assert dis["train/first_update/router_replay_disagreement"] <= 0.01  # the same weights, fp32: near ties only
 
 
 def test_colocated_rl_with_evals_math_rewards_and_a_temperature(cluster, tmp_path):
@@ -678,12 +680,22 @@ def test_the_trainer_replays_the_routes_its_samples_carry(cluster, seed):
     assert (mb.routed_experts[1, 20:] == -1).all(), "padding must route as the trainer does"
     with pytest.raises(ValueError, match="routing-replay routes"):
         replica_micro_batches([samples[0], Sample(samples[1].tokens, samples[1].loss_mask)], 1, 2)
+    with torch.no_grad():  # the trainer's own experts for the same tokens: replaying them differs nowhere
+        own = [local(ids[i:i + 1, :n], record_routes=True).routes[0].numpy() for i, n in enumerate(lens)]
+    (own_mb,) = replica_micro_batches([Sample(s.tokens, s.loss_mask, routes=np.asarray(r, np.int16))
+                                       for s, r in zip(samples, own, strict=True)], 1, 2)[0]
     group = TrainGroup(1, resources={"CPU": 1})
     try:
         group.call("build_model", cfg.to_dict(), seed)
         got = group.forward_logprobs([[mb]])[0][0][0, :28]
+        group.call("setup_training", lr=1e-6, total_steps=10)
+        same = group.train_step([[own_mb]])[0]["router_replay_disagreement"]
+        differed = group.train_step([[mb]])[0]["router_replay_disagreement"]
     finally:
         group.shutdown()
+    # train/router_replay_disagreement: the share of replayed (token, layer) pairs the trainer's
+    # own router would have sent elsewhere
+    assert 0.02 < differed < 1 and same < differed, (differed, same)
 
     def logprobs(**kw) -> torch.Tensor:
         with torch.no_grad():

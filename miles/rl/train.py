@@ -82,7 +82,7 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> tu
     # With a KL term its kl_loss is 0 on a fresh start (the reference is the starting policy).
     out.update({f"train/first_update/{k}": float(logs[0][k])
                 for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
-                          "tis_weight", "kl_loss") if k in logs[0]})
+                          "tis_weight", "kl_loss", "router_replay_disagreement") if k in logs[0]})
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
     if job.algo.routing_replay:  # positions whose experts came from the engine (the rest: padding, last tokens)
         out["train/replayed_tokens"] = float(sum(int((mb.routed_experts[..., :1, :1] >= 0).sum()) for s in steps

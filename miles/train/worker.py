@@ -388,6 +388,13 @@ class TrainWorker:
         for g in gates:  # aux-loss-free balancing sees the global expert loads
             dist.all_reduce(g.expert_load, group=dpcp)
         balance = router_balance(gates)
+        replay = None
+        if gates:  # routing replay: the share of replayed (token, layer) pairs whose own routing differed
+            stats = torch.stack([g.replay_stats for g in gates]).sum(0)
+            dist.all_reduce(stats, group=dpcp)
+            replay = stats
+            for g in gates:
+                g.replay_stats.zero_()
         if self.freeze_router_bias:
             for g in gates:
                 g.expert_load.zero_()
@@ -396,6 +403,8 @@ class TrainWorker:
         out = self._reported(res, aux)
         if balance is not None:
             out["router_load_max_over_mean"] = float(balance)
+        if replay is not None and replay[1] > 0:
+            out["router_replay_disagreement"] = float(replay[0] / replay[1])
         if self.device is not None:
             torch.cuda.synchronize()
         out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5,

@@ -570,6 +570,9 @@ class Gate(nn.Module):
             # fp32 selection bias, updated aux-loss-free (not by the optimizer).
             self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
             self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
+            # routing replay in training forwards: (tokens whose own top-k differs from the replayed
+            # experts, replayed tokens), summed until the trainer reads and resets them
+            self.register_buffer("replay_stats", torch.zeros(2), persistent=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, forced: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -583,7 +586,12 @@ class Gate(nn.Module):
         else:
             idx = torch.topk(s + self.bias, self.topk, dim=-1, sorted=False).indices
             if forced is not None:
-                idx = torch.where(forced[:, :1] >= 0, forced.to(idx.dtype), idx)
+                replayed = forced[:, :1] >= 0  # [N, 1]
+                own, idx = idx, torch.where(replayed, forced.to(idx.dtype), idx)
+                if self.training and torch.is_grad_enabled():
+                    with torch.no_grad():  # no host wait: summed on the device
+                        differ = (own.sort(-1).values != idx.sort(-1).values).any(-1) & replayed[:, 0]
+                        self.replay_stats += torch.stack((differ.sum(), replayed.sum())).float()
         w = s.gather(-1, idx)
         return idx, w / w.sum(-1, keepdim=True) * self.scaling, s
 

@@ -79,7 +79,9 @@ def test_dapo_colocated_on_one_gpu(cluster, sft_run, tmp_path):
               f"{r['train/first_update/train_rollout_logprob_abs_diff_max']:.2e}), rollout "
               f"{r['perf/rollout_time']:.2f} s, train {r['perf/train_time']:.2f} s, sync "
               f"{r['perf/update_weights_time']:.2f} s, idle: trainer {r['perf/trainer_idle_time']:.2f} s, "
-              f"engine {r['perf/engine_idle_time']:.2f} s")
+              f"engine {r['perf/engine_idle_time']:.2f} s; routing replay: {r['train/replayed_tokens']:.0f} "
+              f"positions, {r['train/first_update/router_replay_disagreement']:.2%} of (token, layer) pairs the "
+              "trainer's own router sends elsewhere at the first update")
         print(f"  GPU memory: training {r['perf/trainer_peak_gb']:.2f} GB peak ({r['perf/trainer_device_used_gb']:.2f} "
               f"GB in use on the GPU at its end), generation {r['perf/engine_peak_gb']:.2f} GB peak "
               f"({r['perf/engine_device_used_gb']:.2f} GB in use)")
