@@ -39,6 +39,19 @@ def cluster():
         yield c
 
 
+@pytest.fixture
+def ray_here():
+    """Ray in this process, for a test that makes a TrainGroup here, stopped after it (the
+    module's cluster serves the `miles rl` subprocesses; an actor made without an init would
+    start a Ray of its own that outlives the test)."""
+    import ray
+
+    assert not ray.is_initialized(), "a Ray left running in this process by an earlier test"
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 def _rl(cluster, run_dir: Path, *extra: str, prefix: list[str] = (), check: bool = True, small: bool = True):
     """`miles rl jobs/dapo_tiny.yaml` on the test cluster: SMALL (or the job as it is, without
     checkpoints and wandb), then `extra`."""
@@ -603,7 +616,7 @@ def test_a_prompt_drawn_twice_in_one_round_gets_new_samples_not_a_clash(tmp_path
             assert {r["sampling_params"]["seed"] for r in rs[3:]}.isdisjoint(r["sampling_params"]["seed"] for r in head)
 
 
-def test_the_router_in_training_frozen_bias_frozen_gates_and_its_load_metric(cluster, seed):
+def test_the_router_in_training_frozen_bias_frozen_gates_and_its_load_metric(ray_here, seed):
     """algo.freeze_router_bias (RL's default): the aux-loss-free bias stays bit for bit while
     the rest trains, and the loads are still reported; unfrozen (lm jobs) it moves.
     algo.freeze_router: every gate's weights stay bit for bit, the experts still train."""
@@ -648,7 +661,7 @@ def test_the_router_in_training_frozen_bias_frozen_gates_and_its_load_metric(clu
     assert not same(before, after, ".ffn.experts.")
 
 
-def test_the_trainer_replays_the_routes_its_samples_carry(cluster, seed):
+def test_the_trainer_replays_the_routes_its_samples_carry(ray_here, seed):
     """Routing replay through the trainer: samples carrying an engine's experts per token
     (Sample.routes) become micro-batches whose routed_experts put each token's experts where it
     is read (-1 on padding); the trainer's forward takes them (its log-probs are the replayed
