@@ -35,6 +35,7 @@ from miles.config import load_job  # noqa: E402
 from miles.controller import layout_batch  # noqa: E402
 from miles.data.chat import tokenize_conversation  # noqa: E402
 from miles.data.sft import SFTSource, tokenizer_path  # noqa: E402
+from miles.session import worker_setup  # noqa: E402
 from miles.train.worker import TrainWorker  # noqa: E402
 
 WORDS = ["alpha", "beta", "gamma", "delta", "number", "seven", "river", "stone", "light", "cloud", "apple",
@@ -63,10 +64,8 @@ def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[float]:
         torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
     w = TrainWorker(0, 1)
     w.init_distributed(*w.rendezvous_address())
-    m, a = job.model, job.algo
-    w.build_model(m.arch.to_dict(), job.train.seed, dtype=m.dtype, deterministic=job.train.deterministic)
-    w.set_loss(a.loss, None, mtp=a.mtp_loss_coef, indexer=a.indexer_loss_coef, balance=a.balance_loss_coef)
-    w.setup_training(**job.train.optim.model_dump(), total_steps=job.optimizer_steps)
+    for method, args, kwargs in worker_setup(job):  # as the job's workers are set up
+        getattr(w, method)(*args, **kwargs)
     data = SFTSource(job.data, job.train.seed, run_dir)
     out = []
     for step in range(1, steps + 1):

@@ -164,24 +164,33 @@ def start_trainer(job: JobConfig, colocation=None) -> TrainGroup:
     """The TrainGroup with this job's model, loss and optimizer (GPU workers ask Ray for a GPU
     each; `colocation`, a miles.cluster.placement.Colocation: their share of GPUs that
     rollout engines share with them, in its bundles)."""
-    par, model, algo = job.train.parallel, job.model, job.algo
+    par = job.train.parallel
     resources = {"CPU": job.cluster.cpus_per_worker} | ({"GPU": 1.0} if job.cluster.device == "gpu" else {})
     bundles = None
     if colocation is not None:
         resources, bundles = colocation.rank, colocation.bundles
     group = TrainGroup(par.world, resources=resources, bundles=bundles, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
     try:
-        group.call("build_model", model.arch.to_dict(), job.train.seed, dtype=model.dtype,
-                   deterministic=job.train.deterministic)
-        rl = algo.loss == "policy"  # RL: train.steps counts rollouts, each several optimizer steps
-        group.call("set_loss", algo.loss, algo.policy_options(job.rollout) if rl else None,
-                   mtp=algo.mtp_loss_coef, indexer=algo.indexer_loss_coef, balance=algo.balance_loss_coef)
-        group.call("set_router", freeze_bias=algo.freeze_router_bias, freeze_weights=algo.freeze_router)
-        group.call("setup_training", **job.train.optim.model_dump(), total_steps=job.optimizer_steps)
+        for method, args, kwargs in worker_setup(job):
+            group.call(method, *args, **kwargs)
     except BaseException:
         group.shutdown()
         raise
     return group
+
+
+def worker_setup(job: JobConfig) -> list[tuple[str, tuple, dict]]:
+    """The TrainWorker calls, in order, that give a rank this job's model, loss, router
+    settings and optimizer (start_trainer makes them on every rank; a benchmark on one
+    in-process worker makes the same)."""
+    model, algo = job.model, job.algo
+    rl = algo.loss == "policy"  # RL: train.steps counts rollouts, each several optimizer steps
+    return [("build_model", (model.arch.to_dict(), job.train.seed),
+             {"dtype": model.dtype, "deterministic": job.train.deterministic}),
+            ("set_loss", (algo.loss, algo.policy_options(job.rollout) if rl else None),
+             {"mtp": algo.mtp_loss_coef, "indexer": algo.indexer_loss_coef, "balance": algo.balance_loss_coef}),
+            ("set_router", (), {"freeze_bias": algo.freeze_router_bias, "freeze_weights": algo.freeze_router}),
+            ("setup_training", (), {**job.train.optim.model_dump(), "total_steps": job.optimizer_steps})]
 
 
 @contextlib.contextmanager

@@ -204,8 +204,9 @@ class Engine:
             groups.setdefault(tuple(s.prompt), []).append(s)
         firsts = [g[0] for g in groups.values()]
         prompts = [torch.tensor(s.prompt, dtype=torch.long, device=self.device) for s in firsts]
-        logits, routes = self.model.prefill(prompts, self.cache, [s.slot for s in firsts],
-                                            record_routes=True)  # [P, V], [P, S, L, k]
+        wanted = any(s.return_routes for s in admit)  # the experts only when someone asked
+        out = self.model.prefill(prompts, self.cache, [s.slot for s in firsts], record_routes=wanted)
+        logits, routes = out if wanted else (out, None)  # [P, V], [P, S, L, k]
         self.counters["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
         rows = []
         for i, g in enumerate(groups.values()):
