@@ -160,6 +160,9 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
     try:
         for share in (0.5, 1.0) if apart else (0.5,):
             names = ["broadcast"] if gpu and share == 1.0 else [p for p in paths if p != "broadcast" or not gpu]
+            names = [p for p in names if p in args.paths]
+            if not names:
+                continue
             group = TrainGroup(1, resources={"CPU": 1} | ({"GPU": share} if gpu else {}))
             group.call("build_model", cfg.to_dict(), 0, dtype=dtype)
             mgr = RolloutManager({"num_engines": 1, "max_running": 4, "max_len": 64,
@@ -171,9 +174,15 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
                 gb = infos[0]["bytes"] / 1e9
                 rows.append((name, path if not gpu else f"{path} ({'GPU each' if share == 1 else 'one GPU'})",
                              gb, s, gb / s))
+                if path == "shared":  # where its time goes
+                    parts = {k: statistics.median(i[k] for i in infos) for k in ("share_s", "stage_s", "swap_s",
+                                                                                 "release_s")}
+                    print(f"  shared, {name}: ranks pack and fingerprint {parts['share_s']:.3f} s, engines open, "
+                          f"check and stage {parts['stage_s']:.3f} s, swap {parts['swap_s']:.3f} s, ranks release "
+                          f"{parts['release_s']:.3f} s", flush=True)
             mgr.shutdown()
             group.shutdown()
-        if gpu and not apart:
+        if gpu and not apart and "broadcast" in args.paths:
             rows.append((name, "broadcast (needs 2 GPUs)", float("nan"), float("nan"), float("nan")))
     finally:
         shutil.rmtree(disk, ignore_errors=True)
@@ -209,6 +218,8 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="also time weight sync (starts a local Ray cluster)")
     ap.add_argument("--sync-only", action="store_true", help="only the weight sync table")
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--paths", nargs="+", default=["object_store", "broadcast", "disk", "shared"],
+                    choices=["object_store", "broadcast", "disk", "shared"], help="the sync paths to time")
     ap.add_argument("--no-graphs", action="store_true", help="the decode step eager on CUDA too (the A/B)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()

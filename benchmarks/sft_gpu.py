@@ -58,8 +58,9 @@ def write_conversations(path: Path, n: int, seq: int, seed: int) -> float:
     return statistics.mean(len(tokenize_conversation(m, tok)[0]) for m in rows[:8])
 
 
-def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[float]:
-    """tokens/s of each step: one in-process worker on the job's own micro-batches."""
+def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[tuple[int, float]]:
+    """(tokens, seconds of train_step) of each step: one in-process worker on the job's own
+    micro-batches."""
     if job.cluster.device == "cpu":  # as many threads as Ray gives the job's worker (its CPUs)
         torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
     w = TrainWorker(0, 1)
@@ -73,22 +74,22 @@ def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[float]:
         mbs = layout_batch(job, samples)[0]
         t0 = time.perf_counter()
         w.train_step(mbs)  # returns its metrics as host numbers: the step has finished
-        out.append(sum(len(s.tokens) - 1 for s in samples) / (time.perf_counter() - t0))
+        out.append((sum(len(s.tokens) - 1 for s in samples), time.perf_counter() - t0))
     data.close()
     w.shutdown()
     return out[warmup:]
 
 
-def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -> list[float]:
-    """tokens/s of each step of `miles sft` (perf/tokens over perf/step_time: data, batching,
-    the Ray call and the step)."""
+def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -> list[dict]:
+    """Each step's perf/ metrics of `miles sft`: tokens, step_time (data, batching, the Ray call
+    and the step), data_time, train_time (the Ray call) and worker_time (the step inside the
+    worker)."""
     cmd = [sys.executable, "-m", "miles.cli", "sft", job_file, *overrides, f"log.run_dir={run_dir}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"miles sft failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "perf/step_time" in r]
-    return [r["perf/tokens"] / r["perf/step_time"] for r in steps][warmup:]
+    return [{k[5:]: v for k, v in r.items() if k.startswith("perf/")} for r in rows if "perf/step_time" in r][warmup:]
 
 
 def main() -> None:
@@ -111,15 +112,21 @@ def main() -> None:
     job_file = str(ROOT / "jobs" / "sft_gpu.yaml")
     job = load_job(job_file, overrides)
     alone = trainer_alone(job, a.steps, a.warmup, tmp / "alone")
-    job_speed = whole_job(job_file, overrides, tmp / "job", a.warmup)
-    med_alone, med_job = statistics.median(alone), statistics.median(job_speed)
+    steps = whole_job(job_file, overrides, tmp / "job", a.warmup)
+    med_alone = statistics.median(t / s for t, s in alone)
+    med_job = statistics.median(r["tokens"] / r["step_time"] for r in steps)
     print(f"{a.preset} {dtype} on {a.device}: {a.batch} rows of up to {a.seq} positions a step (conversations of "
           f"{mean_len:.0f} tokens), medians of steps {a.warmup + 1}-{a.steps}\n")
     print(f"{'':34}{'tokens/s':>12}")
     print(f"{'trainer alone (one worker here)':34}{med_alone:12,.0f}")
     print(f"{'miles sft (controller, Ray, data)':34}{med_job:12,.0f}")
     print(f"{'miles sft / trainer alone':34}{med_job / med_alone:12.1%}   (goal >= 90%)")
-
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    print(f"\nwhere a step's time goes, ms: the job's {ms([r['step_time'] for r in steps]):.1f} against the trainer "
+          f"alone's {ms([s for _, s in alone]):.1f}")
+    print(f"  data and batching (driver)      {ms([r['data_time'] for r in steps]):8.1f}")
+    print(f"  the Ray call around the step    {ms([r['train_time'] - r['worker_time'] for r in steps]):8.1f}")
+    print(f"  the step inside the worker      {ms([r['worker_time'] for r in steps]):8.1f}")
 
 if __name__ == "__main__":
     main()

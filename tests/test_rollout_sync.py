@@ -85,7 +85,10 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
 
         src = SyntheticSource(32, CFG.vocab_size, seed)
         engine = mgr.engine_actors()[0]
-        for step, path in ((1, "object_store"), (2, "broadcast"), (3, "disk"), (4, "shared")):
+        # broadcast: a group for the one call; then twice through the manager, whose group is
+        # opened at the first and kept for the second (other paths' updates in between)
+        for step, path in ((1, "object_store"), (2, "broadcast"), (3, "disk"), (4, "shared"),
+                           (5, "kept broadcast"), (6, "kept broadcast")):
             tp2.train_step(replica_micro_batches(src.batch(step, 4), 1, 2))
             stale = mgr.generate(_requests(seed, step))  # old weights, new trainer
             with pytest.raises(AssertionError):
@@ -94,6 +97,8 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
                 info = sync_object_store(tp2, mgr, BUCKET, version=step)
             elif path == "broadcast":
                 info = sync_broadcast(tp2, [engine], BUCKET, version=step, backend="gloo")
+            elif path == "kept broadcast":
+                info = mgr.update_by_broadcast(tp2, BUCKET, version=step, backend="gloo")
             elif path == "shared":  # colocated: the engine opens the ranks' buffers in place
                 info = sync_shared(tp2, mgr, BUCKET, version=step)
             else:
@@ -112,16 +117,16 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
 
         # A sync that fails midway: a bucket in the middle arrives corrupted.
         before = mgr.generate(_requests(seed, 20))
-        tp2.train_step(replica_micro_batches(src.batch(5, 4), 1, 2))
+        tp2.train_step(replica_micro_batches(src.batch(7, 4), 1, 2))
         buckets = [b for rank in tp2.call("put_weight_buckets", BUCKET) for b in rank]
         assert len(buckets) >= 3
         ref, sums = buckets[len(buckets) // 2]
         buckets[len(buckets) // 2] = (ref, {**sums, next(iter(sums)): "0" * 32})
         with pytest.raises(WeightSyncError, match="checksum mismatch"):
-            mgr.update_weights(buckets, [n for _, s in buckets for n in s], 5)
+            mgr.update_weights(buckets, [n for _, s in buckets for n in s], 7)
         after = mgr.generate(_requests(seed, 20))
         for a, b in zip(before, after, strict=True):
-            assert a["output_ids"] == b["output_ids"] and a["meta_info"]["weight_version"] == 4
+            assert a["output_ids"] == b["output_ids"] and a["meta_info"]["weight_version"] == 6
             assert_close(_engine_logprobs([a])[0], _engine_logprobs([b])[0], atol=1e-5, what="old weights kept")
         # A directory the engine cannot load (a shard missing): refused naming the engine and
         # the directory; the old weights keep serving, and stay what a replacement would get.
@@ -130,14 +135,14 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
         sorted(bad.glob("*.safetensors"))[-1].unlink()
         refused = rf"1 of 1 engines refused the weights at {bad} and keep their previous ones: .* is missing"
         with pytest.raises(WeightSyncError, match=refused):
-            mgr.update_from_disk(str(bad), 5)
+            mgr.update_from_disk(str(bad), 7)
         assert mgr.latest["path"] == str(tmp_path / "v0000003")
         assert [r["output_ids"] for r in mgr.generate(_requests(seed, 20))] == [r["output_ids"] for r in before]
         # An update that never completes (names announced but missing) is refused as well.
         ray.get(engine.begin_update.remote())
         ray.get(engine.stage.remote(*buckets[0]))
         with pytest.raises(ray.exceptions.RayTaskError, match="update incomplete"):
-            ray.get(engine.commit.remote([n for _, s in buckets for n in s], 5))
+            ray.get(engine.commit.remote([n for _, s in buckets for n in s], 7))
         assert mgr.generate(_requests(seed, 20))[0]["output_ids"] == before[0]["output_ids"]
     finally:
         tp2.shutdown()
@@ -199,6 +204,15 @@ def test_an_engine_replaced_after_a_broadcast_copies_a_live_engines_weights(clus
         assert mgr.version is None
         res = served(newer, reqs[:2])
         assert {r["meta_info"]["weight_version"] for r in res}.isdisjoint({1, 2}), res[0]["meta_info"]
+
+        # The manager's broadcast group was opened with the first engines: a replaced member
+        # makes the next broadcast open a new one, and both engines take it.
+        tp1.train_step(replica_micro_batches(SyntheticSource(32, CFG.vocab_size, seed).batch(2, 4), 1, 1))
+        mgr.update_by_broadcast(tp1, BUCKET, version=3, backend="gloo")
+        for slot in mgr.engines:
+            res = served(slot, reqs[:2])
+            assert {r["meta_info"]["weight_version"] for r in res} == {3}
+            _agree(tp1, reqs[:2], res, f"engine {slot.pid} after the broadcast to a new member set")
     finally:
         tp1.shutdown()
         mgr.shutdown()

@@ -84,6 +84,7 @@ class RolloutManager:
         self.client = RouterClient(self.router.url, self.router.headers, c, self.stats)
         self._lock = threading.RLock()
         self._update_lock = threading.RLock()  # an update and a replacement's catch-up never interleave
+        self._broadcast = None  # rollout.sync.BroadcastGroup, opened at the first broadcast and kept
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
@@ -240,14 +241,16 @@ class RolloutManager:
         """Broadcast path (`rollout.sync.sync_broadcast`) to every live engine, under the update
         lock (a replacement catches up before or after it, never during). Not kept to replay:
         a later replacement copies a live engine's weights."""
-        from miles.rollout.sync import sync_broadcast
+        from miles.rollout.sync import BroadcastGroup, sync_broadcast
 
         if self.cfg.engine == "sglang":
             raise WeightSyncError("broadcast weight sync serves the embedded engine; SGLang engines take weights "
                                   "from a directory (rollout.sync: disk)")
         with self._update_lock:
+            if self._broadcast is None or self._broadcast.backend != backend:
+                self._broadcast = BroadcastGroup(backend)
             try:
-                res = sync_broadcast(trainer, self.engine_actors(), bucket_bytes, version, backend)
+                res = sync_broadcast(trainer, self.engine_actors(), bucket_bytes, version, backend, self._broadcast)
             except ray.exceptions.RayActorError as e:  # died mid-update: the monitor replaces it
                 raise WeightSyncError(f"an engine died during the weight broadcast: {e}") from None
             self.version = version
@@ -278,6 +281,8 @@ class RolloutManager:
     def shutdown(self) -> None:
         self._stop.set()
         self._monitor.join(timeout=30)
+        if self._broadcast is not None:
+            self._broadcast.close()
         self.router.stop()
         with self._lock:
             for e in self.engines:

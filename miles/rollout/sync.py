@@ -5,7 +5,8 @@ in whole. Three paths:
 - object store (CPU default): each owning rank puts its buckets; engines pull them and
   check each tensor's MD5.
 - broadcast: a process group of its own between the owning ranks and the engines
-  (gloo on CPU, nccl on GPU), one broadcast per bucket from its owner; MD5s compared.
+  (gloo on CPU, nccl on GPU; kept across syncs), one broadcast per bucket from its owner;
+  digests compared (MD5s on the host, fingerprints on GPUs).
 - shared (colocated engines): each owning rank packs its buckets into buffers of its own and
   shares them (CUDA IPC on GPUs: no host copy); the engines copy out of them in place,
   checking device fingerprints.
@@ -42,40 +43,97 @@ def sync_shared(trainer, manager, bucket_bytes: int, version: int) -> dict:
     them once every engine has its copy."""
     t0 = time.perf_counter()
     per_rank = trainer.call("share_weight_buckets", bucket_bytes)
+    t1 = time.perf_counter()
     try:
         buckets = [b for rank in per_rank for b in rank]
         res = manager.update_shared(buckets, [n for _, _, fps in buckets for n in fps], version)
     finally:
+        t2 = time.perf_counter()
         trainer.call("release_shared")
-    return {**res, "seconds": time.perf_counter() - t0, "path": "shared"}
+    # the parts, for benchmarks/rollout.py: the ranks' packing and fingerprints, the engines'
+    # opening, checking and staging, their swap, the ranks' release
+    return {**res, "seconds": time.perf_counter() - t0, "path": "shared", "share_s": t1 - t0,
+            "release_s": time.perf_counter() - t2}
 
 
-def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, backend: str) -> dict:
+class BroadcastGroup:
+    """The trainer's sending ranks and the engines as one process group of their own (gloo on
+    CPU, nccl on GPU), opened at the first broadcast and kept for the next ones while its
+    members are the same: setting up an NCCL group cost ~0.9 s a sync on two H200s, more than
+    a small model's bytes. A new member set (an engine replaced, a new trainer) or a failed
+    broadcast closes it; the next broadcast opens a fresh one."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.members: tuple | None = None  # (sending worker handles, engine handles)
+
+    def ensure(self, senders: list, engines: list) -> None:
+        members = (tuple(senders), tuple(engines))
+        if members == self.members:
+            return
+        self.close()
+        size = len(senders) + len(engines)
+        host, port = ray.get(senders[0].rendezvous_address.remote())
+        ray.get([w.open_sync_group.remote(host, port, i, size, self.backend) for i, w in enumerate(senders)]
+                + [e.open_group.remote(host, port, len(senders) + j, size, self.backend)
+                   for j, e in enumerate(engines)])
+        self.members = members
+
+    def close(self) -> None:
+        if self.members is None:
+            return
+        senders, engines = self.members
+        self.members = None
+        _settle([w.close_sync_group.remote() for w in senders] + [e.close_group.remote() for e in engines])
+
+
+def _settle(refs: list, timeout_s: float = 10.0) -> None:
+    """Wait a little for clean-up calls. A member still inside a failed broadcast runs them
+    once the group's timeout frees it; a dead one has nothing to clean."""
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, backend: str,
+                   group: BroadcastGroup | None = None) -> dict:
+    """One broadcast per bucket from the rank that owns it to every engine; `group` kept
+    across calls (RolloutManager keeps one), else a group for this call alone."""
     t0 = time.perf_counter()
     plans = trainer.call("weight_plan", bucket_bytes)
     senders = [r for r, p in enumerate(plans) if p]
     index = {r: i for i, r in enumerate(senders)}
     plan = [{"src": index[r], "spec": spec} for r in senders for spec in plans[r]]
-    size = len(senders) + len(engines)
-    host, port = ray.get(trainer.workers[senders[0]].rendezvous_address.remote())
-    ray.get([trainer.workers[r].open_sync_group.remote(host, port, index[r], size, backend) for r in senders]
-            + [e.open_group.remote(host, port, len(senders) + j, size, backend) for j, e in enumerate(engines)])
+    own = group is None
+    group = group or BroadcastGroup(backend)
+    if group.backend != backend:
+        raise WeightSyncError(f"a {group.backend} broadcast group cannot carry a {backend} sync")
+    ok = False
     try:
+        group.ensure([trainer.workers[r] for r in senders], engines)
         ray.get([e.begin_update.remote() for e in engines])
-        send = [w.broadcast_weights.remote(plan, bucket_bytes, index.get(r)) for r, w in enumerate(trainer.workers)]
-        recv = [e.receive_broadcast.remote(plan) for e in engines]
-        sent = {k: v for part in ray.get(send) for k, v in part.items()}
-        for j, got in enumerate(ray.get(recv)):
-            bad = sorted(k for k in sent if got.get(k) != sent[k])
-            if bad or set(got) != set(sent):
-                raise WeightSyncError(f"engine {j}: received tensors differ from the sent ones: {bad[:5]}")
-        res = ray.get([e.commit.remote(list(sent), version) for e in engines])
-    except Exception:
-        ray.get([e.abort_update.remote() for e in engines])
-        raise
+        try:
+            send = [w.broadcast_weights.remote(plan, bucket_bytes, index.get(r)) for r, w in enumerate(trainer.workers)]
+            recv = [e.receive_broadcast.remote(plan) for e in engines]
+            pending = send + recv
+            while pending:  # the first failure at once: the others wait in the group until its timeout
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+            sent = {k: v for part in ray.get(send) for k, v in part.items()}
+            for j, got in enumerate(ray.get(recv)):
+                bad = sorted(k for k in sent if got.get(k) != sent[k])
+                if bad or set(got) != set(sent):
+                    raise WeightSyncError(f"engine {j}: received tensors differ from the sent ones: {bad[:5]}")
+            res = ray.get([e.commit.remote(list(sent), version) for e in engines])
+        except Exception:
+            _settle([e.abort_update.remote() for e in engines])  # (a later update begins afresh anyway)
+            raise
+        ok = True
     finally:
-        ray.get([trainer.workers[r].close_sync_group.remote() for r in senders] + [e.close_group.remote()
-                                                                                   for e in engines])
+        if own or not ok:
+            group.close()
     return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines),
             "path": "broadcast"}
 

@@ -50,5 +50,7 @@ def apply_update(engines: list, update: dict) -> dict:
     if errors:
         ray.get([e.actor.abort_update.remote() for e in engines])
         raise WeightSyncError(f"weight update failed, engines keep their weights: {errors[0]}")
+    t1 = time.perf_counter()
     res = ray.get([e.actor.commit.remote(update["names"], update["version"]) for e in engines])
-    return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines)}
+    return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines),
+            "stage_s": t1 - t0, "swap_s": max(r["swap_s"] for r in res)}
