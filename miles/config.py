@@ -343,6 +343,9 @@ class AlgoConfig(Section):
     routing_replay: Bool | None = None  # the trainer's forward on rollout tokens takes the experts the engine
     # used (R3; the router still gets its gradient). Default: on for policy-loss jobs with the embedded engine and
     # no generate_fn (the only setup that returns the experts today)
+    indexer_replay: Bool = False  # the same for the CSA indexer's top-k compressed entries of every token (off:
+    # index_topk block numbers per CSA layer and token is large, ~21 KB a token at V4-Flash's shape; needs the
+    # setup routing replay needs)
 
     @model_validator(mode="after")
     def _rl(self) -> AlgoConfig:
@@ -465,6 +468,9 @@ class JobConfig(Section):
         elif self.algo.routing_replay and not able:
             raise ValueError("algo.routing_replay needs algo.loss: policy, rollout.engine: embedded and no "
                              "rollout.generate_fn (SGLang's experts and multi-turn transcripts are not carried yet)")
+        if self.algo.indexer_replay and not able:
+            raise ValueError("algo.indexer_replay needs algo.loss: policy, rollout.engine: embedded and no "
+                             "rollout.generate_fn (only the embedded engine returns the indexer's choices)")
         cp, multiple = self.train.parallel.cp, self.train.parallel.seq_multiple
         if self.data.seq_len % multiple:
             raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of {multiple} (2 x "

@@ -173,7 +173,9 @@ def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
     """The trainer's policy loss with the RL loop's token weights (response_weights, GRPO's
     per-response mean) equals the clipped objective (docs/algorithms.md) written out here in
     float64 from the logits at the rollouts' temperature, log_softmax(z / T): loss, head
-    gradient, clip fraction; the entropy metric is the tempered softmax's too."""
+    gradient, clip fraction; the entropy metric is the tempered softmax's too, and the
+    trainer-engine metrics (mean and largest |log-prob difference|, the k3 KL) are theirs
+    against rollout log-probs that differ from the trainer's."""
     from miles.algo.losses import response_weights
 
     model = tiny_model(seed)
@@ -187,11 +189,12 @@ def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
     with torch.no_grad():
         lp0 = losses.compute(model, MicroBatch(ids, lab, mask))[1].logprobs
     old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
+    roll = lp0 + 0.2 * torch.randn(lp0.shape, generator=g)  # the engine's (no TIS: only measured)
     adv = torch.tensor([1.3, -0.8, 0.4])
     weights = torch.tensor(response_weights([int(n) for n in mask.sum(1)], "seq_mean_token_mean", 24))
     opts = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 3.0, "temperature": temperature}
     mb = MicroBatch(ids, lab, mask, advantages=adv[:, None].expand_as(mask).contiguous() * mask, old_logprobs=old,
-                    token_weights=(weights[:, None] * mask).float())
+                    token_weights=(weights[:, None] * mask).float(), rollout_logprobs=roll)
     out, res = losses.compute(model, mb, losses.LossCoefs(mtp=0.0, indexer=0.0), name="policy", options=opts)
     (gw,) = torch.autograd.grad(res.loss, [model.head.weight], retain_graph=True)
     z = out.logits.double() / temperature  # [B, S, V]
@@ -208,6 +211,13 @@ def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
     p = torch.softmax(z.detach(), -1)
     entropy = (-(p * p.log()).sum(-1) * mask).sum() / mask.sum()
     assert abs(res.metrics["entropy"].item() - entropy.item()) <= 1e-5 * entropy.item()
+    d = lp.detach() - roll.double()
+    gap = {"train_rollout_logprob_abs_diff": (d.abs() * mask).sum() / mask.sum(),
+           "train_rollout_logprob_abs_diff_max": (d.abs() * mask).amax(),
+           "train_rollout_k3_kl": ((torch.exp(d) - 1 - d) * mask).sum() / mask.sum()}
+    for k, v in gap.items():
+        assert torch.isfinite(res.metrics[k]) and v > 1e-3, k
+        assert res.metrics[k].item() == pytest.approx(v.item(), rel=1e-5), k
 
 
 @pytest.mark.parametrize("chunk_rows, temperature, fused", [(None, 1.0, False), (1, 1.0, False), (7, 1.0, False),

@@ -75,14 +75,15 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     samples the same responses and computes the same losses and gradient norms; it takes its
     weights through the disk (rollout.sync: disk, SGLang's path: files written by the trainer's
     ranks, loaded by the engine, removed at the end), the other by broadcast (the rest of this
-    file's runs take the default, the object store). The
+    file's runs take the default, the object store); both replay the engine's experts and
+    indexer entries. The
     RL loop keeps the job keys the SFT controller serves: ckpt.save_hf writes hf/,
     log.alignment the gradient checksums, the data source's metrics are logged."""
     runs = {p: tmp_path / p for p in ("disaggregated", "colocated")}
     for placement, run in runs.items():
         sync = "disk" if placement == "colocated" else "broadcast"
         _rl(cluster, run, "train.steps=1", f"rollout.placement={placement}", f"rollout.sync={sync}",
-            "ckpt.save_hf=true", "log.alignment=true")
+            "ckpt.save_hf=true", "log.alignment=true", "algo.indexer_replay=true")
         if sync == "disk":
             assert (run / "weights").is_dir() and not list((run / "weights").iterdir()), "versions left behind"
     dis, col = _metrics(runs["disaggregated"])[0], _metrics(runs["colocated"])[0]
@@ -124,6 +125,8 @@ def test_first_rollout_is_on_policy_and_placements_agree(cluster, tmp_path):
     assert dis["train/replayed_tokens"] > 0 and col["train/replayed_tokens"] == dis["train/replayed_tokens"]
     assert 0 <= dis["train/router_replay_disagreement"] < 0.05, "fp32 engine and trainer should route alike"
     assert dis["train/first_update/router_replay_disagreement"] <= 0.01  # the same weights, fp32: near ties only
+    # algo.indexer_replay (asked for here): the engines' indexer entries too
+    assert 0 <= dis["train/first_update/indexer_replay_disagreement"] <= 0.01
 
 
 def test_colocated_rl_with_evals_math_rewards_and_a_temperature(cluster, tmp_path):
@@ -661,11 +664,14 @@ def test_the_router_in_training_frozen_bias_frozen_gates_and_its_load_metric(ray
     assert not same(before, after, ".ffn.experts.")
 
 
-def test_the_trainer_replays_the_routes_its_samples_carry(ray_here, seed):
-    """Routing replay through the trainer: samples carrying an engine's experts per token
-    (Sample.routes) become micro-batches whose routed_experts put each token's experts where it
-    is read (-1 on padding); the trainer's forward takes them (its log-probs are the replayed
-    forward's of the same weights, and differ from its own routing's)."""
+def test_the_trainer_replays_the_experts_and_entries_its_samples_carry(ray_here, seed):
+    """Routing and indexer replay through the trainer: samples carrying an engine's experts and
+    indexer entries per token (Sample.routes, Sample.picks) become micro-batches that put each
+    token's where it is read (routed_experts, indexer_picks; -1 on padding); the trainer's
+    forward takes them (its log-probs are the replayed forward's of the same weights, and differ
+    from its own choices'), and train/router_replay_disagreement and
+    train/indexer_replay_disagreement measure how often its own router and indexers chose
+    otherwise."""
     import numpy as np
     import torch
 
@@ -681,41 +687,51 @@ def test_the_trainer_replays_the_routes_its_samples_carry(ray_here, seed):
         for name, p in engine.named_parameters():
             if name.endswith(".ffn.gate.weight"):  # the engine routes some tokens elsewhere
                 p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std())
-    ids = torch.randint(2, cfg.vocab_size, (2, 30), generator=g)
-    lens = [30, 21]
-    with torch.no_grad():
-        routes = [engine(ids[i:i + 1, :n], record_routes=True).routes[0].numpy() for i, n in enumerate(lens)]
-    samples = [Sample(ids[i, :n].tolist(), [0] * 5 + [1] * (n - 5), routes=np.asarray(routes[i], np.int16))
-               for i, n in enumerate(lens)]
-    (mb,) = replica_micro_batches(samples, 1, 2)[0]
-    assert mb.routed_experts.shape == (2, 29, *routes[0].shape[1:]) and mb.routed_experts.dtype == torch.int16
-    assert torch.equal(mb.routed_experts[1, :20], torch.as_tensor(routes[1][:-1]))
-    assert (mb.routed_experts[1, 20:] == -1).all(), "padding must route as the trainer does"
-    with pytest.raises(ValueError, match="routing-replay routes"):
-        replica_micro_batches([samples[0], Sample(samples[1].tokens, samples[1].loss_mask)], 1, 2)
-    with torch.no_grad():  # the trainer's own experts for the same tokens: replaying them differs nowhere
-        own = [local(ids[i:i + 1, :n], record_routes=True).routes[0].numpy() for i, n in enumerate(lens)]
-    (own_mb,) = replica_micro_batches([Sample(s.tokens, s.loss_mask, routes=np.asarray(r, np.int16))
-                                       for s, r in zip(samples, own, strict=True)], 1, 2)[0]
+            elif ".indexer." in name:  # and its indexers pick some other entries
+                p.add_(torch.randn(p.shape, generator=g) * p.std().clamp_min(0.05))
+    lens = [70, 53]
+    ids = torch.randint(2, cfg.vocab_size, (2, 70), generator=g)
+
+    def samples(model) -> list[Sample]:
+        with torch.no_grad():
+            outs = [model(ids[i:i + 1, :n], record_routes=True, record_picks=True) for i, n in enumerate(lens)]
+        return [Sample(ids[i, :n].tolist(), [0] * 5 + [1] * (n - 5), routes=o.routes[0].numpy().astype(np.int16),
+                       picks=o.picks[0].numpy().astype(np.int16))
+                for i, (n, o) in enumerate(zip(lens, outs, strict=True))]
+
+    theirs, own = samples(engine), samples(local)
+    (mb,) = replica_micro_batches(theirs, 1, 2)[0]
+    (own_mb,) = replica_micro_batches(own, 1, 2)[0]
+    for field, key in (("routed_experts", "routes"), ("indexer_picks", "picks")):
+        t = getattr(mb, field)
+        assert t.shape == (2, 69, *getattr(theirs[0], key).shape[1:]) and t.dtype == torch.int16
+        assert torch.equal(t[1, :52], torch.as_tensor(getattr(theirs[1], key)[:-1]))
+        assert (t[1, 52:] == -1).all(), f"{field}: padding must route and attend as the trainer does"
+    with pytest.raises(ValueError, match="replay routes"):
+        replica_micro_batches([theirs[0], Sample(theirs[1].tokens, theirs[1].loss_mask)], 1, 2)
     group = TrainGroup(1, resources={"CPU": 1})
     try:
         group.call("build_model", cfg.to_dict(), seed)
-        got = group.forward_logprobs([[mb]])[0][0][0, :28]
+        got = group.forward_logprobs([[mb]])[0][0][0, :68]
         group.call("setup_training", lr=1e-6, total_steps=10)
-        same = group.train_step([[own_mb]])[0]["router_replay_disagreement"]
-        differed = group.train_step([[mb]])[0]["router_replay_disagreement"]
+        same = group.train_step([[own_mb]])[0]
+        differed = group.train_step([[mb]])[0]
     finally:
         group.shutdown()
-    # train/router_replay_disagreement: the share of replayed (token, layer) pairs the trainer's
-    # own router would have sent elsewhere
-    assert 0.02 < differed < 1 and same < differed, (differed, same)
+    # the share of replayed (token, layer) pairs, and of replayed entries, the trainer's own
+    # router and indexers would have chosen otherwise
+    for k in ("router_replay_disagreement", "indexer_replay_disagreement"):
+        assert 0.02 < differed[k] < 1 and same[k] < 1e-6, (k, differed[k], same[k])
 
     def logprobs(**kw) -> torch.Tensor:
         with torch.no_grad():
-            logits = local(ids[:1, :29], **kw).head.logits().double()
-        return torch.log_softmax(logits, -1)[0, :28].gather(-1, ids[0, 1:29, None])[..., 0]
+            logits = local(ids[:1, :69], **kw).head.logits().double()
+        return torch.log_softmax(logits, -1)[0, :68].gather(-1, ids[0, 1:69, None])[..., 0]
 
-    replayed = logprobs(routed_experts=torch.as_tensor(routes[0][None, :-1]))
+    replayed = logprobs(routed_experts=torch.as_tensor(theirs[0].routes[None, :-1]),
+                        indexer_picks=torch.as_tensor(theirs[0].picks[None, :-1]))
+    experts_only = logprobs(routed_experts=torch.as_tensor(theirs[0].routes[None, :-1]))
     assert torch.isfinite(got).all() and torch.isfinite(replayed).all()
-    assert (got.double() - replayed).abs().max() <= 1e-5, "the trainer did not take the samples' routes"
+    assert (got.double() - replayed).abs().max() <= 1e-5, "the trainer did not take the samples' choices"
+    assert (got.double() - experts_only).abs().max() > 1e-4, "the entries changed nothing: the test cannot see them"
     assert (got.double() - logprobs()).abs().max() > 1e-4, "replay changed nothing: the test cannot see it"

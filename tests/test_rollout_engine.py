@@ -257,13 +257,13 @@ def test_http_api_serves_sglang_shapes(server):
     lp = r[0]["meta_info"]["output_token_logprobs"]
     assert all(x[1] == t and x[0] <= 0 and x[2] is None for x, t in zip(lp, r[0]["output_ids"], strict=True))
     assert "routed_experts" not in r[0]["meta_info"]
-    from miles.rollout.engine import decode_routes
+    from miles.rollout.engine import decode_choices
 
     cfg = svc.model.config
     ids = [5, 6, 7, 8]
     x = client.post("/generate", json={"input_ids": ids, "return_routed_experts": True,
                                        "sampling_params": {"max_new_tokens": 3, "seed": 1}}).json()
-    routes = decode_routes(x["meta_info"]["routed_experts"], cfg.num_hidden_layers - cfg.num_hash_layers,
+    routes = decode_choices(x["meta_info"]["routed_experts"], cfg.num_hidden_layers - cfg.num_hash_layers,
                            cfg.num_experts_per_tok)  # every token the model read: the prompt and 2 of the 3
     assert routes.shape[0] == len(ids) + len(x["output_ids"]) - 1 and (routes >= 0).all()
     for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
@@ -443,11 +443,13 @@ def test_the_decode_step_pads_to_its_bucket_in_a_slot_nobody_owns(seed):
     for k in range(6):
         ids = torch.randint(2, 320, (3,), generator=g)
         with torch.no_grad():
-            alone, alone_routes = model.decode(ids, caches[0], torch.tensor([0, 2, 3]), record_routes=True)
-        padded, routes = step(ids.tolist(), [0, 2, 3])
+            alone, alone_choices = model.decode(ids, caches[0], torch.tensor([0, 2, 3]), record=("routes", "picks"))
+        padded, choices = step(ids.tolist(), [0, 2, 3], record=("routes", "picks"))
         assert step.bucket(3) == 4 and padded.shape == alone.shape
         assert_close(padded, alone, atol=1e-6, what=f"step {k}")
-        assert torch.equal(routes.sort(-1).values, alone_routes.sort(-1).values), f"step {k}: the rows' experts"
+        assert torch.equal(choices["routes"].sort(-1).values, alone_choices["routes"].sort(-1).values), \
+            f"step {k}: the rows' experts"
+        assert torch.equal(choices["picks"], alone_choices["picks"]), f"step {k}: the rows' indexer entries"
     for i, (a, b) in enumerate(zip(caches[0].tensors(), caches[1].tensors(), strict=True)):
         # rounding apart (a batch of 4 may block its sums unlike one of 3), not a write of other rows
         assert_close(b[:4].double(), a[:4].double(), atol=1e-5, what=f"cache tensor {i}: a sequence's slot")

@@ -114,7 +114,7 @@ def test_the_engine_returns_the_experts_every_token_it_read_took(seed):
     layer; they are the ones a full forward of that sequence chooses (fp32 on CPU), whatever
     the batch (requests joining a running batch, two of them sharing one prompt's prefill);
     a request that did not ask gets none."""
-    from miles.rollout.engine import Engine, decode_routes
+    from miles.rollout.engine import Engine, decode_choices
     from miles.rollout.sampling import SamplingParams
     from tests.conftest import randomize
 
@@ -145,7 +145,7 @@ def test_the_engine_returns_the_experts_every_token_it_read_took(seed):
         if i == 2:
             continue
         out = results[str(i)]["output_ids"]
-        got = decode_routes(results[str(i)]["meta_info"]["routed_experts"], layers, k)
+        got = decode_choices(results[str(i)]["meta_info"]["routed_experts"], layers, k)
         seq = torch.tensor([p + out[:-1]])
         assert got.shape == (seq.shape[1], layers, k), got.shape
         with torch.no_grad():

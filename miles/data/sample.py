@@ -21,6 +21,9 @@ class Sample:
     # Routing replay: the experts each token took when the engine read it, [T, L, k] (L learned
     # MoE layers, top-k), -1 for a token the engine never read (the last one it generated).
     routes: Any = field(default=None, compare=False)
+    # Indexer replay: the compressed entries each token's query attended in the engine, [T, C, K]
+    # (C CSA layers, index_topk in-document block numbers, -1 = none or never read).
+    picks: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.loss_mask):
@@ -30,7 +33,8 @@ class Sample:
         for k, v in self.values.items():
             if len(v) != len(self.tokens):
                 raise ValueError(f"sample: {len(self.tokens)} tokens but {len(v)} values of {k}")
-        if self.routes is not None and len(self.routes) != len(self.tokens):
-            raise ValueError(f"sample: {len(self.tokens)} tokens but routes for {len(self.routes)}")
+        for name in ("routes", "picks"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != len(self.tokens):
+                raise ValueError(f"sample: {len(self.tokens)} tokens but {name} for {len(getattr(self, name))}")
         if self.loss_mask[0]:
             raise ValueError("sample: the first token cannot be trained (nothing precedes it)")

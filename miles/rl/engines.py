@@ -67,7 +67,7 @@ def start_engines(job: JobConfig, run_dir: Path, trainer, version: int, shared=N
     colocated on GPUs, each engine in its bundle of the trainer's placement group."""
     spec = {"config": job.model.arch.to_dict(), "seed": job.train.seed + 1, "weight_version": None,
             "dtype": job.model.dtype, "device": "cuda" if job.cluster.device == "gpu" else "cpu",
-            "return_routed_experts": bool(job.algo.routing_replay)}
+            "return_routed_experts": bool(job.algo.routing_replay), "return_indexer_picks": job.algo.indexer_replay}
     if job.rollout.engine != "sglang":
         return RolloutManager(job.rollout, spec, log_dir=str(run_dir),
                               colocation=(trainer.pg, shared) if shared is not None else None)

@@ -26,7 +26,7 @@ from miles.data.sft import tokenizer_path
 from miles.memory import phase_metrics
 from miles.observe import records
 from miles.rl.engines import generation_phase, ray_get_all
-from miles.rollout.engine import decode_routes
+from miles.rollout.engine import META_KEYS, decode_choices
 from miles.rollout.manager import RolloutError
 
 
@@ -43,6 +43,7 @@ class Response:
     truncated: bool  # stopped by the length limit
     mask: np.ndarray | None = None  # [T] per token: 1 the policy's (trained), 0 environment / tools (multi-turn)
     routes: np.ndarray | None = None  # [P + T - 1, L, k] int16: the experts each token the engine read took
+    picks: np.ndarray | None = None  # [P + T - 1, C, K]: the indexer's entries each token the engine read attended
     turns: int = 1
     version: int | None = None  # the weights it was generated with (the engine's weight_version; multi-turn: the
     # oldest of its turns')
@@ -86,7 +87,7 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
         drawn.extend(p.id for p in prompts)
         position.update(data.state())
         groups = sample_groups(job, engines, prompts, r.n_samples_per_prompt, r.temperature, r.top_p,
-                               seed=(job.train.seed, step, rnd), version=version, routes=job.algo.routing_replay)
+                               seed=(job.train.seed, step, rnd), version=version, replay=replayed(job))
         t1 = time.perf_counter()
         reward_groups(job, groups, rewards)
         stats["reward_time"] += time.perf_counter() - t1
@@ -131,21 +132,20 @@ def generate_rollout(job: JobConfig, trainer, engines, data: PromptSource, rewar
 
 
 def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temperature: float, top_p: float,
-                  seed: tuple, version: int, routes: bool = False) -> list[list[Response]]:
+                  seed: tuple, version: int, replay: dict[str, tuple] | None = None) -> list[list[Response]]:
     """n responses per prompt through the router, from the trainer's weights of `version` (the
     manager generates again what the engines abort or answer from other weights than a trainer
-    version); each request seeded by (seed, prompt, i), so a resumed run draws the same samples."""
+    version); each request seeded by (seed, prompt, i), so a resumed run draws the same samples.
+    `replay` (replayed(job)): the choices each answer returns for every token."""
     r = job.rollout
     params = {"temperature": temperature, "top_p": top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
     reqs = requests(prompts, n, params, seed)
-    if routes:  # routing replay: the experts every token took
-        reqs = [q | {"return_routed_experts": True} for q in reqs]
+    flags = {"routes": "return_routed_experts", "picks": "return_indexer_picks"}
+    reqs = [q | {flags[name]: True for name in replay or {}} for q in reqs]
     tok = response_tokenizer(job.data.tokenizer, job.data.template)
     owners = [p for p in prompts for _ in range(n)]
     if r.generate_fn is None:  # each result made compact as it arrives (its JSON lists dropped)
-        arch = job.model.arch
-        shape = (arch.num_hidden_layers - arch.num_hash_layers, arch.num_experts_per_tok) if routes else None
-        results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok, routes=shape))
+        results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok, replay=replay))
         flat = [Response(p, **res) for p, res in zip(owners, results, strict=True)]
     else:  # the user's function drives each conversation through the router
         samples = [q | {"label": p.label, "messages": p.messages} for q, p in zip(reqs, owners, strict=True)]
@@ -170,19 +170,34 @@ def requests(prompts: list[Prompt], n: int, params: dict, seed: tuple) -> list[d
     return out
 
 
-def compact_result(tok, res: dict, routes: tuple[int, int] | None = None) -> dict:
+def replayed(job: JobConfig) -> dict[str, tuple]:
+    """The choices the engines return for the trainer to replay, by Response field: (layers,
+    slots, dtype) of each token's array."""
+    arch, out = job.model.arch, {}
+    if job.algo.routing_replay:  # experts of the learned MoE layers
+        out["routes"] = (arch.num_hidden_layers - arch.num_hash_layers, arch.num_experts_per_tok, np.int16)
+    ratios = [arch.layer_ratio(i) for i in range(arch.num_hidden_layers) if arch.is_csa(arch.layer_ratio(i))]
+    if job.algo.indexer_replay and ratios:  # block numbers of the CSA layers' picks: int16 while they fit
+        fits = job.rollout.max_len // min(ratios) < 2 ** 15
+        out["picks"] = (len(ratios), arch.index_topk, np.int16 if fits else np.int32)
+    return out
+
+
+def compact_result(tok, res: dict, replay: dict[str, tuple] | None = None) -> dict:
     """An engine's /generate result as Response's fields (all but the prompt), arrays instead
-    of its JSON lists; `routes` (layers, k): its routed_experts as int16 [tokens, layers, k]."""
+    of its JSON lists; `replay` (replayed(job)): its choices for every token it read as
+    [tokens, layers, slots] arrays."""
     meta = res["meta_info"]
     out = {"ids": np.asarray(res["output_ids"], dtype=np.int32),
            "logprobs": np.fromiter((x[0] for x in meta["output_token_logprobs"]), np.float32, len(res["output_ids"])),
            "text": response_text(tok, res["output_ids"]), "truncated": meta["finish_reason"]["type"] == "length",
            "version": int(meta["weight_version"])}
-    if routes is not None:
-        if "routed_experts" not in meta:
-            raise RolloutError(f"sample {res.get('id')}: algo.routing_replay asked for the experts each token took; "
-                               "the engine's answer has no meta_info.routed_experts")
-        out["routes"] = decode_routes(meta["routed_experts"], *routes).astype(np.int16)
+    for name, (layers, k, dtype) in (replay or {}).items():
+        key = META_KEYS[name]
+        if key not in meta:
+            raise RolloutError(f"sample {res.get('id')}: algo.{'routing' if name == 'routes' else 'indexer'}_replay "
+                               f"asked for each token's choices; the engine's answer has no meta_info.{key}")
+        out[name] = decode_choices(meta[key], layers, k).astype(dtype)
     return out
 
 

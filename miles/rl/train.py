@@ -35,11 +35,12 @@ def to_samples(job: JobConfig, groups: list[list[Response]]) -> list[list[Sample
             p = len(x.prompt.input_ids)
             mask = np.ones(len(x.ids), np.int8) if x.mask is None else x.mask  # [T]
             zeros = np.zeros(p, np.float32)  # the prompt's positions  [P]
-            routes = None  # the last token was never read by the engine: it routes as the trainer does
-            if x.routes is not None:
-                routes = np.concatenate((x.routes, np.full((1, *x.routes.shape[1:]), -1, np.int16)))  # [P + T, L, k]
+            # the last token was never read by the engine: -1, it routes and picks as the trainer does
+            routes, picks = (None if a is None else np.concatenate((a, np.full((1, *a.shape[1:]), -1, a.dtype)))
+                             for a in (x.routes, x.picks))  # [P + T, L, k], [P + T, C, K]
             batch.append(Sample(np.concatenate((np.asarray(x.prompt.input_ids, np.int32), x.ids)),
                                 np.concatenate((np.zeros(p, np.int8), mask)), origin=x.prompt.id, routes=routes,
+                                picks=picks,
                                 values={
                 "advantages": np.concatenate((zeros, (a * mask).astype(np.float32))),
                 "rollout_logprobs": np.concatenate((zeros, x.logprobs)),
@@ -82,7 +83,8 @@ def train(job: JobConfig, trainer, batches: list[list[Sample]], step: int) -> tu
     # With a KL term its kl_loss is 0 on a fresh start (the reference is the starting policy).
     out.update({f"train/first_update/{k}": float(logs[0][k])
                 for k in ("ppo_kl", "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
-                          "tis_weight", "kl_loss", "router_replay_disagreement") if k in logs[0]})
+                          "train_rollout_k3_kl", "tis_weight", "kl_loss", "router_replay_disagreement",
+                          "indexer_replay_disagreement") if k in logs[0]})
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
     if job.algo.routing_replay:  # positions whose experts came from the engine (the rest: padding, last tokens)
         out["train/replayed_tokens"] = float(sum(int((mb.routed_experts[..., :1, :1] >= 0).sum()) for s in steps

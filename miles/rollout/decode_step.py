@@ -24,7 +24,7 @@ class _Graph:
     ids: torch.Tensor  # [bs] the replay's inputs, copied in before each replay
     slots: torch.Tensor  # [bs]
     logits: torch.Tensor  # [bs, V] the replay's output
-    routes: torch.Tensor  # [bs, L, k] the experts each input token took (routing replay)
+    choices: dict[str, torch.Tensor]  # "routes" [bs, L, k], "picks" [bs, C, K]: each input token's (replay)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -46,7 +46,7 @@ class DecodeStep:
         # bf16 only: an fp32 model's experts loop over their groups on the host, which a
         # capture cannot hold (the grouped GEMMs that need no host are bf16's)
         self.use_graphs = graphs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, frozenset], _Graph] = {}  # by (bucket, what it records)
         self.graph_error: str | None = None  # why the step runs eagerly after all (a capture failed)
         self._pool = None
 
@@ -54,37 +54,43 @@ class DecodeStep:
         return next(b for b in self.buckets if b >= n)
 
     @torch.no_grad()
-    def __call__(self, ids: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids: list[int], slots: list[int], record=()
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-token logits [n, V] of n sequences (their last tokens `ids`, in cache `slots`)
-        and the experts those tokens took per learned MoE layer [n, L, k]; each slot advances
-        one token."""
+        and the choices `record` names that those tokens made ("routes": the experts per
+        learned MoE layer [n, L, k]; "picks": the indexer's entries per CSA layer [n, C, K]);
+        each slot advances one token."""
         n = len(ids)
-        bs = self.bucket(n)
+        bs, rec = self.bucket(n), frozenset(record)
         ids_t = torch.tensor(ids + [0] * (bs - n), dtype=torch.long)
         slots_t = torch.tensor(slots + [self.scratch] * (bs - n), dtype=torch.long)
         self.cache.length[self.scratch] = 0  # the scratch slot never fills up
-        g = (self.graphs.get(bs) or self._try_capture(bs)) if self.use_graphs else None
+        g = (self.graphs.get((bs, rec)) or self._try_capture(bs, rec)) if self.use_graphs else None
         if g is None:
-            logits, routes = self.model.decode(ids_t.to(self.device), self.cache, slots_t.to(self.device),
-                                               record_routes=True)
-            return logits[:n], routes[:n]
-        g.ids.copy_(ids_t)
-        g.slots.copy_(slots_t)
-        g.graph.replay()
-        return g.logits[:n], g.routes[:n]
+            logits, choices = self._decode(ids_t.to(self.device), slots_t.to(self.device), rec)
+        else:
+            g.ids.copy_(ids_t)
+            g.slots.copy_(slots_t)
+            g.graph.replay()
+            logits, choices = g.logits, g.choices
+        return logits[:n], {k: v[:n] for k, v in choices.items()}
 
-    def _try_capture(self, bs: int) -> _Graph | None:
+    def _decode(self, ids: torch.Tensor, slots: torch.Tensor, rec: frozenset):
+        out = self.model.decode(ids, self.cache, slots, rec)
+        return out if rec else (out, {})
+
+    def _try_capture(self, bs: int, rec: frozenset) -> _Graph | None:
         """The bucket's graph, or None (and eager steps from now on, said once in the log) where
         the step cannot be captured after all."""
         try:
-            return self._capture(bs)
+            return self._capture(bs, rec)
         except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
             self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
             self.graphs.clear()
             log.warning("the decode step cannot be captured as a CUDA graph; it runs eagerly: %s", self.graph_error)
             return None
 
-    def _capture(self, bs: int) -> _Graph:
+    def _capture(self, bs: int, rec: frozenset) -> _Graph:
         """Warm the step up on a side stream (Triton's compiles, the allocator) on the scratch
         slot alone, then capture it."""
         ids = torch.zeros(bs, dtype=torch.long, device=self.device)
@@ -94,16 +100,16 @@ class DecodeStep:
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.cache.length[self.scratch] = 0
-                self.model.decode(ids, self.cache, slots, record_routes=True)
+                self.model.decode(ids, self.cache, slots, rec)
         torch.cuda.current_stream().wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         self.cache.length[self.scratch] = 0
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, routes = self.model.decode(ids, self.cache, slots, record_routes=True)
-        self.graphs[bs] = _Graph(graph, ids, slots, logits, routes)
+            logits, choices = self._decode(ids, slots, rec)
+        self.graphs[bs, rec] = _Graph(graph, ids, slots, logits, choices)
         log.info("decode step captured for batch %d (%d buckets captured)", bs, len(self.graphs))
-        return self.graphs[bs]
+        return self.graphs[bs, rec]
 
     def reset(self) -> None:
         """Drop the graphs: the weights' or the cache's storages moved (memory released and

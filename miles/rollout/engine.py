@@ -46,8 +46,11 @@ class Sequence:
     aborted: str | None = None
     finish: dict | None = None
     started: float = field(default_factory=time.monotonic)
-    return_routes: bool = False  # return_routed_experts: the experts every token the model read took
-    routes: list[np.ndarray] = field(default_factory=list)  # [P, L, k] for the prompt, then [1, L, k] a step
+    # the choices to return for every token the model read (replay): "routes" (return_routed_experts:
+    # the experts), "picks" (return_indexer_picks: the indexer's compressed entries)
+    returns: frozenset[str] = frozenset()
+    # by name: [P, L, k] / [P, C, K] for the prompt, then [1, L, k] / [1, C, K] a step
+    choices: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
 
 class Engine:
@@ -56,10 +59,12 @@ class Engine:
 
     def __init__(self, model: DeepSeekV4ForCausalLM, max_running: int = 64, max_len: int = 4096,
                  tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192, cuda_graphs: bool = True,
-                 return_routed_experts: bool = False):
-        """`return_routed_experts`: every request's answer carries the experts (as if each asked)."""
+                 return_routed_experts: bool = False, return_indexer_picks: bool = False):
+        """`return_routed_experts`, `return_indexer_picks`: every request's answer carries the
+        experts, the indexer's entries (as if each asked)."""
         self.model = model.eval()
-        self.routes_always = return_routed_experts
+        self.always = frozenset(n for n, on in (("routes", return_routed_experts), ("picks", return_indexer_picks))
+                                if on)
         self.device = next(model.parameters()).device
         self.max_running, self.max_len, self.prefill_tokens = max_running, max_len, prefill_tokens
         self.tokenizer = tokenizer
@@ -98,10 +103,12 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
 
     def submit(self, prompt: list[int], params: SamplingParams, on_done: Callable[[dict], None],
-               return_logprob: bool = False, rid: str | None = None, return_routed_experts: bool = False) -> str:
+               return_logprob: bool = False, rid: str | None = None, return_routed_experts: bool = False,
+               return_indexer_picks: bool = False) -> str:
         self.check(prompt, params)
+        asked = {n for n, on in (("routes", return_routed_experts), ("picks", return_indexer_picks)) if on}
         seq = Sequence(rid or uuid.uuid4().hex, list(prompt), params, return_logprob, on_done,
-                       params.generator(), return_routes=return_routed_experts or self.routes_always)
+                       params.generator(), returns=self.always | asked)
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return seq.rid
@@ -204,19 +211,21 @@ class Engine:
             groups.setdefault(tuple(s.prompt), []).append(s)
         firsts = [g[0] for g in groups.values()]
         prompts = [torch.tensor(s.prompt, dtype=torch.long, device=self.device) for s in firsts]
-        wanted = any(s.return_routes for s in admit)  # the experts only when someone asked
-        out = self.model.prefill(prompts, self.cache, [s.slot for s in firsts], record_routes=wanted)
-        logits, routes = out if wanted else (out, None)  # [P, V], [P, S, L, k]
+        wanted = frozenset().union(*(s.returns for s in admit))  # the choices only when someone asked
+        out = self.model.prefill(prompts, self.cache, [s.slot for s in firsts], record=wanted)
+        logits, choices = out if wanted else (out, {})  # [P, V]; [P, S, L, k], [P, S, C, K]
         self.counters["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
         rows = []
         for i, g in enumerate(groups.values()):
             if len(g) > 1:
                 self.cache.copy_slot(g[0].slot, [s.slot for s in g[1:]])
             rows += [i] * len(g)
-            if any(s.return_routes for s in g):
-                prompt_routes = routes[i, :len(g[0].prompt)].to(torch.int32).cpu().numpy()  # [P, L, k]
-                for s in g:
-                    s.routes = [prompt_routes] if s.return_routes else []
+            for name, t in choices.items():
+                if any(name in s.returns for s in g):
+                    prompt = t[i, :len(g[0].prompt)].to(torch.int32).cpu().numpy()  # [P, L, k] / [P, C, K]
+                    for s in g:
+                        if name in s.returns:
+                            s.choices[name] = [prompt]
         seqs = [s for g in groups.values() for s in g]
         with self.cv:
             self.running += seqs
@@ -224,20 +233,23 @@ class Engine:
 
     def _decode(self) -> None:
         seqs = list(self.running)
-        logits, routes = self.decoder([s.out[-1] for s in seqs], [s.slot for s in seqs])
-        self._append(seqs, logits, routes)
+        wanted = frozenset().union(*(s.returns for s in seqs))
+        logits, choices = self.decoder([s.out[-1] for s in seqs], [s.slot for s in seqs], wanted)
+        self._append(seqs, logits, choices)
 
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor, routes: torch.Tensor | None = None) -> None:
-        """Sample each sequence's next token from `logits`; `routes` [n, L, k]: the experts the
-        step's input tokens (each sequence's last) took, kept for those that asked."""
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor, choices: dict[str, torch.Tensor] | None = None
+                ) -> None:
+        """Sample each sequence's next token from `logits`; `choices` ("routes" [n, L, k], "picks"
+        [n, C, K]): what the step's input tokens (each sequence's last) chose, kept for those
+        that asked."""
         tokens, logps = sample(logits, [s.params for s in seqs], uniforms([s.gen for s in seqs]))
         self.counters["generated_tokens"] += len(seqs)
         both = torch.stack((tokens.double(), logps.double())).cpu()  # the step's one wait for the device
-        if routes is not None and any(s.return_routes for s in seqs):
-            host = routes.to(torch.int32).cpu().numpy()  # after the wait above: a copy, no stall
+        for name, t in (choices or {}).items():
+            host = t.to(torch.int32).cpu().numpy()  # after the wait above: a copy, no stall
             for s, r in zip(seqs, host, strict=True):
-                if s.return_routes:
-                    s.routes.append(r[None])
+                if name in s.returns:
+                    s.choices[name].append(r[None])
         for s, t, lp in zip(seqs, both[0].long().tolist(), both[1].tolist(), strict=True):
             s.out.append(t)
             s.logprobs.append(lp)
@@ -291,20 +303,26 @@ class Engine:
                 "e2e_latency": time.monotonic() - s.started}
         if s.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.out, strict=True)]
-        if s.return_routes:
-            meta["routed_experts"] = encode_routes(s.routes)
+        for name in sorted(s.returns):
+            meta[META_KEYS[name]] = encode_choices(s.choices.get(name, []))
         return {"text": text, "output_ids": list(s.out), "meta_info": meta}
 
 
-def encode_routes(routes: list[np.ndarray]) -> str:
-    """meta_info["routed_experts"], SGLang's shape of it: base64 of int32 expert ids ordered by
-    token, layer, top-k slot, for every token the model read (the prompt's and each generated
-    token fed back: prompt + output - 1 tokens), the layers being the learned MoE layers of the
-    main stack (hash layers route by token id). decode_routes reads it back."""
-    flat = np.concatenate(routes) if routes else np.zeros((0, 0, 0), np.int32)
+# the meta_info field of each choice: SGLang's name for the experts; the indexer's entries are ours
+META_KEYS = {"routes": "routed_experts", "picks": "indexer_picks"}
+
+
+def encode_choices(arrays: list[np.ndarray]) -> str:
+    """A meta_info choice field, SGLang's shape of routed_experts: base64 of int32 ids ordered
+    by token, layer, slot, for every token the model read (the prompt's and each generated
+    token fed back: prompt + output - 1 tokens). routed_experts: [tokens, learned MoE layers of
+    the main stack (hash layers route by token id), top-k experts]; indexer_picks: [tokens, CSA
+    layers of the main stack, index_topk in-document block numbers, -1 = none].
+    decode_choices reads it back."""
+    flat = np.concatenate(arrays) if arrays else np.zeros((0, 0, 0), np.int32)
     return base64.b64encode(np.ascontiguousarray(flat, dtype="<i4").tobytes()).decode()
 
 
-def decode_routes(text: str, layers: int, k: int) -> np.ndarray:
-    """[tokens, layers, k] int32 from meta_info["routed_experts"]."""
+def decode_choices(text: str, layers: int, k: int) -> np.ndarray:
+    """[tokens, layers, k] int32 from a meta_info choice field (routed_experts, indexer_picks)."""
     return np.frombuffer(base64.b64decode(text), dtype="<i4").reshape(-1, layers, k)

@@ -31,6 +31,7 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams | list[SamplingParams] = SamplingParams()
     return_logprob: StrictBool | list[StrictBool] = False
     return_routed_experts: StrictBool | list[StrictBool] = False  # meta_info["routed_experts"] (routing replay)
+    return_indexer_picks: StrictBool | list[StrictBool] = False  # meta_info["indexer_picks"] (indexer replay; ours)
     rid: StrictStr | list[StrictStr] | None = None
     stream: Literal[False] = False  # streaming is not served
     logprob_start_len: StrictInt = -1  # accepted for SGLang clients; prompt log-probs are not returned
@@ -48,7 +49,8 @@ class GenerateRequest(BaseModel):
     data_parallel_rank: None = None
 
     def items(self, tokenizer) -> tuple[bool, list[tuple[list[int], SamplingParams, bool, str | None, bool]]]:
-        """(batched?, one (ids, params, return_logprob, rid, return_routed_experts) per request)."""
+        """(batched?, one (ids, params, return_logprob, rid, return_routed_experts,
+        return_indexer_picks) per request)."""
         if (self.text is None) == (self.input_ids is None):
             raise RequestError("give exactly one of 'text' and 'input_ids'")
         if self.text is not None:
@@ -74,7 +76,8 @@ class GenerateRequest(BaseModel):
         rids = per(self.rid, "rid") if self.rid is not None else [None] * n
         return batched, list(zip(prompts, per(self.sampling_params, "sampling_params"),
                                  per(self.return_logprob, "return_logprob"), rids,
-                                 per(self.return_routed_experts, "return_routed_experts"), strict=True))
+                                 per(self.return_routed_experts, "return_routed_experts"),
+                                 per(self.return_indexer_picks, "return_indexer_picks"), strict=True))
 
 
 class ChatRequest(BaseModel):
@@ -183,11 +186,12 @@ def build_app(svc: EngineService) -> FastAPI:
             engine.check(ids, params)
         loop = asyncio.get_running_loop()
         futs = []
-        for ids, params, lp, rid, routes in items:
+        for ids, params, lp, rid, routes, picks in items:
             fut = loop.create_future()
             futs.append(fut)
             engine.submit(ids, params, lambda r, f=fut: loop.call_soon_threadsafe(
-                lambda: f.done() or f.set_result(r)), lp, rid, return_routed_experts=routes)
+                lambda: f.done() or f.set_result(r)), lp, rid, return_routed_experts=routes,
+                return_indexer_picks=picks)
         results = await asyncio.gather(*futs)
         failed = [r for r in results if r["meta_info"]["finish_reason"].get("message", "").startswith("engine")]
         if failed:

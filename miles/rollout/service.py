@@ -44,6 +44,7 @@ class EngineSpec:
     cuda_graphs: bool = True  # on CUDA: each decode batch bucket replayed as a CUDA graph
     return_routed_experts: bool = False  # every answer carries meta_info.routed_experts (sglang-router drops the
     # request's own flag on the way to the engine)
+    return_indexer_picks: bool = False  # the same for meta_info.indexer_picks
     api_key: str | None = None  # every endpoint but /health then takes Authorization: Bearer <it> (SGLang's --api-key)
     extra: dict = field(default_factory=dict)
 
@@ -83,7 +84,8 @@ class EngineService:
             if tid is not None:
                 eos = {tid}
         self.engine = Engine(self.model, spec.max_running, spec.max_len, self.tokenizer, tuple(eos),
-                             spec.prefill_tokens, spec.cuda_graphs, spec.return_routed_experts)
+                             spec.prefill_tokens, spec.cuda_graphs, spec.return_routed_experts,
+                             spec.return_indexer_picks)
         self.engine.weight_version = spec.weight_version
         self.staging: Staging | None = None
         self.update_lock = threading.Lock()

@@ -13,10 +13,14 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 from miles.data.sample import Sample
 from plugins.deepseek_v4.model import IGNORE_INDEX
+
+# replay choices: MicroBatch field -> Sample field ([B, S, layers, slots] -> [T, layers, slots])
+REPLAYED = {"routed_experts": "routes", "indexer_picks": "picks"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None  # [B, S, L, k] int16: routing replay, -1 = the trainer's own
+    indexer_picks: torch.Tensor | None = None  # [B, S, C, K] indexer replay: block numbers, -1 = none
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -57,7 +62,7 @@ class MicroBatch:
             raise ValueError(f"micro-batch: input_ids must be [B, S], got {list(shape)}")
         for f in fields(self):
             t = getattr(self, f.name)
-            if t is not None and tuple(t.shape[:2] if f.name == "routed_experts" else t.shape) != shape:
+            if t is not None and tuple(t.shape[:2] if f.name in REPLAYED else t.shape) != shape:
                 raise ValueError(f"micro-batch: {f.name} has shape {list(t.shape)}, input_ids {list(shape)}")
         for name in ("input_ids", "labels") + (("doc_ids",) if self.doc_ids is not None else ()):
             if getattr(self, name).dtype != torch.long:
@@ -158,11 +163,14 @@ def to_micro_batch(rows: list[list[Sample]], pad_to_multiple: int = 1) -> MicroB
     if any(set(s.values) != set(keys) for row in rows for s in row):
         raise ValueError(f"samples of one micro-batch carry different per-token values (some lack one of {keys})")
     extra = {k: torch.zeros(len(rows), n) for k in keys}
-    routed = [s.routes is not None for row in rows for s in row]
-    if any(routed) and not all(routed):
-        raise ValueError("samples of one micro-batch differ: some carry routing-replay routes, some do not")
-    if all(routed):  # [B, n, L, k]: the experts of the token each position reads, -1 on padding
-        extra["routed_experts"] = torch.full((len(rows), n, *rows[0][0].routes.shape[1:]), -1, dtype=torch.int16)
+    for name, key in REPLAYED.items():  # [B, n, L, k] / [B, n, C, K]: the token each position reads', -1 on padding
+        carried = [getattr(s, key) is not None for row in rows for s in row]
+        if any(carried) and not all(carried):
+            raise ValueError(f"samples of one micro-batch differ: some carry replay {key}, some do not")
+        if all(carried):
+            like = getattr(rows[0][0], key)
+            dtype = torch.int16 if like.dtype == np.int16 else torch.int32
+            extra[name] = torch.full((len(rows), n, *like.shape[1:]), -1, dtype=dtype)
     for i, row in enumerate(rows):
         at = 0
         for d, s in enumerate(row):
@@ -171,8 +179,9 @@ def to_micro_batch(rows: list[list[Sample]], pad_to_multiple: int = 1) -> MicroB
             mask[i, at:at + k], doc[i, at:at + k] = torch.tensor(s.loss_mask[1:], dtype=torch.float32), d
             for key, v in s.values.items():  # the value of token t + 1 sits where it is predicted
                 extra[key][i, at:at + k] = torch.tensor(v[1:], dtype=torch.float32)
-            if s.routes is not None:  # token t's experts sit where it is read
-                extra["routed_experts"][i, at:at + k] = torch.as_tensor(s.routes[:-1]).to(torch.int16)
+            for name, key in REPLAYED.items():  # token t's choices sit where it is read
+                if name in extra:
+                    extra[name][i, at:at + k] = torch.as_tensor(np.asarray(getattr(s, key))[:-1]).to(extra[name].dtype)
             at += k
     return MicroBatch(ids, lab, mask, None if bool((doc == 0).all()) else doc, **extra)
 

@@ -134,8 +134,9 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
     normaliser; plus the KL to the reference (same weights), MTP's cross-entropy on the
     response tokens and the auxiliary terms. Metrics (token means over the global batch's
     response tokens): pg_clipfrac, ppo_kl, entropy, train_rollout_logprob_abs_diff (and its _max
-    over the tokens), tis_weight, tis_clipfrac, kl_loss. Log-probs and entropy are those of the rollouts' sampling
-    temperature (opts.temperature), the distribution the engines sampled from."""
+    over the tokens), train_rollout_k3_kl, tis_weight, tis_clipfrac, kl_loss. Log-probs and
+    entropy are those of the rollouts' sampling temperature (opts.temperature), the
+    distribution the engines sampled from."""
     if mb.advantages is None or mb.token_weights is None:
         raise ValueError("the policy loss needs micro-batches with advantages and token_weights")
     cols = ctx.seq_chunk(mb.shape[1])
@@ -155,6 +156,8 @@ def policy_loss(out: CausalLMOutput, mb: MicroBatch, norm: dict[str, torch.Tenso
         gap = (lp.detach() - roll).abs() * m
         metrics["train_rollout_logprob_abs_diff"] = gap.sum() / n
         metrics["train_rollout_logprob_abs_diff_max"] = gap.amax() if gap.numel() else gap.sum()  # "_max": a max
+        d = lp.detach() - roll  # k3 of KL(engine || trainer) on the engine's own samples
+        metrics["train_rollout_k3_kl"] = ((torch.expm1(d) - d) * m).sum() / n
         if opts.tis_cap is not None:  # the truncated IS weights token_terms applied
             w = torch.exp(old - roll)
             metrics["tis_weight"] = (w.clamp(max=opts.tis_cap) * m).sum() / n
@@ -195,5 +198,6 @@ def compute(model: DeepSeekV4ForCausalLM, mb: MicroBatch, coef: LossCoefs = Loss
     micro-batch's own counts). What a trainer rank computes, for tests and tools."""
     if norm is None:
         norm = {k: v.clamp_min(1) for k, v in counts(model, mb).items()}
-    out = model(mb.input_ids, doc_ids=mb.doc_ids, aux=coef.aux_terms, routed_experts=mb.routed_experts)
+    out = model(mb.input_ids, doc_ids=mb.doc_ids, aux=coef.aux_terms, routed_experts=mb.routed_experts,
+                indexer_picks=mb.indexer_picks)
     return out, get(name, options)(out, mb, norm, coef, model.ctx)

@@ -42,7 +42,19 @@ from miles.train.parallel_context import MegatronContext
 from miles.train.weight_sender import WeightSender
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.determinism import enable_deterministic
-from plugins.deepseek_v4.model import Gate
+from plugins.deepseek_v4.model import Gate, Indexer
+
+
+def replay_share(modules: list, group) -> torch.Tensor | None:
+    """The replay statistics (differing, replayed) the modules (gates, indexers) summed since
+    the last call, over `group`, then reset; None without such modules."""
+    if not modules:
+        return None
+    stats = torch.stack([m.replay_stats for m in modules]).sum(0)
+    dist.all_reduce(stats, group=group)
+    for m in modules:
+        m.replay_stats.zero_()
+    return stats
 
 
 def router_balance(gates: list[Gate]) -> torch.Tensor | None:
@@ -259,7 +271,7 @@ class TrainWorker:
         def step(data, model):
             mb = next(data)
             out = module(mb.input_ids, doc_ids=mb.doc_ids, aux=() if forward_only else self.coef.aux_terms,
-                         routed_experts=mb.routed_experts)
+                         routed_experts=mb.routed_experts, indexer_picks=mb.indexer_picks)
             if out.head is None:  # an earlier stage: its output goes to the next stage
                 if forward_only:
                     return out.hidden, None
@@ -388,13 +400,9 @@ class TrainWorker:
         for g in gates:  # aux-loss-free balancing sees the global expert loads
             dist.all_reduce(g.expert_load, group=dpcp)
         balance = router_balance(gates)
-        replay = None
-        if gates:  # routing replay: the share of replayed (token, layer) pairs whose own routing differed
-            stats = torch.stack([g.replay_stats for g in gates]).sum(0)
-            dist.all_reduce(stats, group=dpcp)
-            replay = stats
-            for g in gates:
-                g.replay_stats.zero_()
+        replay = replay_share(gates, dpcp)  # routing replay: of replayed (token, layer) pairs, own routing differed
+        # indexer replay: of the replayed entries, those this rank's own indexers would not have picked
+        picks = replay_share([m for m in self.model.modules() if isinstance(m, Indexer)], dpcp)
         if self.freeze_router_bias:
             for g in gates:
                 g.expert_load.zero_()
@@ -405,6 +413,8 @@ class TrainWorker:
             out["router_load_max_over_mean"] = float(balance)
         if replay is not None and replay[1] > 0:
             out["router_replay_disagreement"] = float(replay[0] / replay[1])
+        if picks is not None and picks[1] > 0:
+            out["indexer_replay_disagreement"] = float(picks[0] / picks[1])
         if self.device is not None:
             torch.cuda.synchronize()
         out.update(grad_norm=float(grad_norm), lr=self.opt.param_groups[0]["lr"], grad_md5=grad_md5,

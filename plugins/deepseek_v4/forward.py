@@ -42,3 +42,8 @@ class Fwd:
     # this model does); routes, when a dict, collects the experts this forward chose, by l, [B, s, k].
     routed: torch.Tensor | None = None
     routes: dict[int, torch.Tensor] | None = None
+    # Indexer replay (RL): picked [B, S, C, K] the compressed entries each token's query attended
+    # in the rollout's engine, per CSA layer c of the main stack, as in-document block numbers
+    # (-1: none); picks, when a dict, collects the entries this forward chose, by c, [B, s, K].
+    picked: torch.Tensor | None = None
+    picks: dict[int, torch.Tensor] | None = None

@@ -144,6 +144,30 @@ def gather_tokens(t: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> tor
     return t.flatten(0, 1).index_select(0, rows).view(*shape, t.shape[-1])
 
 
+def block_numbers(chosen: torch.Tensor, blocks: Blocks, k: int) -> torch.Tensor:
+    """Chosen compressed entries [B, s, G] bool -> their in-document block numbers [B, s, k]
+    (ascending, -1 = none): what the engine's slot cache indexes them by."""
+    b, s, g = chosen.shape
+    at = ops.mask_to_index(chosen, min(k, g))  # [B, s, <=k] entry indices of the row
+    num = torch.where(at >= 0, blocks.pos.gather(1, at.clamp_min(0).flatten(1)).view(at.shape) // blocks.ratio, -1)
+    return torch.cat((num, num.new_full((b, s, k - num.shape[-1]), -1)), -1) if num.shape[-1] < k else num
+
+
+def entries_mask(picked: torch.Tensor, blocks: Blocks, layout: SequenceLayout, q) -> torch.Tensor:
+    """Indexer replay: picked [B, s, K] in-document block numbers (-1: none) of the queries
+    layout.doc[:, q] -> the entries [B, s, G] of this row they are (a document's blocks are
+    contiguous in the row's compacted order: its first is the count of valid blocks that start
+    before the document). Numbers past the document land outside it; the caller's visibility
+    mask drops them."""
+    b, g = blocks.start.shape
+    idx = torch.arange(layout.shape[1], device=picked.device)
+    doc_start = (idx - layout.pos)[:, q]  # [B, s]
+    first = (blocks.valid[:, None, :] & (blocks.start[:, None, :] < doc_start[..., None])).sum(-1)  # [B, s]
+    at = torch.where(picked >= 0, first[..., None] + picked.long(), g).clamp(max=g)  # [B, s, K]; g = a spare column
+    out = torch.zeros(*at.shape[:2], g + 1, dtype=torch.bool, device=picked.device)
+    return out.scatter_(-1, at, True)[..., :g]
+
+
 class Compressor(nn.Module):
     """Pools each complete block of `ratio` tokens into one entry of width `dim` (all fp32).
     CSA (ratio 4) overlaps: the previous block's tokens feed the first channel half, the
@@ -250,6 +274,9 @@ class Indexer(nn.Module):
         self.wq_b = ctx.replicated_linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
         self.weights_proj = ctx.replicated_linear(cfg.hidden_size, self.n_heads, dtype)
         self.compressor = Compressor(ctx, cfg, self.head_dim, ratio, dtype)
+        # indexer replay in training forwards: (replayed entries this indexer would not have
+        # picked, replayed entries), summed until the trainer reads and resets them
+        self.register_buffer("replay_stats", torch.zeros(2), persistent=False)
 
     def queries(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> q [B, S, h, dI] (RoPE then Hadamard) and head weights w [B, S, h] (fp32)."""
@@ -284,6 +311,9 @@ class Attention(nn.Module):
         self.attn_sink = ctx.sharded_parameter((cfg.num_attention_heads,), 0, torch.float32)
         self.compressor = Compressor(ctx, cfg, D, self.ratio, dtype) if self.ratio else None
         self.indexer = Indexer(ctx, cfg, self.ratio, dtype) if cfg.is_csa(self.ratio) else None
+        # this layer's index among the main stack's CSA layers (indexer replay); None elsewhere and in MTP
+        self.pick_index = (sum(cfg.is_csa(cfg.layer_ratio(i)) for i in range(layer))
+                           if self.indexer is not None and layer < cfg.num_hidden_layers else None)
 
     # ---- shared pieces of the full and the incremental path
     def _q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -332,6 +362,8 @@ class Attention(nn.Module):
                 scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi,
                                              fused=use_kernels(self.cfg, qi))  # [B, S, G]
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
+                if self.pick_index is not None:
+                    chosen = self._replay_picks(chosen, visible, blocks, fwd)
             keys = torch.cat((kv, comp), 1)
         want_kl = self.indexer is not None and "indexer" in fwd.aux and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
@@ -341,6 +373,20 @@ class Attention(nn.Module):
         if fwd.capture is not None:
             fwd.capture.layers.append((kv, cz, comp, ki_cz, ki_entries, blocks))
         return self._out(o, q_cos, q_sin)
+
+    def _replay_picks(self, own: torch.Tensor, visible: torch.Tensor, blocks, fwd: Fwd) -> torch.Tensor:
+        """Indexer replay: the entries [B, s, G] each query attends, the engine's (fwd.picked, as
+        in-document block numbers) where given, else this indexer's own `own`; records the
+        chosen entries in fwd.picks."""
+        chosen = own
+        if fwd.picked is not None:
+            chosen = entries_mask(fwd.picked[:, fwd.q, self.pick_index], blocks, fwd.layout, fwd.q) & visible
+            if self.training and torch.is_grad_enabled() and not fwd.replay:
+                with torch.no_grad():  # no host wait: summed on the device
+                    self.indexer.replay_stats += torch.stack(((chosen & ~own).sum(), chosen.sum())).float()
+        if fwd.picks is not None and not fwd.replay:
+            fwd.picks[self.pick_index] = block_numbers(chosen, blocks, self.indexer.topk)
+        return chosen
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, layout: SequenceLayout, q_rows: slice,
                 chosen: torch.Tensor | None, want_probs: bool):
@@ -427,9 +473,10 @@ class Attention(nn.Module):
                 self.indexer.compressor.fill(lc.idx, slot, ki_cz, row, length, ki_entries[row, mine])
 
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
-             ropes: dict[str, Rope]) -> torch.Tensor:
+             ropes: dict[str, Rope], picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One token per row, row b at position pos[b] of slot slots[b]: x [B, 1, d] -> [B, 1, d];
-        writes the token's K = V, compressor projections and any completed entry to the cache."""
+        writes the token's K = V, compressor projections and any completed entry to the cache.
+        `picks`: where the indexer's chosen entries go ([B, K] block numbers, as Fwd.picks)."""
         rope = ropes[self.rope_kind]
         w = self.window
         cos, sin = rope.at(pos[:, None])  # [B, 1, rd/2]
@@ -450,6 +497,9 @@ class Attention(nn.Module):
                 scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries[slots]), wi)  # [B, 1, G]
                 chosen = ops.topk_select(scores, chosen[:, None], self.indexer.topk)[:, 0]
                 keys = w + min(self.indexer.topk, g)
+                if picks is not None and self.pick_index is not None:  # a slot's entry g is block g
+                    at = ops.mask_to_index(chosen, min(self.indexer.topk, g))  # [B, <=K]
+                    picks[self.pick_index] = F.pad(at, (0, self.indexer.topk - at.shape[-1]), value=-1)
             mask = torch.cat((mask, chosen), -1)  # [B, W + G]
         scale = self.head_dim ** -0.5
         if use_kernels(self.cfg, q):
@@ -690,11 +740,11 @@ class Block(nn.Module):
                            fused=fused)
 
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
-             ropes: dict[str, Rope], ids: torch.Tensor, routes: dict[int, torch.Tensor] | None = None
-             ) -> torch.Tensor:
+             ropes: dict[str, Rope], ids: torch.Tensor, routes: dict[int, torch.Tensor] | None = None,
+             picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         fused = use_kernels(self.cfg, x)  # Sinkhorn and stream sum; hc_post stays the reference here
         u, post, comb, x = self._hc("attn", x, fused)
-        x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes), x, post, comb)
+        x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes, picks), x, post, comb)
         u, post, comb, x = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool), routes),
                            x, post, comb)
@@ -758,6 +808,7 @@ class CausalLMOutput:
     # "balance" (sequence balance term, rows with tokens). Divide by their global counts.
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
     routes: torch.Tensor | None = None  # [B, s, L, k] with record_routes: the experts chosen per learned MoE layer
+    picks: torch.Tensor | None = None  # [B, s, C, K] with record_picks: the indexer's entries per CSA layer
     _built: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -882,14 +933,18 @@ class DeepSeekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, aux: tuple[str, ...] | frozenset[str] = (),
                 _capture: PrefillCapture | None = None, routed_experts: torch.Tensor | None = None,
-                record_routes: bool = False) -> CausalLMOutput:
+                record_routes: bool = False, indexer_picks: torch.Tensor | None = None,
+                record_picks: bool = False) -> CausalLMOutput:
         """input_ids [B, S] (the whole sequence on every rank); attention_mask (padding) or
         doc_ids (packed documents). `aux`: the auxiliary loss sums to compute ("indexer",
         "balance"; training forwards only). `routed_experts` [B, S, L, k]: routing replay, the
         experts each token takes in the L learned MoE layers of the main stack (-1: its own
         routing); `record_routes`: `out.routes` holds the experts this forward chose, [B, s, L', k]
-        for the L' learned layers of this stage. Under context parallelism outputs cover this
-        rank's chunk s of S; before the last pipeline stage the output is `hidden`."""
+        for the L' learned layers of this stage. `indexer_picks` [B, S, C, K]: indexer replay, the
+        compressed entries (in-document block numbers, -1: none) each token's query attends in
+        the C CSA layers of the main stack; `record_picks`: `out.picks` holds this forward's,
+        [B, s, C', K]. Under context parallelism outputs cover this rank's chunk s of S; before
+        the last pipeline stage the output is `hidden`."""
         b, s = input_ids.shape
         ctx, cfg = self.ctx, self.config
         unknown = set(aux) - AUX_LOSSES
@@ -907,6 +962,13 @@ class DeepSeekV4ForCausalLM(nn.Module):
                                  f"[{b}, {s}, {n_routed}, {cfg.num_experts_per_tok}] (tokens x learned MoE layers x k)")
             fwd.routed = routed_experts.to(input_ids.device)
         fwd.routes = {} if record_routes else None
+        if indexer_picks is not None:
+            want = (b, s, self._n_indexer_layers, cfg.index_topk)
+            if tuple(indexer_picks.shape) != want:
+                raise ValueError(f"indexer_picks has shape {list(indexer_picks.shape)}; indexer replay needs "
+                                 f"{list(want)} (tokens x CSA layers x index_topk)")
+            fwd.picked = indexer_picks.to(input_ids.device)
+        fwd.picks = {} if record_picks else None
         ids = input_ids[:, q]
         if ctx.first_stage:
             x = self._streams(self.embed(ids))  # [B, s, n, d]
@@ -918,8 +980,12 @@ class DeepSeekV4ForCausalLM(nn.Module):
         if record_routes:  # [B, s, L', k] (L' = 0: no learned router on this stage)
             routes = torch.stack([fwd.routes[r] for r in sorted(fwd.routes)], 2) if fwd.routes else \
                 ids.new_zeros(*ids.shape, 0, cfg.num_experts_per_tok)
+        picks = None
+        if record_picks:  # [B, s, C', K] (C' = 0: no CSA layer on this stage)
+            picks = torch.stack([fwd.picks[c] for c in sorted(fwd.picks)], 2) if fwd.picks else \
+                ids.new_zeros(*ids.shape, 0, cfg.index_topk)
         if not ctx.last_stage:
-            return CausalLMOutput(hidden=x.flatten(2), aux=self._aux_sums(fwd), routes=routes)
+            return CausalLMOutput(hidden=x.flatten(2), aux=self._aux_sums(fwd), routes=routes, picks=picks)
         if _capture is not None:
             x = x[torch.arange(b, device=x.device), _capture.at][:, None]  # [B, 1, n, d]: each row's last token
         out = CausalLMOutput(self._head(head_collapse(self, cfg, x)))  # hidden [B, s, d]
@@ -930,7 +996,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             out.aux = {k: v + mtp[k] for k, v in main.items()}
         else:
             out.aux = self._aux_sums(fwd)
-        out.routes = routes
+        out.routes, out.picks = routes, picks
         return out
 
     def loss_rows(self, layout: SequenceLayout) -> dict[str, torch.Tensor]:
@@ -962,7 +1028,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         runs again in the backward, flagged `fwd.replay` so side effects happen once; with
         config.cuda_graphs (training) its forward and backward replay as CUDA graphs."""
         train = self.training and torch.is_grad_enabled()
-        replaying_routes = fwd.routed is not None or fwd.routes is not None
+        replaying_routes = any(x is not None for x in (fwd.routed, fwd.routes, fwd.picked, fwd.picks))
         if self.config.cuda_graphs and train and fwd.capture is None and not replaying_routes:
             if not (x.is_cuda and use_kernels(self.config, x)):
                 raise ValueError("cuda_graphs: the graphed blocks need CUDA and the GPU kernels (config.kernels)")
@@ -1030,11 +1096,12 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return KVCache(layers, torch.zeros(slots, dtype=torch.long, device=device), max_len)
 
     @torch.no_grad()
-    def prefill(self, prompts: list[torch.Tensor], cache: KVCache, slots: list[int], record_routes: bool = False):
+    def prefill(self, prompts: list[torch.Tensor], cache: KVCache, slots: list[int], record: Iterable[str] = ()):
         """Prompts (1-D token ids, any lengths >= 1) as the rows of one right-padded forward
         (padding never attends or pools); each prompt's state goes to its cache slot. Returns
-        the logits after each prompt's last token [B, V]; with `record_routes` also the experts
-        each prompt token took per learned MoE layer [B, S, L, k] (routing replay)."""
+        the logits after each prompt's last token [B, V]; with `record` ("routes", "picks") also
+        a dict of the choices each prompt token made: the experts per learned MoE layer
+        [B, S, L, k] (routing replay), the indexer's entries per CSA layer [B, S, C, K]."""
         lens = [int(p.numel()) for p in prompts]
         if min(lens) < 1 or max(lens) >= cache.max_len:
             raise ValueError(f"prompt lengths must be in [1, {cache.max_len - 1}], got {lens}")
@@ -1045,19 +1112,22 @@ class DeepSeekV4ForCausalLM(nn.Module):
         n = torch.tensor(lens, device=dev)
         mask = torch.arange(max(lens), device=dev) < n[:, None]
         capture = PrefillCapture(at=n - 1)
-        out = self.forward(ids, attention_mask=mask, _capture=capture, record_routes=record_routes)
+        record = frozenset(record)
+        out = self.forward(ids, attention_mask=mask, _capture=capture, record_routes="routes" in record,
+                           record_picks="picks" in record)
         for lc, layer, captured in zip(cache.layers, self.layers, capture.layers, strict=True):
             for b, slot in enumerate(slots):
                 layer.attn.fill(lc, slot, captured, b, lens[b])
         cache.length[slots] = n.to(cache.length.device)
         logits = self.ctx.gather_vocab(out.logits)[:, 0]
-        return (logits, out.routes) if record_routes else logits
+        return (logits, {k: getattr(out, k) for k in record}) if record else logits
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, record_routes: bool = False):
+    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, record: Iterable[str] = ()):
         """Next-token logits [B, V] after input_ids [B], row b being the next token of slot
-        slots[b] (each slot at its own position); the slots advance by one token. With
-        `record_routes` also the experts each input token took per learned MoE layer [B, L, k]."""
+        slots[b] (each slot at its own position); the slots advance by one token. With `record`
+        ("routes", "picks") also a dict of each input token's choices: the experts per learned
+        MoE layer [B, L, k], the indexer's entries (block numbers) per CSA layer [B, C, K]."""
         slots = slots.to(cache.length.device)
         pos = cache.length[slots]  # [B]
         if not pos.is_cuda and int(pos.max()) >= cache.max_len:  # on a GPU the caller keeps count (no wait)
@@ -1065,16 +1135,24 @@ class DeepSeekV4ForCausalLM(nn.Module):
         ids = input_ids.reshape(-1, 1)
         ropes = {"swa": Rope(self.inv_freq_swa, None, None), "compressed": Rope(self.inv_freq_compressed, None, None)}
         x = self._streams(self.embed(ids))
-        routes = {} if record_routes else None
+        record = frozenset(record)
+        routes = {} if "routes" in record else None
+        picks = {} if "picks" in record else None
         for layer, lc in zip(self.layers, cache.layers, strict=True):
-            x = layer.step(x, lc, slots, pos, ropes, ids, routes)
+            x = layer.step(x, lc, slots, pos, ropes, ids, routes, picks)
         cache.length[slots] += 1
         logits = self.ctx.gather_vocab(self._head(head_collapse(self, self.config, x)).logits())[:, 0]
-        if not record_routes:
+        if not record:
             return logits
-        if not routes:  # no learned router
-            return logits, ids.new_zeros(ids.shape[0], 0, self.config.num_experts_per_tok)
-        return logits, torch.stack([routes[r][:, 0] for r in sorted(routes)], 1)  # [B, L, k]
+        b, c = ids.shape[0], self.config
+        out = {}
+        if routes is not None:  # [B, L, k] (L = 0: no learned router)
+            out["routes"] = torch.stack([routes[r][:, 0] for r in sorted(routes)], 1) if routes else \
+                ids.new_zeros(b, 0, c.num_experts_per_tok)
+        if picks is not None:  # [B, C, K]
+            out["picks"] = torch.stack([picks[i] for i in sorted(picks)], 1) if picks else \
+                ids.new_zeros(b, 0, c.index_topk)
+        return logits, out
 
     # ------------------------------------------------------------------ HF layout
     def save_pretrained(self, directory: str | Path, max_shard_bytes: int = 2 ** 30) -> None:

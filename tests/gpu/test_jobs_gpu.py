@@ -76,7 +76,8 @@ def test_dapo_colocated_on_one_gpu(cluster, sft_run, tmp_path):
         r = rows[k]
         diff = r["train/first_update/train_rollout_logprob_abs_diff"]
         print(f"rollout {k}: first update |trainer - engine| log-prob {diff:.2e} (max "
-              f"{r['train/first_update/train_rollout_logprob_abs_diff_max']:.2e}), rollout "
+              f"{r['train/first_update/train_rollout_logprob_abs_diff_max']:.2e}, k3 KL "
+              f"{r['train/first_update/train_rollout_k3_kl']:.2e}), rollout "
               f"{r['perf/rollout_time']:.2f} s, train {r['perf/train_time']:.2f} s, sync "
               f"{r['perf/update_weights_time']:.2f} s, idle: trainer {r['perf/trainer_idle_time']:.2f} s, "
               f"engine {r['perf/engine_idle_time']:.2f} s; routing replay: {r['train/replayed_tokens']:.0f} "
