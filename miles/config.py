@@ -389,7 +389,8 @@ class CkptConfig(Section):
     save_interval: NonNegInt = 0  # save every N steps (0: only after the last step)
     keep_every: PosInt | None = None  # keep iterations that are multiples of this for good
     keep_last: PosInt | None = None  # keep the N newest (None: all)
-    warmup_save: Bool = True  # a save right after step 1 (a broken save path fails in minute one); reaped later
+    warmup_save: Bool = True  # a save right after step 1 (a broken save path fails in minute one), and after the
+    # first step of a resumed process that saves asynchronously (its writer is new); reaped later
     async_save: Bool = False  # write in the background while training goes on
     save_hf: Bool = False  # write the final weights in DeepSeek's HF layout to <run_dir>/hf
     load: Str | None = None  # a checkpoint (iter_ directory or a save_dir), or auto: save_dir's newest if any

@@ -11,13 +11,17 @@ from miles.ckpt.store import CheckpointError
 
 
 def _run(steps: int, save_interval: int, keep_every, keep_last, warmup: bool = True, first: int = 1,
-         existing: set[int] = frozenset()) -> set[int]:
-    """What remains after a run of steps first..steps that saves and reaps as the manager does."""
-    have = set(existing)
+         existing: set[int] = frozenset(), async_save: bool = False, marked: set[int] | None = None) -> set[int]:
+    """What remains after a run of steps first..steps that saves and reaps as the manager does
+    (`marked` collects the warm-up saves, as their metadata records them)."""
+    have, marked = set(existing), marked if marked is not None else set()
     for step in range(first, steps + 1):
-        if policy.saves_at(step, steps, save_interval, warmup, first):
+        rule = (step, steps, save_interval, warmup, first, async_save)
+        if policy.saves_at(*rule):
             have.add(step)
-            have -= set(policy.to_delete(have, save_interval, keep_every, keep_last))
+            if policy.is_warmup(*rule):
+                marked.add(step)
+            have -= set(policy.to_delete(have, save_interval, keep_every, keep_last, marked))
     return have
 
 
@@ -49,10 +53,26 @@ def test_retention_enumerated(steps, interval, every, last, want):
     assert _run(steps, interval, every, last) == want
 
 
-def test_no_warmup_save_when_off_or_when_resuming():
+def test_no_warmup_save_when_off_or_when_resuming_with_synchronous_saves():
     assert not policy.saves_at(1, 100, 50, False)
-    assert not policy.saves_at(51, 100, 50, True, first_step=51)  # a resumed run: the path was proven
+    assert not policy.saves_at(51, 100, 50, True, first_step=51)  # resumed, synchronous: the path was proven
     assert policy.retained([1], 50, None, 2) == {1}
+
+
+def test_every_process_that_saves_asynchronously_makes_a_warmup_save():
+    """The async writer's state is made at a process's first save: a resumed process that saves
+    asynchronously saves right after its first step too, and that save is reaped like the
+    first run's, even where keep_last keeps everything."""
+    assert policy.saves_at(51, 100, 50, True, first_step=51, async_save=True)
+    assert policy.is_warmup(51, 100, 50, True, first_step=51, async_save=True)
+    assert not policy.saves_at(51, 100, 50, False, first_step=51, async_save=True)
+    assert not policy.is_warmup(100, 100, 50, True, first_step=100, async_save=True)  # the last step's save anyway
+    marked: set[int] = set()
+    first = _run(120, 50, None, None, async_save=True, marked=marked)
+    assert first == {50, 100, 120} and marked == {1}
+    assert _run(250, 50, None, None, first=121, existing=first, async_save=True, marked=marked) == \
+        {50, 100, 120, 150, 200, 250}
+    assert 121 in marked, "the resumed process made no warm-up save"
 
 
 def test_a_resumed_run_applies_the_same_policy_to_what_it_finds():
@@ -69,10 +89,20 @@ def test_the_newest_is_never_deleted():
         assert max(its) in policy.retained(its, 2, 4, None)
 
 
-def _fake(save_dir, it: int) -> None:
+def _fake(save_dir, it: int, warmup: bool = False) -> None:
     tmp = store.begin(save_dir, it)
     (tmp / "data.bin").write_bytes(b"x" * it)
-    store.commit(save_dir, it, {"data": {}, "model": {"hidden_size": 8}})
+    store.commit(save_dir, it, {"data": {}, "model": {"hidden_size": 8}, "warmup": warmup})
+
+
+def test_reap_finds_the_warmup_saves_in_their_metadata(tmp_path):
+    """A resumed process's warm-up save (iteration 51 here) is known by its metadata: the next
+    reap deletes it once a newer checkpoint exists; an ordinary off-interval save stays."""
+    for it, warm in ((50, False), (51, True), (73, False), (100, False)):
+        _fake(tmp_path, it, warm)
+    said = []
+    assert store.reap(tmp_path, 50, None, None, said.append) == [51]
+    assert store.iterations(tmp_path) == [50, 73, 100] and "iter_0000051" in said[0]
 
 
 def test_commit_rename_and_tracker(tmp_path):

@@ -110,17 +110,19 @@ class Checkpoints:
 
     def maybe_save(self, step: int, trainer, data) -> None:
         self.poll(trainer, blocking=False)
-        if policy.saves_at(step, self.job.train.steps, self.cfg.save_interval, self.cfg.warmup_save,
-                           self.first_step):
-            self.save(step, trainer, data)
+        rule = (step, self.job.train.steps, self.cfg.save_interval, self.cfg.warmup_save, self.first_step,
+                self.cfg.async_save)
+        if policy.saves_at(*rule):
+            self.save(step, trainer, data, warmup=policy.is_warmup(*rule))
 
-    def save(self, step: int, trainer, data) -> None:
+    def save(self, step: int, trainer, data, warmup: bool = False) -> None:
+        """`warmup`: a warm-up save (policy.is_warmup), marked so retention reaps it later."""
         self.poll(trainer, blocking=True)  # one save in flight at a time
         t0 = time.perf_counter()
         tmp = store.begin(self.save_dir, step)
         meta = {"data": data.state() if data is not None else {}, "layout": self.layout(),
                 "model": self.job.model.arch.to_dict(), "job": self.job.resolved(), "saved_at": time.time(),
-                "started_from": self.started_from}
+                "started_from": self.started_from, "warmup": warmup}
         trainer.call("save_checkpoint", str(tmp), self.cfg.async_save)
         if self.cfg.async_save:
             self.pending = (step, meta, t0)

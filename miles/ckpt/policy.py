@@ -22,26 +22,39 @@ def parse_iter_name(name: str) -> int | None:
     return None
 
 
-def saves_at(step: int, last_step: int, save_interval: int, warmup_save: bool, first_step: int = 1) -> bool:
+def saves_at(step: int, last_step: int, save_interval: int, warmup_save: bool, first_step: int = 1,
+             async_save: bool = False) -> bool:
     """Whether the state after `step` is saved: every save_interval steps, after the last step of
-    the run, and (warmup_save) after step 1 of a run that starts from scratch (`first_step` is
-    the run's first step: 1, or the resumed iteration + 1)."""
+    the run, and a warm-up save (is_warmup)."""
     return (step == last_step or (save_interval > 0 and step % save_interval == 0)
-            or (warmup_save and first_step == 1 and step == 1))
+            or is_warmup(step, last_step, save_interval, warmup_save, first_step, async_save))
+
+
+def is_warmup(step: int, last_step: int, save_interval: int, warmup_save: bool, first_step: int = 1,
+              async_save: bool = False) -> bool:
+    """A save after this process's first step that no other rule asks for (warmup_save), so a
+    broken save path fails in minute one: in a run from scratch (first_step 1), and in every
+    resumed process that saves asynchronously (first_step: the resumed iteration + 1). The
+    async writer's state is made lazily at a process's first save, so a resume proves nothing
+    about it; a synchronous save is the same code as the one that saved what was resumed."""
+    regular = step == last_step or (save_interval > 0 and step % save_interval == 0)
+    return warmup_save and step == first_step and (first_step == 1 or async_save) and not regular
 
 
 def retained(iterations: Iterable[int], save_interval: int, keep_every: int | None,
-             keep_last: int | None) -> set[int]:
+             keep_last: int | None, warmups: Iterable[int] = ()) -> set[int]:
     """The iterations to keep: the newest always; multiples of keep_every; the keep_last newest
-    (None: all). The warmup save (iteration 1, when save_interval does not ask for it) is kept
-    only while it is the newest or keep_every keeps it."""
+    (None: all). A warm-up save (iteration 1 when save_interval does not ask for it, and the
+    iterations `warmups` names: those a resumed process saved as one) is kept only while it is
+    the newest or keep_every keeps it."""
     its = sorted(set(iterations))
     if not its:
         return set()
     newest = its[-1]
+    marked = set(warmups)
 
     def warmup(i: int) -> bool:
-        return i == 1 and save_interval != 1
+        return (i == 1 and save_interval != 1) or i in marked
 
     regular = [i for i in its if not warmup(i)]
     keep = {newest}
@@ -52,6 +65,6 @@ def retained(iterations: Iterable[int], save_interval: int, keep_every: int | No
 
 
 def to_delete(iterations: Iterable[int], save_interval: int, keep_every: int | None,
-              keep_last: int | None) -> list[int]:
+              keep_last: int | None, warmups: Iterable[int] = ()) -> list[int]:
     its = set(iterations)
-    return sorted(its - retained(its, save_interval, keep_every, keep_last))
+    return sorted(its - retained(its, save_interval, keep_every, keep_last, warmups))

@@ -170,13 +170,23 @@ def read_meta(ckpt: Path) -> dict:
 
 def reap(save_dir: Path, save_interval: int, keep_every: int | None, keep_last: int | None,
          report: Callable[[str], None]) -> list[int]:
-    """Delete the checkpoints the retention policy does not keep; returns their iterations."""
-    gone = to_delete(iterations(save_dir), save_interval, keep_every, keep_last)
+    """Delete the checkpoints the retention policy does not keep (warm-up saves: those whose
+    metadata says so, and iteration 1); returns their iterations."""
+    its = iterations(save_dir)
+    warmups = [i for i in its if _is_warmup_save(Path(save_dir) / iter_name(i))]
+    gone = to_delete(its, save_interval, keep_every, keep_last, warmups)
     for i in gone:
         remove(Path(save_dir) / iter_name(i))
     if gone:
         report(f"checkpoint: removed {', '.join(iter_name(i) for i in gone)} (ckpt.keep_every / keep_last)")
     return gone
+
+
+def _is_warmup_save(ckpt: Path) -> bool:
+    try:
+        return bool(json.loads((ckpt / META).read_text()).get("warmup"))
+    except (OSError, ValueError):
+        return False
 
 
 def check_model(meta: dict, arch: dict, ckpt: Path) -> None:
