@@ -428,7 +428,7 @@ class ProfileConfig(Section):
     enabled: Bool = False
     start_step: PosInt = 2
     num_steps: PosInt = 1
-    ranks: list[NonNegInt] = [0]
+    ranks: list[NonNegInt] | None = None  # default: the first rank of the pipeline's first, middle and last stage
     record_shapes: Bool = False
     with_stack: Bool = False
     profile_memory: Bool = False
@@ -503,7 +503,7 @@ class JobConfig(Section):
             if ids > arch.vocab_size:
                 raise ValueError(f"data.tokenizer has {ids} ids but the model's vocab_size is {arch.vocab_size} "
                                  f"(a model with at least {ids}, or a smaller tokenizer: data.tokenizer: tiny)")
-        bad = [r for r in self.log.profile.ranks if r >= self.train.parallel.world]
+        bad = [r for r in self.log.profile.ranks or () if r >= self.train.parallel.world]
         if self.log.profile.enabled and bad:
             raise ValueError(f"log.profile.ranks {bad} are not ranks of this job (0..{self.train.parallel.world - 1})")
         if self.log.run_dir is None:

@@ -32,6 +32,7 @@ from miles.data.sft import copy_tokenizer
 from miles.observe import alignment, records
 from miles.observe.metrics import FILE as METRICS_FILE
 from miles.observe.metrics import Monitor
+from miles.observe.profiler import default_ranks
 from plugins.deepseek_v4 import DeepSeekV4ForCausalLM
 
 
@@ -199,12 +200,13 @@ def profiling(job: JobConfig, trainer, run_dir: Path, step: int):
     written to <run_dir>/profile/) after its last."""
     p = job.log.profile
     last = min(p.start_step + p.num_steps - 1, job.train.steps)
+    ranks = p.ranks if p.ranks is not None else default_ranks(trainer.layout)
     if p.enabled and step == p.start_step:
-        trainer.call_ranks(p.ranks, "start_profile", str(run_dir / "profile" / f"steps{p.start_step}-{last}"),
+        trainer.call_ranks(ranks, "start_profile", str(run_dir / "profile" / f"steps{p.start_step}-{last}"),
                            record_shapes=p.record_shapes, with_stack=p.with_stack, profile_memory=p.profile_memory)
     yield
     if p.enabled and step == last and step >= p.start_step:
-        trainer.call_ranks(p.ranks, "stop_profile")
+        trainer.call_ranks(ranks, "stop_profile")
 
 
 def save_final(job: JobConfig, trainer, data, run_dir: Path, monitor: Monitor) -> dict[str, float]:

@@ -55,9 +55,19 @@ def _aligned(a: Path, b: Path) -> str:
 
 @pytest.fixture(scope="module")
 def straight(cluster, tmp_path_factory) -> Path:
+    """The 12 steps in one go; it also profiles step 3 on both data-parallel ranks."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    _miles(cluster, _args(cluster, run))
+    _miles(cluster, _args(cluster, run, "log.profile.enabled=true", "log.profile.start_step=3",
+                          "log.profile.ranks=[0, 1]"))
     return run
+
+
+def test_a_profile_window_traces_each_rank_it_names(straight):
+    """log.profile.ranks: a trace per named rank of a multi-rank job, each holding the step."""
+    for rank in (0, 1):
+        trace = straight / "profile" / "steps3-3" / f"rank{rank}.json"
+        names = {str(e.get("name", "")) for e in json.loads(trace.read_text())["traceEvents"]}
+        assert any(n.startswith("autograd::engine::evaluate_function") for n in names), f"rank {rank}: no backward"
 
 
 def test_kill_9_after_step_5_and_auto_resume_is_bitwise(cluster, straight, tmp_path):

@@ -185,3 +185,22 @@ def test_the_overview_leads_with_reward_accuracy_and_loss():
     assert panel_order(names) == ["rollout/raw_reward", "rollout/accuracy", "eval/arith/accuracy", "train/loss",
                                   "train/lr", "rollout/log_probs", "eval/arith/weight_version", "train/entropy",
                                   "data/epoch", "perf/step_time", "zzz"]
+
+
+def test_the_default_profiled_ranks_are_the_pipelines_head_middle_and_tail():
+    """log.profile.ranks unset: the first rank (TP, CP, DP rank 0) of the first, middle and last
+    pipeline stage, in whatever order the layout numbers ranks."""
+    from miles.observe.profiler import default_ranks
+
+    def layout(pp: int, tp: int, dp: int) -> list[dict]:  # Megatron's order: tp fastest, then dp, pp slowest
+        return [{"pp": pp, "pp_rank": r // (tp * dp), "dp_rank": r // tp % dp, "tp_rank": r % tp, "cp_rank": 0}
+                for r in range(pp * tp * dp)]
+
+    assert default_ranks(layout(1, 1, 1)) == [0]
+    assert default_ranks(layout(1, 2, 2)) == [0]  # one stage: its first rank
+    assert default_ranks(layout(2, 2, 1)) == [0, 2]
+    assert default_ranks(layout(4, 2, 2)) == [0, 8, 12]
+    assert default_ranks(layout(5, 1, 1)) == [0, 2, 4]
+    swapped = list(reversed(layout(2, 1, 2)))  # ranks numbered otherwise: still each stage's (tp, cp, dp) = 0
+    assert [swapped[r]["pp_rank"] for r in default_ranks(swapped)] == [0, 1]
+    assert all(swapped[r]["dp_rank"] == 0 for r in default_ranks(swapped))
