@@ -434,6 +434,20 @@ class ProfileConfig(Section):
     profile_memory: Bool = False
 
 
+class TraceConfig(Section):
+    """Attention internals of chosen layers captured during chosen steps on chosen ranks, for
+    replay and debugging: <run_dir>/trace/step<k>/rank<r>/layer<l>.safetensors, one set of
+    tensors per forward of the step (plugins/deepseek_v4/forward.py Trace says which). Off:
+    nothing is captured and nothing is checked per layer but one None."""
+
+    enabled: Bool = False
+    steps: list[PosInt] = [1]
+    layers: list[NonNegInt] = [0]  # block indices (MTP blocks follow the main layers)
+    ranks: list[NonNegInt] = [0]
+    what: list[Literal["input", "q", "kv", "entries", "chosen", "lse", "output"]] = [
+        "input", "q", "kv", "entries", "chosen", "lse", "output"]
+
+
 class LogConfig(Section):
     run_dir: Path | None = None  # default runs/<name>-<time>, resolved when the job is validated
     interval: PosInt = 1  # a log line every N steps (metrics.jsonl and wandb get every step)
@@ -444,6 +458,7 @@ class LogConfig(Section):
     # ids drawn and kept are always written
     wandb: WandbConfig = WandbConfig()
     profile: ProfileConfig = ProfileConfig()
+    trace: TraceConfig = TraceConfig()
 
 
 JobName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)]
@@ -503,6 +518,14 @@ class JobConfig(Section):
             if ids > arch.vocab_size:
                 raise ValueError(f"data.tokenizer has {ids} ids but the model's vocab_size is {arch.vocab_size} "
                                  f"(a model with at least {ids}, or a smaller tokenizer: data.tokenizer: tiny)")
+        t = self.log.trace
+        if t.enabled and [r for r in t.ranks if r >= self.train.parallel.world]:
+            raise ValueError(f"log.trace.ranks {[r for r in t.ranks if r >= self.train.parallel.world]} are not ranks "
+                             f"of this job (0..{self.train.parallel.world - 1})")
+        layers = self.model.arch.num_hidden_layers + self.model.arch.num_nextn_predict_layers
+        if t.enabled and [x for x in t.layers if x >= layers]:
+            raise ValueError(f"log.trace.layers {[x for x in t.layers if x >= layers]} are not layers of this model "
+                             f"(0..{layers - 1}, MTP blocks after the main ones)")
         bad = [r for r in self.log.profile.ranks or () if r >= self.train.parallel.world]
         if self.log.profile.enabled and bad:
             raise ValueError(f"log.profile.ranks {bad} are not ranks of this job (0..{self.train.parallel.world - 1})")

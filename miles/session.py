@@ -197,14 +197,20 @@ def worker_setup(job: JobConfig) -> list[tuple[str, tuple, dict]]:
 @contextlib.contextmanager
 def profiling(job: JobConfig, trainer, run_dir: Path, step: int):
     """The torch.profiler window of log.profile: started before its first step, stopped (traces
-    written to <run_dir>/profile/) after its last."""
+    written to <run_dir>/profile/) after its last; and log.trace's captures of its steps
+    (<run_dir>/trace/step<k>/)."""
     p = job.log.profile
     last = min(p.start_step + p.num_steps - 1, job.train.steps)
     ranks = p.ranks if p.ranks is not None else default_ranks(trainer.layout)
+    t = job.log.trace
     if p.enabled and step == p.start_step:
         trainer.call_ranks(ranks, "start_profile", str(run_dir / "profile" / f"steps{p.start_step}-{last}"),
                            record_shapes=p.record_shapes, with_stack=p.with_stack, profile_memory=p.profile_memory)
+    if t.enabled and step in t.steps:
+        trainer.call_ranks(t.ranks, "start_trace", t.layers, t.what)
     yield
+    if t.enabled and step in t.steps:
+        trainer.call_ranks(t.ranks, "stop_trace", str(run_dir / "trace" / f"step{step}"))
     if p.enabled and step == last and step >= p.start_step:
         trainer.call_ranks(ranks, "stop_profile")
 

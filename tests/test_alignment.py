@@ -77,9 +77,10 @@ def test_bad_record_file_names_file_and_line(tmp_path):
         alignment.load(tmp_path / "nothing")
 
 
-def test_identical_worker_runs_align_and_a_seed_change_differs_at_step_1(tmp_path, ray_cluster):
+def test_identical_ep2_runs_align_and_a_seed_change_differs_at_step_1(tmp_path, ray_cluster):
     """Deterministic mode end to end through the controller and Megatron workers (DP=2 in Ray
-    actors, 2 micro-batches each, LR warm-up): two identical 20-step runs give
+    actors with the experts split over them, EP=2: each step's tokens cross the all-to-all;
+    2 micro-batches each, LR warm-up): two identical 20-step runs give
     check-alignment 20/20 and exit 0; a run with another seed (6 steps: the steps it lacks count
     as differing too) differs at step 1 and exits non-zero."""
     from miles.config import validate_job
@@ -89,7 +90,7 @@ def test_identical_worker_runs_align_and_a_seed_change_differs_at_step_1(tmp_pat
         job = validate_job({
             "name": name, "data": {"seq_len": 32},
             "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "seed": seed,
-                      "deterministic": True, "parallel": {"dp": 2},
+                      "deterministic": True, "parallel": {"dp": 2, "ep": 2},
                       "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "weight_decay": 0.01}},
             "log": {"run_dir": str(tmp_path / name), "alignment": True, "interval": 10,
                     "wandb": {"mode": "disabled"}}})

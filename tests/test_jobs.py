@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo_tiny.yaml"
 CHAT = ROOT / "miles" / "data" / "bundled" / "chat_tiny" / "eval.jsonl"
 SHORT = ["train.steps=40", "train.optim.warmup_steps=4", "train.optim.lr=1.0e-2", "train.optim.min_lr=1.0e-3",
-         "log.profile.enabled=true", "log.profile.start_step=2"]
+         "log.profile.enabled=true", "log.profile.start_step=2", "log.trace.enabled=true", "log.trace.steps=[3]",
+         "log.trace.layers=[1, 2]"]
 
 
 def wandb_history(run_file: Path) -> list[dict]:
@@ -130,6 +131,24 @@ def test_profile_window_writes_a_trace(demo_run):
     assert any(n.startswith("autograd::engine::evaluate_function") for n in names), "no backward in the window"
 
 
+def test_a_trace_writes_the_chosen_layers_of_the_chosen_step(demo_run):
+    """log.trace: step 3's forward through the CSA layer 1 and the HCA layer 2, rank 0, each
+    as a safetensors file of the layer's internals, with the layout that replays it (the
+    replay itself: tests/test_model.py)."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir, _ = demo_run
+    assert sorted(p.name for p in (run_dir / "trace").iterdir()) == ["step3"]
+    for layer in (1, 2):
+        t = load_file(run_dir / "trace" / "step3" / "rank0" / f"layer{layer}.safetensors")
+        assert {k.split(".", 1)[1] for k in t} == {"input", "q", "kv", "entries", "chosen", "lse", "output", "doc",
+                                                   "pos"}
+        b, s, d = t["0.input"].shape
+        assert t["0.output"].shape == (b, s, d) and t["0.chosen"].dtype == torch.bool
+        assert all(torch.isfinite(v).all() for k, v in t.items() if v.is_floating_point())
+
+
 BAD_JOBS = [
     # (what, job file text, overrides, text the error must contain)
     ("unknown key", "train: {steps: 3, stepz: 4}\n", [], "train.stepz: unknown key"),
@@ -151,6 +170,7 @@ BAD_JOBS = [
     ("cp pieces", "data: {seq_len: 66}\ntrain: {parallel: {cp: 2, dp: 1}}\n", [],
      "data.seq_len=66 must be a multiple of 4"),
     ("profile rank", "log: {profile: {enabled: true, ranks: [4]}}\n", [], "log.profile.ranks [4] are not ranks"),
+    ("trace layer", "log: {trace: {enabled: true, layers: [9]}}\n", [], "log.trace.layers [9] are not layers"),
     ("bad yaml override", "name: x\n", ["train.steps=[1"], "is not valid YAML"),
     ("unknown model field", "model: {overrides: {hidden_sise: 8}}\n", [], "model.overrides.hidden_sise: unknown"),
     ("chat without data", "data: {source: chat}\n", [], "data.path: missing"),

@@ -554,3 +554,33 @@ def test_cuda_graphs_refuse_what_they_cannot_serve():
         assert torch.isfinite(model(ids).logits).all()
     with pytest.raises(ValueError, match="tp=2"):
         DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(cuda_graphs=True), ctx=ParallelContext(tp_size=2), seed=None)
+
+
+def test_a_traced_attention_layer_replays_its_output(seed):
+    """log.trace's capture (forward.Trace) holds what replays the layer: its attention run on the
+    captured input under the captured layout gives the captured output, for a CSA layer
+    (indexer top-k) and an HCA layer, packed documents and padding; its q, K = V and chosen
+    entries are the layer's own; tracing changes nothing of the forward."""
+    from plugins.deepseek_v4.forward import Fwd, Trace
+    from plugins.deepseek_v4.layout import SequenceLayout
+
+    model = tiny_model(seed).eval()
+    ids = random_ids(seed, 2, 48)
+    doc = torch.tensor([[0] * 30 + [1] * 18, [0] * 41 + [-1] * 7])
+    trace = Trace(frozenset({1, 2}))
+    with torch.no_grad():
+        plain = model(ids, doc_ids=doc).logits
+        traced = model(ids, doc_ids=doc, trace=trace).logits
+    assert torch.equal(plain, traced), "tracing changed the forward"
+    assert sorted(trace.captured) == [1, 2] and all(len(v) == 1 for v in trace.captured.values())
+    for layer, (cap,) in trace.captured.items():
+        attn = model.layers[layer].attn
+        layout = SequenceLayout(doc=cap["doc"], pos=cap["pos"])
+        with torch.no_grad():
+            out = attn(cap["input"], Fwd(layout, model._ropes(layout.pos)))
+        assert torch.isfinite(cap["output"]).all() and cap["chosen"].any()
+        assert torch.equal(out, cap["output"]), f"layer {layer}: the capture does not replay the output"
+        assert all(cap[k].shape[:2] == ids.shape for k in ("q", "kv", "lse"))
+    csa, hca = trace.captured[1][0]["chosen"], trace.captured[2][0]["chosen"]
+    assert csa.sum(-1).max() == model.config.index_topk, "the CSA capture is not the indexer's top-k"
+    assert hca.any() and hca.sum(-1).max() <= 48 // 16  # HCA: every visible entry (blocks of 16)

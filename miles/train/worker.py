@@ -42,6 +42,7 @@ from miles.train.parallel_context import MegatronContext
 from miles.train.weight_sender import WeightSender
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
 from plugins.deepseek_v4.determinism import enable_deterministic
+from plugins.deepseek_v4.forward import Trace
 from plugins.deepseek_v4.model import Gate, Indexer
 
 
@@ -101,6 +102,7 @@ class TrainWorker:
         self.temperature = 1.0
         self._metric_keys: list[str] | None = None
         self._profile = None
+        self._trace: Trace | None = None  # start_trace .. stop_trace (log.trace)
         self._asleep: list | None = None
         self._save = None  # an async save being written (miles.ckpt.sharded.BackgroundSave)
         self.weights: WeightSender | None = None  # every path of the weights out (after build_model)
@@ -271,7 +273,7 @@ class TrainWorker:
         def step(data, model):
             mb = next(data)
             out = module(mb.input_ids, doc_ids=mb.doc_ids, aux=() if forward_only else self.coef.aux_terms,
-                         routed_experts=mb.routed_experts, indexer_picks=mb.indexer_picks)
+                         routed_experts=mb.routed_experts, indexer_picks=mb.indexer_picks, trace=self._trace)
             if out.head is None:  # an earlier stage: its output goes to the next stage
                 if forward_only:
                     return out.hidden, None
@@ -474,6 +476,26 @@ class TrainWorker:
         if self._profile is not None:
             raise RuntimeError(f"rank {self.rank}: a profile is already running")
         self._profile = Profile(Path(trace_dir) / f"rank{self.rank}.json", record_shapes, with_stack, profile_memory)
+
+    def start_trace(self, layers: list[int], what: list[str]) -> None:
+        """Capture the attention internals `what` of `layers` in every forward until stop_trace
+        (log.trace; forward.Trace)."""
+        self._trace = Trace(frozenset(layers), frozenset(what))
+
+    def stop_trace(self, directory: str) -> list[str]:
+        """Write the capture to <directory>/rank<N>/layer<L>.safetensors (tensors "<i>.<name>",
+        i counting this rank's forwards in the window) and stop; returns the files."""
+        from safetensors.torch import save_file
+
+        trace, self._trace = self._trace, None
+        out = Path(directory) / f"rank{self.rank}"
+        out.mkdir(parents=True, exist_ok=True)
+        files = []
+        for layer, forwards in sorted((trace.captured if trace else {}).items()):
+            path = out / f"layer{layer}.safetensors"
+            save_file({f"{i}.{k}": v for i, f in enumerate(forwards) for k, v in f.items()}, str(path))
+            files.append(str(path))
+        return files
 
     def stop_profile(self) -> str:
         """Write the trace (Chrome format); returns its path."""

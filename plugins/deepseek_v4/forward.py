@@ -24,6 +24,32 @@ class Rope:
         return ops.rope_cos_sin(positions, self.inv_freq)
 
 
+# What a trace can hold of an attention layer's forward (doc and pos always: its replay needs them)
+TRACE_FIELDS = ("input", "q", "kv", "entries", "chosen", "lse", "output")
+
+
+@dataclass
+class Trace:
+    """Attention internals of chosen layers (a job's log.trace), for replay and debugging: each
+    forward while it is set appends, per chosen layer, the tensors `what` names (detached, on
+    the host): input [B, s, d] (after the attention norm), q [B, s, H, D], kv [B, S, D] (K = V
+    of the whole sequence), entries [B, G, D] (compressed), chosen [B, s, G] (the entries each
+    query attends: the indexer's top-k in CSA layers), lse [B, s, H] (where the path gives it),
+    output [B, s, d]; with doc and pos [B, S]."""
+
+    layers: frozenset[int]
+    what: frozenset[str] = frozenset(TRACE_FIELDS)
+    captured: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+    def wants(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def add(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
+        keep = self.what | {"doc", "pos"}
+        self.captured.setdefault(layer, []).append(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k in keep and v is not None})
+
+
 @dataclass
 class Fwd:
     """Per-forward facts shared by all layers. `layout` and `ropes` cover the whole
@@ -47,3 +73,4 @@ class Fwd:
     # (-1: none); picks, when a dict, collects the entries this forward chose, by c, [B, s, K].
     picked: torch.Tensor | None = None
     picks: dict[int, torch.Tensor] | None = None
+    trace: Trace | None = None  # log.trace: attention internals of chosen layers

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import ops
 from .config import DeepSeekV4Config
-from .forward import Fwd, Rope
+from .forward import Fwd, Rope, Trace
 from .graphs import BlockGraphs
 from .layout import Blocks, SequenceLayout
 from .parallel import ParallelContext, VocabHead
@@ -294,7 +294,7 @@ class Attention(nn.Module):
     def __init__(self, ctx: ParallelContext, cfg: DeepSeekV4Config, layer: int, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        self.ratio = cfg.layer_ratio(layer)
+        self.layer, self.ratio = layer, cfg.layer_ratio(layer)
         self.n_heads = cfg.num_attention_heads // ctx.tp_size
         self.groups = cfg.o_groups // ctx.tp_size
         self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
@@ -367,12 +367,16 @@ class Attention(nn.Module):
             keys = torch.cat((kv, comp), 1)
         want_kl = self.indexer is not None and "indexer" in fwd.aux and torch.is_grad_enabled()
         keys = self.ctx.to_tp_region(keys)  # one K = V for heads split over TP ranks
-        o, mass_c = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
+        o, mass_c, lse = self._attend(q, keys, fwd.layout, fwd.q, chosen, want_kl)
         if want_kl:
             self._indexer_kl(self.ctx.sum_over_tp(mass_c), scores, chosen, fwd)
         if fwd.capture is not None:
             fwd.capture.layers.append((kv, cz, comp, ki_cz, ki_entries, blocks))
-        return self._out(o, q_cos, q_sin)
+        out = self._out(o, q_cos, q_sin)
+        if fwd.trace is not None and not fwd.replay and fwd.trace.wants(self.layer):
+            fwd.trace.add(self.layer, {"input": x, "q": q, "kv": kv, "entries": comp, "chosen": chosen, "lse": lse,
+                                       "output": out, "doc": fwd.layout.doc, "pos": fwd.layout.pos})
+        return out
 
     def _replay_picks(self, own: torch.Tensor, visible: torch.Tensor, blocks, fwd: Fwd) -> torch.Tensor:
         """Indexer replay: the entries [B, s, G] each query attends, the engine's (fwd.picked, as
@@ -392,8 +396,9 @@ class Attention(nn.Module):
                 chosen: torch.Tensor | None, want_probs: bool):
         """Attention core over keys = [S raw K = V ; G compressed entries] [B, S+G, D]: each
         query sees its sliding window of raw keys and its `chosen` entries [B, s, G] (None:
-        no entries). Returns o [B, s, H, D] and, if asked, the attention probability of each
-        compressed entry summed over this rank's heads [B, s, G] (detached)."""
+        no entries). Returns o [B, s, H, D], if asked the attention probability of each
+        compressed entry summed over this rank's heads [B, s, G] (detached), and the softmax's
+        log-denominator lse [B, s, H] where the path computes it (else None)."""
         scale = self.head_dim ** -0.5
         n_raw = layout.shape[1]
         if not use_kernels(self.cfg, q) and q.is_cuda:
@@ -403,7 +408,7 @@ class Attention(nn.Module):
             if chosen is not None:
                 mask = torch.cat((mask, chosen), -1)
             o, probs = ops.sparse_attention(q, keys, mask, self.attn_sink, scale, return_probs=want_probs)
-            return o, (probs[..., n_raw:].detach().sum(1) if want_probs else None)
+            return o, (probs[..., n_raw:].detach().sum(1) if want_probs else None), None
         b, s, h, d = q.shape
         row = torch.arange(b, device=q.device)[:, None, None] * keys.shape[1]  # row offsets in the key pool
         win = layout.window_index(self.window)[:, q_rows]  # [B, s, W]
@@ -417,14 +422,14 @@ class Attention(nn.Module):
         if not use_kernels(self.cfg, q):
             # CPU: the gather reference, W + K keys a query (a dense mask over all S + G keys
             # made the tiny model's whole training step 1.7x slower)
-            o, _, p = ops.sparse_attention_indexed(q.reshape(b * s, h, d), keys.reshape(-1, d), idx,
-                                                   self.attn_sink, scale, return_probs=True)
+            o, lse, p = ops.sparse_attention_indexed(q.reshape(b * s, h, d), keys.reshape(-1, d), idx,
+                                                     self.attn_sink, scale, return_probs=True)
             mass_c = None
             if want_probs:  # [B*s, H, W + K] -> the chosen entries' mass, summed over heads [B, s, G]
                 g, mass = chosen.shape[-1], p[..., win.shape[-1]:].detach().sum(1)  # [B*s, K]
                 at = torch.where(picks >= 0, picks, g).reshape(b * s, -1)  # empty slots -> a spare column
                 mass_c = mass.new_zeros(b * s, g + 1).scatter_add_(1, at, mass)[:, :g].view(b, s, g)
-            return o.view(b, s, h, d), mass_c
+            return o.view(b, s, h, d), mass_c, lse.view(b, s, h)
         from .kernels.sparse_attention import AttentionOptions
         from .kernels.sparse_attention import sparse_attention as kernel
 
@@ -437,7 +442,7 @@ class Attention(nn.Module):
             from .kernels.indexer import attention_mass
 
             mass_c = attention_mass(q, keys[:, n_raw:], lse, chosen, scale)
-        return o.view(b, s, h, d), mass_c
+        return o.view(b, s, h, d), mass_c, lse.view(b, s, h)
 
     @staticmethod
     def _indexer_kl(target: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor, fwd: Fwd) -> None:
@@ -934,7 +939,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
                 doc_ids: torch.Tensor | None = None, aux: tuple[str, ...] | frozenset[str] = (),
                 _capture: PrefillCapture | None = None, routed_experts: torch.Tensor | None = None,
                 record_routes: bool = False, indexer_picks: torch.Tensor | None = None,
-                record_picks: bool = False) -> CausalLMOutput:
+                record_picks: bool = False, trace: Trace | None = None) -> CausalLMOutput:
         """input_ids [B, S] (the whole sequence on every rank); attention_mask (padding) or
         doc_ids (packed documents). `aux`: the auxiliary loss sums to compute ("indexer",
         "balance"; training forwards only). `routed_experts` [B, S, L, k]: routing replay, the
@@ -944,7 +949,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         compressed entries (in-document block numbers, -1: none) each token's query attends in
         the C CSA layers of the main stack; `record_picks`: `out.picks` holds this forward's,
         [B, s, C', K]. Under context parallelism outputs cover this rank's chunk s of S; before
-        the last pipeline stage the output is `hidden`."""
+        the last pipeline stage the output is `hidden`. `trace`: attention internals of its
+        layers to capture (forward.Trace)."""
         b, s = input_ids.shape
         ctx, cfg = self.ctx, self.config
         unknown = set(aux) - AUX_LOSSES
@@ -954,7 +960,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         q = q.to(input_ids.device) if isinstance(q, torch.Tensor) else q
         layout = SequenceLayout.build(b, s, input_ids.device, attention_mask, doc_ids,
                                       static_blocks=use_kernels(cfg, input_ids))
-        fwd = Fwd(layout, self._ropes(layout.pos), q=q, capture=_capture, aux=frozenset(aux))
+        fwd = Fwd(layout, self._ropes(layout.pos), q=q, capture=_capture, aux=frozenset(aux), trace=trace)
         n_routed = cfg.num_hidden_layers - cfg.num_hash_layers
         if routed_experts is not None:
             if routed_experts.shape != (b, s, n_routed, cfg.num_experts_per_tok):
@@ -1015,7 +1021,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         alive = (layout.pos >= 1) & (layout.doc >= 0)
         mlayout = SequenceLayout(doc=torch.where(alive, layout.doc, -1), pos=(layout.pos - 1).clamp_min(0),
                                  static_blocks=layout.static_blocks)
-        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), q=fwd.q, aux=fwd.aux)
+        mfwd = Fwd(mlayout, self._ropes(mlayout.pos), q=fwd.q, aux=fwd.aux, trace=fwd.trace)
         x_all = self.ctx.gather_seq(x)  # the shift crosses context-parallel chunks
         x_prev = torch.cat((torch.zeros_like(x_all[:, :1]), x_all[:, :-1]), 1)[:, fwd.q]
         blk = self.mtp[0]
@@ -1028,8 +1034,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
         runs again in the backward, flagged `fwd.replay` so side effects happen once; with
         config.cuda_graphs (training) its forward and backward replay as CUDA graphs."""
         train = self.training and torch.is_grad_enabled()
-        replaying_routes = any(x is not None for x in (fwd.routed, fwd.routes, fwd.picked, fwd.picks))
-        if self.config.cuda_graphs and train and fwd.capture is None and not replaying_routes:
+        # replay, recording and tracing read or write the host inside the block: no graphs then
+        eager = any(x is not None for x in (fwd.routed, fwd.routes, fwd.picked, fwd.picks, fwd.trace))
+        if self.config.cuda_graphs and train and fwd.capture is None and not eager:
             if not (x.is_cuda and use_kernels(self.config, x)):
                 raise ValueError("cuda_graphs: the graphed blocks need CUDA and the GPU kernels (config.kernels)")
             y = self._block_graphs()(block, x, fwd, ids)
