@@ -64,7 +64,7 @@ class ClusterConfig(Section):
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
 # model.<name>, not overrides: they change how the model computes, not its weights
 KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks", "tf32_projections",
-                   "fused_elementwise", "recompute", "cuda_graphs")
+                   "fused_elementwise", "recompute", "cuda_graphs", "kv_quant")
 
 
 def model_difference(a: dict, b: dict, skip: frozenset[str] = frozenset()) -> tuple[str, str] | None:
@@ -91,6 +91,9 @@ class ModelConfig(Section):
     fused_elementwise: Bool = True  # GPU kernels on: norms, RoPE, SwiGLU, MoE row moves, head log-softmax fused
     recompute: Bool = False  # keep block inputs only, run each block again in the backward (memory for compute)
     cuda_graphs: Bool = False  # CUDA training: blocks as CUDA graphs (one process per replica: DP only, no recompute)
+    kv_quant: Literal["fp8"] | None = None  # KV-QAT: K = V's non-RoPE channels rounded to FP8 (block 64, fp32
+    # scales) as DeepSeek's runtime caches them, in training and in the embedded engine (whose cache still holds them
+    # in the model's dtype)
     _arch: DeepSeekV4Config = PrivateAttr()
 
     @model_validator(mode="after")

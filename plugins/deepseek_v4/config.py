@@ -98,6 +98,10 @@ class DeepSeekV4Config:
     # Training on CUDA: each block's forward and backward replayed as one CUDA graph each (the
     # step is host-bound: thousands of small launches a block); one capture per input shape
     cuda_graphs: bool = False
+    # KV-QAT: "fp8" rounds K = V's non-RoPE channels (plain, compressed and indexer keys) as
+    # DeepSeek's runtime stores them in its cache (ops.fp8_kv_fake_quant), in training and in
+    # the engine alike; None: unrounded
+    kv_quant: str | None = None
     # Fields of DeepSeek's file that carry no model meaning for us, kept for the round trip.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -175,6 +179,7 @@ class DeepSeekV4Config:
         need(self.num_hash_layers <= self.num_hidden_layers, "num_hash_layers", "must be <= num_hidden_layers")
         need(self.hc_mult >= 1, "hc_mult", "must be >= 1")
         need(self.num_nextn_predict_layers <= 1, "num_nextn_predict_layers", "must be 0 or 1 (V4 ships one)")
+        need(self.kv_quant in (None, "fp8"), "kv_quant", "must be null or 'fp8'")
         need(self.kernels in ("auto", "torch", "triton"), "kernels",
              "must be 'auto', 'torch' or 'triton'")
         need(self.scoring_func == "sqrtsoftplus", "scoring_func", "must be 'sqrtsoftplus'")

@@ -323,12 +323,16 @@ class Attention(nn.Module):
         return c_q, ops.norm_rope(q, cos[:, :, None], sin[:, :, None], self.cfg.rms_norm_eps, fused=fused)
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin, fused=use_fused(self.cfg, x))  # [B, T, D]
+        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin, fused=use_fused(self.cfg, x))  # [B, T, D]
+        return ops.fp8_kv_fake_quant(kv, 2 * cos.shape[-1]) if self.cfg.kv_quant else kv
 
     def _rope_entries(self, rope: Rope):
+        """fn(entries [.., G, D], their positions) -> entries with RoPE (and KV-QAT's rounding):
+        compressed and indexer keys, in the full forward and where decoding completes a block."""
         def fn(entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             cos, sin = rope.at(positions)
-            return ops.apply_rope(entries, cos, sin, fused=use_fused(self.cfg, entries))
+            out = ops.apply_rope(entries, cos, sin, fused=use_fused(self.cfg, entries))
+            return ops.fp8_kv_fake_quant(out, 2 * cos.shape[-1]) if self.cfg.kv_quant else out
         return fn
 
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -293,6 +293,26 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     return x
 
 
+# --------------------------------------------------------------------------- KV quantization
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+KV_QUANT_BLOCK = 64  # channels sharing one scale
+
+
+def fp8_kv_fake_quant(x: torch.Tensor, rope_dims: int) -> torch.Tensor:
+    """KV-QAT: the non-RoPE channels x[..., :D - rope_dims] rounded as DeepSeek's runtime stores
+    them, FP8 e4m3 with an fp32 scale per token and block of 64 channels (scale = the block's
+    largest |x| / 448: a token's bits never depend on the other tokens of a batch); the RoPE
+    channels stay as they are (a model whose non-RoPE width is no multiple of 64, the test
+    presets, scales its whole width at once). Straight-through: the gradient passes as if
+    unrounded."""
+    d = x.shape[-1] - rope_dims
+    block = KV_QUANT_BLOCK if d % KV_QUANT_BLOCK == 0 else d  # test models narrower than 64: one block
+    nope = x[..., :d].float().unflatten(-1, (d // block, block))  # [..., blocks, 64]
+    scale = (nope.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((nope / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :d] + (q - x[..., :d]).detach(), x[..., d:]), -1)
+
+
 # --------------------------------------------------------------------------- Hadamard
 @lru_cache(maxsize=16)
 def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:

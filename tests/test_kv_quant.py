@@ -1,0 +1,85 @@
+"""KV-QAT (`model.kv_quant: fp8`, issue 57): K = V's non-RoPE channels rounded as DeepSeek's
+runtime caches them (FP8 e4m3, an fp32 scale per token and block of 64 channels), the RoPE
+channels untouched, the gradient straight through; the model's plain, compressed and
+indexer keys take it in training and in decoding alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugins.deepseek_v4 import ops
+from tests.conftest import assert_close, random_ids, tiny_model
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite float8_e4m3fn value, ascending, in float64."""
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
+    return torch.unique(v[torch.isfinite(v)])
+
+
+def _reference(x: torch.Tensor, rope: int, block: int = 64) -> torch.Tensor:
+    """The runtime's rule written out: per token and block, scale = amax / 448 in fp32; each
+    value divided by it in fp32, then rounded to the nearest e4m3 value (ties to the even
+    mantissa) in float64, times the scale."""
+    d = x.shape[-1] - rope
+    nope = x[..., :d].float().unflatten(-1, (d // block, block))
+    scale = (nope.abs().amax(-1, keepdim=True) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    y = (nope / scale).double()
+    grid = _e4m3_grid()
+    hi = torch.searchsorted(grid, y.clamp(grid[0], grid[-1])).clamp(1, len(grid) - 1)
+    lo_v, hi_v = grid[hi - 1], grid[hi]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    even = {float(v): int(c) % 2 == 0 for c, v in zip(range(256), codes.double().tolist(), strict=True)
+            if v == v and abs(v) != float("inf")}
+    pick_hi = (y - lo_v > hi_v - y) | ((y - lo_v == hi_v - y) & torch.tensor(
+        [even[float(v)] for v in hi_v.flatten().tolist()]).view(hi_v.shape))
+    q = torch.where(pick_hi, hi_v, lo_v)
+    out = (q.float() * scale).flatten(-2)
+    return torch.cat((out.to(x.dtype), x[..., d:]), -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rounding_is_the_runtimes_rule_and_leaves_rope_channels_alone(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    # V4's K = V: 448 non-RoPE channels (7 blocks of 64) and 64 RoPE ones; blocks of very
+    # different magnitudes, a zero block, values on both sides of e4m3's subnormals
+    x = torch.randn(3, 5, 512, generator=g) * torch.logspace(-3, 2, 8).repeat_interleave(64)
+    x[1, 2, 64:128] = 0
+    x = x.to(dtype)
+    got = ops.fp8_kv_fake_quant(x, 64)
+    want = _reference(x, 64)
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(got[..., 448:], x[..., 448:]), "the RoPE channels were touched"
+    assert not torch.equal(got[..., :448], x[..., :448]), "nothing was rounded"
+    assert (got[1, 2, 64:128] == 0).all()
+    # a token's bits are its own: the same values quantized alone or in any batch
+    assert torch.equal(ops.fp8_kv_fake_quant(x[2:3, 1:2], 64), got[2:3, 1:2])
+
+
+def test_the_gradient_passes_straight_through(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 96, generator=g, requires_grad=True)
+    w = torch.randn(4, 96, generator=g)
+    (ops.fp8_kv_fake_quant(x, 32) * w).sum().backward()
+    assert torch.equal(x.grad, w)
+
+
+def test_with_kv_quant_decoding_is_the_full_forward_and_differs_from_unrounded(seed):
+    """The engine's path (prefill, decode over the cache) equals the trainer's full forward
+    with KV-QAT on (fp32, 1e-5), as without it; and the rounding changes the logits."""
+    model = tiny_model(seed, kv_quant="fp8").eval()
+    plain = tiny_model(seed).eval()
+    ids = random_ids(seed, 2, 70)
+    with torch.no_grad():
+        full = model(ids).logits
+        unrounded = plain(ids).logits
+        cache = model.new_cache(2, 71)
+        last = model.prefill(list(ids[:, :20]), cache, [0, 1])
+        steps = [model.decode(ids[:, t], cache, torch.tensor([0, 1])) for t in range(20, 70)]
+    assert torch.isfinite(full).all()
+    assert (full - unrounded).abs().max() > 1e-4, "kv_quant changed nothing"
+    assert_close(last, full[:, 19], atol=1e-5, what="prefill")
+    for t, step in zip(range(20, 70), steps, strict=True):
+        assert_close(step, full[:, t], atol=1e-5, what=f"decode position {t}")
