@@ -295,6 +295,9 @@ class RolloutConfig(Section):
     max_new_tokens: PosInt = 512  # tokens generated per response (per turn with generate_fn; longer: truncated)
     generate_fn: Str | None = None  # "module:function": async fn(client, sample) -> Transcript (multi-turn, tools;
     # miles/rollout/multiturn.py); trained on the policy's tokens only. Default: one response per prompt
+    tools: list[Str] = []  # "module:function" Python tools the policy may call (DSML tool calls, parsed by
+    # deepseek-recipe; miles/rollout/tool_use.py); their schemas go into every prompt. Default generate_fn with tools:
+    # miles.rollout.tool_use:generate
     temperature: NonNegFloat = 1.0  # sampling temperature of rollouts (0: greedy)
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # nucleus sampling (1: off)
     top_k: Int = -1  # -1: off
@@ -481,7 +484,8 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _across_groups(self) -> JobConfig:
-        able = self.algo.loss == "policy" and self.rollout.engine == "embedded" and self.rollout.generate_fn is None
+        able = (self.algo.loss == "policy" and self.rollout.engine == "embedded" and self.rollout.generate_fn is None
+                and not self.rollout.tools)
         if self.algo.routing_replay is None:
             self.algo.routing_replay = able
         elif self.algo.routing_replay and not able:
@@ -575,6 +579,14 @@ class JobConfig(Section):
                              "per rollout)")
         if r.generate_fn is not None and ":" not in r.generate_fn:
             raise ValueError(f"rollout.generate_fn: {r.generate_fn!r} is not \"module:function\"")
+        bad = [t for t in r.tools if ":" not in t]
+        if bad:
+            raise ValueError(f"rollout.tools: {bad[0]!r} is not \"module:function\"")
+        if r.tools and r.generate_fn is None:
+            r.generate_fn = "miles.rollout.tool_use:generate"
+        if r.tools and self.data.template != "deepseek_v4":
+            raise ValueError("rollout.tools: tool calls are parsed in DeepSeek-V4's DSML; data.template must be "
+                             "deepseek_v4")
         if r.engine == "sglang" and r.sync != "disk":
             raise ValueError(f"rollout.engine: sglang takes the trainer's weights from files: set rollout.sync: disk "
                              f"(rollout.sync: {r.sync} serves the embedded engine)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import deepseek_recipe as dr
 
-from miles.data.chat import ChatFormatError, _encoding, to_messages
+from miles.data.chat import ChatFormatError, _encoding, to_messages, tool_definitions
 from miles.data.dataset import Row
 from miles.data.sft import SFTSource
 
@@ -27,17 +27,18 @@ class Prompt:
 
 
 def prompt_ids(messages: list[dict], tokenizer, template: str = "deepseek_v4", thinking: bool = False,
-               reasoning_effort: str | None = None) -> list[int]:
-    """The tokens of `messages` followed by the assistant's generation header."""
+               reasoning_effort: str | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The tokens of `messages` followed by the assistant's generation header; `tools`: the
+    OpenAI schemas of the tools the model may call (rendered in the V4 system prompt)."""
     if template == "hf":
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools))
     enc, _ = _encoding(tokenizer)
     msgs, _ = to_messages(messages + [{"role": "assistant", "content": "x"}], thinking)
-    return enc.encode(dr.Conversation(msgs[:-1], thinking_mode=thinking,
+    return enc.encode(dr.Conversation(msgs[:-1], thinking_mode=thinking, tools=tool_definitions(tools),
                                       reasoning_effort=reasoning_effort if thinking else None))
 
 
-def row_prompt(row: Row, data, tokenizer, max_tokens: int) -> Prompt:
+def row_prompt(row: Row, data, tokenizer, max_tokens: int, tools: list[dict] | None = None) -> Prompt:
     if row.error:
         raise row.bad(row.error)
     rec = row.record
@@ -63,8 +64,8 @@ def row_prompt(row: Row, data, tokenizer, max_tokens: int) -> Prompt:
     if not isinstance(thinking, bool):
         raise row.bad(f"'thinking' must be true or false, got {thinking!r}")
     try:
-        ids = prompt_ids(messages, tokenizer, data.template, thinking, rec.get("reasoning_effort",
-                                                                             data.reasoning_effort))
+        ids = prompt_ids(messages, tokenizer, data.template, thinking,
+                         rec.get("reasoning_effort", data.reasoning_effort), tools)
     except ChatFormatError as e:
         raise row.bad(str(e)) from None
     if len(ids) > max_tokens:
@@ -79,9 +80,10 @@ class PromptSource(SFTSource):
 
     name = "prompts"
 
-    def __init__(self, data, seed: int, max_tokens: int, run_dir=None, report=print):
-        self.max_tokens = max_tokens
+    def __init__(self, data, seed: int, max_tokens: int, run_dir=None, report=print, tools: list[dict] | None = None):
+        """`tools`: the schemas of rollout.tools, rendered into every prompt."""
+        self.max_tokens, self.tools = max_tokens, tools
         super().__init__(data, seed, run_dir, report)
 
     def row_items(self, row: Row) -> list[Prompt]:
-        return [row_prompt(row, self.data, self.tokenizer, self.max_tokens)]
+        return [row_prompt(row, self.data, self.tokenizer, self.max_tokens, self.tools)]

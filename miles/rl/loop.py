@@ -38,6 +38,7 @@ from miles.rl.rollout import Rollout, generate_rollout, staleness, write_rollout
 from miles.rl.schedule import Generate, Sync, step_plan
 from miles.rl.train import to_samples, train
 from miles.rollout.sync import remove_older_versions
+from miles.rollout.tool_use import tool_schemas
 from miles.session import RunResult, profiling, session, start_trainer
 
 
@@ -46,7 +47,7 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
         job, r, monitor, ckpt = s.job, s.job.rollout, s.monitor, s.ckpt
         check_engines(job, ray.cluster_resources().get("GPU", 0))
         data = s.closing(PromptSource(job.data, job.train.seed, r.max_len - r.max_new_tokens, s.run_dir,
-                                      report=monitor.print))
+                                      report=monitor.print, tools=tool_schemas(r.tools)))
         rewards = s.closing(Rewards.of(job.algo))
         shared = colocation(job)  # colocated on GPUs: the bundles trainer ranks and engines share
         trainer = s.closing(start_trainer(job, shared), "shutdown")

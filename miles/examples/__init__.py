@@ -1,0 +1,1 @@
+"""Example user code the bundled jobs name (tools, for `rollout.tools`)."""
