@@ -584,6 +584,9 @@ class JobConfig(Section):
             raise ValueError(f"rollout.tools: {bad[0]!r} is not \"module:function\"")
         if r.tools and r.generate_fn is None:
             r.generate_fn = "miles.rollout.tool_use:generate"
+        if self.model.kv_quant and r.engine == "sglang":
+            raise ValueError("model.kv_quant: SGLang's engines do not round K = V as the trainer would "
+                             "(rollout.engine: embedded)")
         if r.tools and self.data.template != "deepseek_v4":
             raise ValueError("rollout.tools: tool calls are parsed in DeepSeek-V4's DSML; data.template must be "
                              "deepseek_v4")

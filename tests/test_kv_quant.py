@@ -83,3 +83,15 @@ def test_with_kv_quant_decoding_is_the_full_forward_and_differs_from_unrounded(s
     assert_close(last, full[:, 19], atol=1e-5, what="prefill")
     for t, step in zip(range(20, 70), steps, strict=True):
         assert_close(step, full[:, t], atol=1e-5, what=f"decode position {t}")
+
+
+def test_kv_quant_with_sglang_engines_is_refused():
+    """SGLang's engines would serve unrounded keys to a trainer that rounds them."""
+    from pathlib import Path
+
+    from miles.config import JobConfigError, load_job
+
+    job = Path(__file__).resolve().parents[1] / "jobs" / "dapo_tiny.yaml"
+    with pytest.raises(JobConfigError, match="model.kv_quant: SGLang's engines do not round"):
+        load_job(job, ["rollout.engine=sglang", "model.kv_quant=fp8"])
+    assert load_job(job, ["model.kv_quant=fp8"]).model.arch.kv_quant == "fp8"

@@ -581,6 +581,7 @@ def test_a_traced_attention_layer_replays_its_output(seed):
         assert torch.isfinite(cap["output"]).all() and cap["chosen"].any()
         assert torch.equal(out, cap["output"]), f"layer {layer}: the capture does not replay the output"
         assert all(cap[k].shape[:2] == ids.shape for k in ("q", "kv", "lse"))
+        assert torch.equal(cap["rows"], torch.arange(48))  # one rank: every position's query
     csa, hca = trace.captured[1][0]["chosen"], trace.captured[2][0]["chosen"]
     assert csa.sum(-1).max() == model.config.index_topk, "the CSA capture is not the indexer's top-k"
     assert hca.any() and hca.sum(-1).max() <= 48 // 16  # HCA: every visible entry (blocks of 16)

@@ -38,7 +38,7 @@ def test_a_tool_schema_comes_from_the_signature_and_docstring():
 
 def test_the_calculator_computes_and_refuses_what_is_not_arithmetic():
     assert calc("12*7+5") == "89" and calc("(3 - 10) // 2") == "-4" and calc("7/2") == "3.5"
-    for bad in ("__import__('os')", "x + 1", "2 ** 1000"):
+    for bad in ("__import__('os')", "x + 1", "2 ** 1000", "((9 ** 64) ** 64) ** 64"):  # the last: digits without end
         with pytest.raises(ValueError):
             calc(bad)
     out = tool_use.call_tool(tool_use.load_tools((CALC,)), {"function": {"name": "calc", "arguments": '{"expr": "x"}'}})
@@ -97,6 +97,20 @@ def test_the_loop_runs_the_call_and_keeps_tokens_in_and_out():
     assert t.loss_mask == [0] * len(prompt) + [1] * len(tool_turn) + [0] * n_tool + [1] * len(answer)
     assert t.logprobs[len(prompt)] == -0.5 and t.logprobs[len(prompt) + len(tool_turn)] == 0.0
     assert t.turns == 2 and t.weight_versions == {3}
+
+    # rollout.max_len bounds the conversation: each turn asks for what is left at most, and a
+    # tool turn that leaves no room to answer ends it, as a length stop
+    asked.clear()
+    short = sample | {"max_len": len(prompt) + len(tool_turn) + 3}
+    bodies = []
+
+    async def post_short(body: dict) -> dict:
+        bodies.append(body)
+        return await post(body)
+
+    t = asyncio.run(tool_use.generate(Client(post_short), short))
+    assert len(bodies) == 1 and bodies[0]["sampling_params"]["max_new_tokens"] == len(tool_turn) + 3
+    assert t.ids == prompt + tool_turn and t.finish_reason["type"] == "length"
 
 
 def test_the_example_job_validates_and_bad_tools_are_refused():

@@ -24,6 +24,7 @@ class Prompt:
     input_ids: list[int]
     label: str
     messages: list[dict]
+    thinking: bool = False  # the mode it was rendered in (a row's own, else data.thinking)
 
 
 def prompt_ids(messages: list[dict], tokenizer, template: str = "deepseek_v4", thinking: bool = False,
@@ -71,7 +72,7 @@ def row_prompt(row: Row, data, tokenizer, max_tokens: int, tools: list[dict] | N
     if len(ids) > max_tokens:
         raise row.bad(f"the prompt has {len(ids)} tokens; rollout.max_len - rollout.max_new_tokens allows "
                       f"{max_tokens}")
-    return Prompt(f"{row.file.rsplit('/', 1)[-1]}:{row.row}", ids, label, messages)
+    return Prompt(f"{row.file.rsplit('/', 1)[-1]}:{row.row}", ids, label, messages, thinking)
 
 
 class PromptSource(SFTSource):

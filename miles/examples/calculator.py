@@ -21,8 +21,8 @@ def calc(expr: str) -> str:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in OPS:
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
-                raise ValueError("exponent too large")
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) ** min(abs(right), 64) > 10 ** 300):
+                raise ValueError("power too large")  # (9**64)**64...: digits without end
             return OPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
             return OPS[type(node.op)](ev(node.operand))

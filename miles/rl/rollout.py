@@ -148,9 +148,9 @@ def sample_groups(job: JobConfig, engines, prompts: list[Prompt], n: int, temper
         results = engines.generate(reqs, version=version, each=functools.partial(compact_result, tok, replay=replay))
         flat = [Response(p, **res) for p, res in zip(owners, results, strict=True)]
     else:  # the user's function drives each conversation through the router
-        extra = {"tools": r.tools, "tokenizer": tokenizer_path(job.data.tokenizer), "thinking": job.data.thinking}
-        samples = [q | {"label": p.label, "messages": p.messages} | (extra if r.tools else {})
-                   for q, p in zip(reqs, owners, strict=True)]
+        tools = {"tools": r.tools, "tokenizer": tokenizer_path(job.data.tokenizer), "max_len": r.max_len}
+        samples = [q | {"label": p.label, "messages": p.messages}
+                   | ({**tools, "thinking": p.thinking} if r.tools else {}) for q, p in zip(reqs, owners, strict=True)]
         transcripts = engines.generate_transcripts(samples, r.generate_fn, version=version)
         flat = [transcript_response(p, t, r.max_len, tok, q["id"])
                 for p, t, q in zip(owners, transcripts, samples, strict=True)]

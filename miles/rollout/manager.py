@@ -248,6 +248,8 @@ class RolloutManager:
                                   "from a directory (rollout.sync: disk)")
         with self._update_lock:
             if self._broadcast is None or self._broadcast.backend != backend:
+                if self._broadcast is not None:
+                    self._broadcast.close()
                 self._broadcast = BroadcastGroup(backend)
             try:
                 res = sync_broadcast(trainer, self.engine_actors(), bucket_bytes, version, backend, self._broadcast)
@@ -281,8 +283,9 @@ class RolloutManager:
     def shutdown(self) -> None:
         self._stop.set()
         self._monitor.join(timeout=30)
-        if self._broadcast is not None:
-            self._broadcast.close()
+        with self._update_lock:
+            if self._broadcast is not None:
+                self._broadcast.close()
         self.router.stop()
         with self._lock:
             for e in self.engines:

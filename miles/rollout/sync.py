@@ -88,11 +88,12 @@ class BroadcastGroup:
 
 
 def _settle(refs: list, timeout_s: float = 10.0) -> None:
-    """Wait a little for clean-up calls. A member still inside a failed broadcast runs them
-    once the group's timeout frees it; a dead one has nothing to clean."""
-    for ref in refs:
+    """Wait a little (all together) for clean-up calls. A member still inside a failed
+    broadcast runs them once the group's timeout frees it; a dead one has nothing to clean."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in done:
         try:
-            ray.get(ref, timeout=timeout_s)
+            ray.get(ref)
         except Exception:  # noqa: BLE001
             pass
 

@@ -10,11 +10,15 @@ taken as the difference between the conversation rendered with and without them.
 
 A tool is a Python function with annotated parameters (str, int, float, bool) whose docstring
 describes it; its JSON schema (tool_schema) is rendered into every prompt. It returns text
-(anything else is shown as JSON); an exception becomes the tool's result, as "error: ...".
+(anything else is shown as JSON); an exception becomes the tool's result, as "error: ...", and
+so does a call still running after TOOL_TIMEOUT_S (tools run on threads, off the event loop
+that carries every conversation's requests). The conversation fits rollout.max_len: each
+turn may generate what is left of it, and a tool turn that would leave no room ends it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -26,6 +30,7 @@ from miles.rollout.multiturn import Client, Transcript
 from miles.user_code import load_function
 
 MAX_TURNS = 4  # generations per sample; the last one's tool calls are not run
+TOOL_TIMEOUT_S = 30.0  # a call's result is an error past this (its thread is left to finish)
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
@@ -128,16 +133,21 @@ def render(messages: list[dict], tokenizer: dr.Tokenizer, schemas: list[dict], t
 async def generate(client: Client, sample: dict) -> Transcript:
     """rollout.tools' generate function: turns of generation and tool calls (module docstring).
     `sample` holds the rollout's keys plus `tools` (the "module:function" paths), `tokenizer`
-    (the tokenizer.json) and `thinking`."""
+    (the tokenizer.json), `thinking` (the prompt's mode) and `max_len` (the transcript's
+    bound, rollout.max_len)."""
     tools = load_tools(tuple(sample["tools"]))
     schemas = [tool_schema(fn) for fn in tools.values()]
     tok, thinking = _tokenizer(sample.get("tokenizer")), bool(sample.get("thinking", False))
+    max_len = int(sample.get("max_len") or 1 << 62)
+    params = dict(sample.get("sampling_params") or {})
     messages = list(sample["messages"])
     t = Transcript.start(sample["input_ids"])
     for turn in range(MAX_TURNS):
-        result = await client.generate(t.request(sample.get("sampling_params")))
+        room = max_len - len(t.ids)
+        result = await client.generate(t.request(params | {"max_new_tokens": min(params.get("max_new_tokens", room),
+                                                                                 room)}))
         t.add_generated(result)
-        message = parse_turn(result["output_ids"], tok, schemas, thinking)
+        message = await asyncio.to_thread(parse_turn, result["output_ids"], tok, schemas, thinking)
         calls = message.get("tool_calls") or []
         if not calls or turn == MAX_TURNS - 1 or result["meta_info"]["finish_reason"]["type"] == "length":
             break
@@ -145,11 +155,22 @@ async def generate(client: Client, sample: dict) -> Transcript:
         if thinking:
             said["reasoning_content"] = message.get("reasoning_content") or ""
         before = render(messages + [said], tok, schemas, thinking, generation=False)
-        messages += [said] + [{"role": "tool", "tool_call_id": c.get("id"), "content": call_tool(tools, c)}
+        messages += [said] + [{"role": "tool", "tool_call_id": c.get("id"), "content": await run_tool(tools, c)}
                               for c in calls]
         after = render(messages, tok, schemas, thinking, generation=True)
         if after[:len(before)] != before:
             raise ValueError("the V4 encoding rendered the conversation with the tool results differently from "
                              "the conversation before them: the tool turn's ids cannot be appended")
+        if len(t.ids) + len(after) - len(before) >= max_len:  # no room to answer after the results
+            t.finish_reason = {"type": "length", "length": len(t.ids) - t.prompt_len}
+            break
         t.add_environment(after[len(before):])
     return t
+
+
+async def run_tool(tools: dict[str, Callable], call: dict) -> str:
+    """call_tool on a thread, bounded by TOOL_TIMEOUT_S."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(call_tool, tools, call), TOOL_TIMEOUT_S)
+    except TimeoutError:
+        return f"error: {call['function']['name']} took longer than {TOOL_TIMEOUT_S:.0f} s"

@@ -35,7 +35,8 @@ class Trace:
     the host): input [B, s, d] (after the attention norm), q [B, s, H, D], kv [B, S, D] (K = V
     of the whole sequence), entries [B, G, D] (compressed), chosen [B, s, G] (the entries each
     query attends: the indexer's top-k in CSA layers), lse [B, s, H] (where the path gives it),
-    output [B, s, d]; with doc and pos [B, S]."""
+    output [B, s, d]; with doc and pos [B, S] and rows [s] (the positions this rank's queries
+    are: its context-parallel chunk)."""
 
     layers: frozenset[int]
     what: frozenset[str] = frozenset(TRACE_FIELDS)
@@ -45,9 +46,9 @@ class Trace:
         return layer in self.layers
 
     def add(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
-        keep = self.what | {"doc", "pos"}
+        keep = self.what | {"doc", "pos", "rows"}  # copies: a host tensor's .cpu() is the tensor itself
         self.captured.setdefault(layer, []).append(
-            {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k in keep and v is not None})
+            {k: v.detach().cpu().clone() for k, v in tensors.items() if k in keep and v is not None})
 
 
 @dataclass

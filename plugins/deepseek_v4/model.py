@@ -379,7 +379,8 @@ class Attention(nn.Module):
         out = self._out(o, q_cos, q_sin)
         if fwd.trace is not None and not fwd.replay and fwd.trace.wants(self.layer):
             fwd.trace.add(self.layer, {"input": x, "q": q, "kv": kv, "entries": comp, "chosen": chosen, "lse": lse,
-                                       "output": out, "doc": fwd.layout.doc, "pos": fwd.layout.pos})
+                                       "output": out, "doc": fwd.layout.doc, "pos": fwd.layout.pos,
+                                       "rows": torch.arange(fwd.layout.shape[1], device=x.device)[fwd.q]})
         return out
 
     def _replay_picks(self, own: torch.Tensor, visible: torch.Tensor, blocks, fwd: Fwd) -> torch.Tensor:
