@@ -140,12 +140,11 @@ def test_colocated_rl_with_evals_math_rewards_and_a_temperature(cluster, tmp_pat
     either; the weights come through rollout.sync: shared, the engine opening the trainer's
     buffers in place); each evaluation measures the weights of its step. A checkpoint after every
     rollout: the trainer saves before it sleeps for the next one (the next generation started
-    first, and the save found its storages freed). KV-QAT is on (model.kv_quant: fp8): engine
-    and trainer round K = V alike."""
+    first, and the save found its storages freed)."""
     run = tmp_path / "run"
     _rl(cluster, run, "train.steps=3", "rollout.placement=colocated", "rollout.eval_interval=1",
         "rollout.eval_samples=1", "data.eval_path=miles/data/bundled/arith/eval.jsonl", "algo.reward=math",
-        "rollout.temperature=0.7", "ckpt.save_interval=1", "rollout.sync=shared", "model.kv_quant=fp8")
+        "rollout.temperature=0.7", "ckpt.save_interval=1", "rollout.sync=shared")
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
