@@ -143,7 +143,7 @@ def test_a_trace_writes_the_chosen_layers_of_the_chosen_step(demo_run):
     for layer in (1, 2):
         t = load_file(run_dir / "trace" / "step3" / "rank0" / f"layer{layer}.safetensors")
         assert {k.split(".", 1)[1] for k in t} == {"input", "q", "kv", "entries", "chosen", "lse", "output", "doc",
-                                                   "pos"}
+                                                   "pos", "rows"}
         b, s, d = t["0.input"].shape
         assert t["0.output"].shape == (b, s, d) and t["0.chosen"].dtype == torch.bool
         assert all(torch.isfinite(v).all() for k, v in t.items() if v.is_floating_point())
