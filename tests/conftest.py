@@ -103,3 +103,31 @@ def tiny_model(seed: int, dtype: torch.dtype = torch.float32, **overrides) -> De
 def random_ids(seed: int, batch: int, seq: int, vocab: int = 320) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + 7)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def engine_answers(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], max_running: int, submit,
+                   max_len: int = 96) -> dict[str, dict]:
+    """Every prompt through one embedded Engine, submitted together (requests join a running
+    batch); `submit(i)` -> (SamplingParams, Engine.submit keywords) of prompt i. Returns the
+    answers by request id str(i)."""
+    import threading
+
+    from miles.rollout.engine import Engine
+
+    engine = Engine(model, max_len=max_len, max_running=max_running)
+    results: dict[str, dict] = {}
+    done = threading.Event()
+
+    def collect(r: dict) -> None:
+        results[r["meta_info"]["id"]] = r
+        if len(results) == len(prompts):
+            done.set()
+
+    try:
+        for i, p in enumerate(prompts):
+            params, kw = submit(i)
+            engine.submit(p, params, collect, True, rid=str(i), **kw)
+        assert done.wait(120), f"{len(results)}/{len(prompts)} finished"
+    finally:
+        engine.stop()
+    return results

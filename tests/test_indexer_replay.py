@@ -7,8 +7,6 @@ document's own entries."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -97,31 +95,18 @@ def test_the_engine_returns_the_entries_every_token_it_read_attended(seed):
     """return_indexer_picks: meta_info["indexer_picks"] holds, for the prompt and every generated
     token fed back, each CSA layer's entries as block numbers; they are a full forward's of that
     sequence (fp32 on CPU), whatever the batch; requests that did not ask get none."""
-    from miles.rollout.engine import Engine, decode_choices
+    from miles.rollout.engine import decode_choices
     from miles.rollout.sampling import SamplingParams
-    from tests.conftest import randomize
+    from tests.conftest import engine_answers, randomize
 
     model = randomize(tiny_model(seed), seed).eval()
     cfg = model.config
     csa = sum(cfg.is_csa(cfg.layer_ratio(i)) for i in range(cfg.num_hidden_layers))
-    engine = Engine(model, max_len=96, max_running=3)
     g = torch.Generator().manual_seed(seed + 13)
     prompts = [torch.randint(2, 320, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (4,), generator=g)]
-    results: dict[str, dict] = {}
-    done = threading.Event()
-
-    def collect(r: dict) -> None:
-        results[r["meta_info"]["id"]] = r
-        if len(results) == len(prompts):
-            done.set()
-
-    try:
-        for i, p in enumerate(prompts):
-            params = SamplingParams(temperature=1.0, max_new_tokens=20 + 3 * i, seed=seed + i, ignore_eos=True)
-            engine.submit(p, params, collect, True, rid=str(i), return_indexer_picks=i != 1)
-        assert done.wait(120), f"{len(results)}/{len(prompts)} finished"
-    finally:
-        engine.stop()
+    results = engine_answers(model, prompts, 3, lambda i: (
+        SamplingParams(temperature=1.0, max_new_tokens=20 + 3 * i, seed=seed + i, ignore_eos=True),
+        {"return_indexer_picks": i != 1}))
     assert "indexer_picks" not in results["1"]["meta_info"] and "routed_experts" not in results["0"]["meta_info"]
     for i, p in enumerate(prompts):
         if i == 1:

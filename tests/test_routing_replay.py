@@ -6,8 +6,6 @@ for a share of tokens, which replay removes."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -114,32 +112,19 @@ def test_the_engine_returns_the_experts_every_token_it_read_took(seed):
     layer; they are the ones a full forward of that sequence chooses (fp32 on CPU), whatever
     the batch (requests joining a running batch, two of them sharing one prompt's prefill);
     a request that did not ask gets none."""
-    from miles.rollout.engine import Engine, decode_choices
+    from miles.rollout.engine import decode_choices
     from miles.rollout.sampling import SamplingParams
-    from tests.conftest import randomize
+    from tests.conftest import engine_answers, randomize
 
     model = randomize(tiny_model(seed), seed).eval()
     cfg = model.config
     layers, k = cfg.num_hidden_layers - cfg.num_hash_layers, cfg.num_experts_per_tok
-    engine = Engine(model, max_len=96, max_running=4)
     g = torch.Generator().manual_seed(seed + 11)
     prompts = [torch.randint(2, 320, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (5,), generator=g)]
     prompts.append(list(prompts[0]))  # shares the first one's prefill
-    results: dict[str, dict] = {}
-    done = threading.Event()
-
-    def collect(r: dict) -> None:
-        results[r["meta_info"]["id"]] = r
-        if len(results) == len(prompts):
-            done.set()
-
-    try:
-        for i, p in enumerate(prompts):
-            params = SamplingParams(temperature=1.0, max_new_tokens=8 + i, seed=seed + i, ignore_eos=True)
-            engine.submit(p, params, collect, True, rid=str(i), return_routed_experts=i != 2)
-        assert done.wait(120), f"{len(results)}/{len(prompts)} finished"
-    finally:
-        engine.stop()
+    results = engine_answers(model, prompts, 4, lambda i: (
+        SamplingParams(temperature=1.0, max_new_tokens=8 + i, seed=seed + i, ignore_eos=True),
+        {"return_routed_experts": i != 2}))
     assert "routed_experts" not in results["2"]["meta_info"]
     for i, p in enumerate(prompts):
         if i == 2:

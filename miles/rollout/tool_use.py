@@ -118,13 +118,13 @@ def render(messages: list[dict], tokenizer: dr.Tokenizer, schemas: list[dict], t
     by the assistant header the next turn starts after; without, through the last message's
     end-of-sentence (a conversation that ends with an assistant turn)."""
     from miles.data.chat import _encoding, to_messages, tool_definitions
+    from miles.data.prompts import prompt_ids
 
+    if generation:  # what a prompt is
+        return prompt_ids(messages, tokenizer, thinking=thinking, tools=schemas)
     enc, eos = _encoding(tokenizer)
-    msgs, _ = to_messages(messages + ([{"role": "assistant", "content": "x"}] if generation else []), thinking)
-    ids = enc.encode(dr.Conversation(msgs[:-1] if generation else msgs, tools=tool_definitions(schemas),
-                                     thinking_mode=thinking))
-    if generation:
-        return ids
+    msgs, _ = to_messages(messages, thinking)
+    ids = enc.encode(dr.Conversation(msgs, tools=tool_definitions(schemas), thinking_mode=thinking))
     if eos not in ids:
         raise ValueError("the conversation has no finished assistant turn")
     return ids[:len(ids) - ids[::-1].index(eos)]
