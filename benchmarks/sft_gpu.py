@@ -9,7 +9,10 @@ Writes a JSONL of long conversations (random words, one conversation a packed ro
 1. the trainer alone: one TrainWorker in this process, built as the job builds its workers,
    trains on the very micro-batches the job's data source gives for each step (the same
    SFTSource, seed and packing), timed around train_step;
-2. `miles sft jobs/sft_gpu.yaml` with that data on a local Ray cluster: tokens / step time
+2. the same inside a Ray actor with the job's worker resources (cluster.cpus_per_worker CPUs,
+   one GPU): what the actor's process costs (Ray's OMP_NUM_THREADS, its threads), the job's
+   own work apart;
+3. `miles sft jobs/sft_gpu.yaml` with that data on a local Ray cluster: tokens / step time
    of each step from its metrics.jsonl (the controller, Ray and batching included).
 Medians after --warmup steps; the ratio is the job's share of the trainer's speed.
 """
@@ -80,6 +83,24 @@ def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[tuple[int
     return out[warmup:]
 
 
+def trainer_in_actor(job, steps: int, warmup: int, run_dir: Path) -> tuple[list[tuple[int, float]], int]:
+    """trainer_alone() inside a Ray actor with the job's worker resources; also the actor's
+    torch CPU threads."""
+    import ray
+
+    ray.init(num_cpus=max(2, int(job.cluster.cpus_per_worker) + 1), include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=job.cluster.cpus_per_worker, num_gpus=1 if job.cluster.device == "gpu" else 0)
+        def run():
+            threads = torch.get_num_threads()  # as Ray starts it (trainer_alone sets a CPU job's)
+            return trainer_alone(job, steps, warmup, run_dir), threads
+
+        return ray.get(run.remote())
+    finally:
+        ray.shutdown()
+
+
 def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -> list[dict]:
     """Each step's perf/ metrics of `miles sft`: tokens, step_time (data, batching, the Ray call
     and the step), data_time, train_time (the Ray call) and worker_time (the step inside the
@@ -111,19 +132,23 @@ def main() -> None:
                  "ckpt.save_hf=false", "log.wandb.mode=disabled", "log.interval=1"]
     job_file = str(ROOT / "jobs" / "sft_gpu.yaml")
     job = load_job(job_file, overrides)
+    threads = torch.get_num_threads()
     alone = trainer_alone(job, a.steps, a.warmup, tmp / "alone")
+    actor, actor_threads = trainer_in_actor(job, a.steps, a.warmup, tmp / "actor")
     steps = whole_job(job_file, overrides, tmp / "job", a.warmup)
     med_alone = statistics.median(t / s for t, s in alone)
+    med_actor = statistics.median(t / s for t, s in actor)
     med_job = statistics.median(r["tokens"] / r["step_time"] for r in steps)
     print(f"{a.preset} {dtype} on {a.device}: {a.batch} rows of up to {a.seq} positions a step (conversations of "
           f"{mean_len:.0f} tokens), medians of steps {a.warmup + 1}-{a.steps}\n")
     print(f"{'':34}{'tokens/s':>12}")
-    print(f"{'trainer alone (one worker here)':34}{med_alone:12,.0f}")
+    print(f"{'trainer alone (one worker here)':34}{med_alone:12,.0f}   torch CPU threads {threads}")
+    print(f"{'trainer alone in a Ray actor':34}{med_actor:12,.0f}   torch CPU threads {actor_threads}")
     print(f"{'miles sft (controller, Ray, data)':34}{med_job:12,.0f}")
     print(f"{'miles sft / trainer alone':34}{med_job / med_alone:12.1%}   (goal >= 90%)")
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     print(f"\nwhere a step's time goes, ms: the job's {ms([r['step_time'] for r in steps]):.1f} against the trainer "
-          f"alone's {ms([s for _, s in alone]):.1f}")
+          f"alone's {ms([s for _, s in alone]):.1f} (in an actor {ms([s for _, s in actor]):.1f})")
     print(f"  data and batching (driver)      {ms([r['data_time'] for r in steps]):8.1f}")
     print(f"  the Ray call around the step    {ms([r['train_time'] - r['worker_time'] for r in steps]):8.1f}")
     print(f"  the step inside the worker      {ms([r['worker_time'] for r in steps]):8.1f}")

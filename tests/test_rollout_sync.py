@@ -304,7 +304,7 @@ def test_device_fingerprints_tell_apart_what_the_md5_tells_apart(seed, monkeypat
     device instead of MD5s: equal bytes agree, in chunks or not; a torn copy, two words
     swapped, a view one element off, another dtype of the same values and one byte more each
     differ; a staged bucket whose fingerprint differs is refused and stages nothing."""
-    from miles.rollout.weights import Staging, digests
+    from miles.rollout.weights import Staging, bucket_digests, digests, pack, spans_of, spec_of
     from plugins.deepseek_v4 import checksum
 
     g = torch.Generator().manual_seed(seed)
@@ -327,8 +327,44 @@ def test_device_fingerprints_tell_apart_what_the_md5_tells_apart(seed, monkeypat
     model = torch.nn.Linear(1000, 3, bias=False)
     staging = Staging(model)
     w = torch.randn(3, 1000, generator=g)
+    flat = pack({"weight": w})
+    spec = spec_of({"weight": w})
     with pytest.raises(WeightSyncError, match="fingerprint mismatch"):
-        staging.add({"weight": w}, None, {"weight": checksum.fingerprint(w) + 1})
+        staging.add_bucket(flat, spec, {"weight": checksum.fingerprint(w) + 1})
     assert staging.staged == {}
-    staging.add({"weight": w}, None, checksum.fingerprints({"weight": w}))
+    staging.add_bucket(flat, spec, checksum.packed_fingerprints(flat, spans_of(spec)))
     assert torch.equal(staging.staged["weight"], w)
+    flat.zero_()  # staged from a copy: the sender's buffer is free once the call returns
+    assert torch.equal(staging.staged["weight"], w)
+    assert bucket_digests(flat, spec) == {"weight": checksum.tensor_md5(torch.zeros_like(w))}  # host: MD5s
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 24])
+def test_a_buckets_fingerprints_in_one_pass_equal_each_tensors_own(seed, chunk, monkeypatch):
+    """packed_fingerprints (a bucket's buffer at once, what the GPU paths compute) gives each
+    tensor the integer fingerprints() gives it alone, positions counted from its own start;
+    odd-sized, empty and chunk-straddling tensors too; checked against the definition in
+    Python integers."""
+    from miles.rollout.weights import pack, spans_of, spec_of
+    from plugins.deepseek_v4 import checksum
+
+    monkeypatch.setattr(checksum, "FINGERPRINT_CHUNK", chunk)
+    g = torch.Generator().manual_seed(seed)
+    bucket = {"a": torch.randn(7, 13, generator=g).to(torch.bfloat16),
+              "odd": torch.randint(0, 256, (37,), generator=g, dtype=torch.int64).to(torch.uint8),
+              "empty": torch.zeros(0, 5),
+              "b": torch.randn(301, generator=g),
+              "c": torch.randn(4, 3, generator=g, dtype=torch.float64)}
+    flat, spec = pack(bucket), spec_of(bucket)
+    got = checksum.packed_fingerprints(flat, spans_of(spec))
+
+    def definition(t: torch.Tensor) -> int:
+        b = bytes(t.reshape(-1).view(torch.uint8).tolist())
+        n = len(b)
+        b += b"\0" * (n % 2)
+        w = [int.from_bytes(b[i:i + 2], "little", signed=True) for i in range(0, len(b), 2)]
+        s, ws = sum(w) % 2**64, sum((j + 1) * x for j, x in enumerate(w)) % 2**64
+        return s * 2**128 + ws * 2**64 + n
+
+    assert got == checksum.fingerprints(bucket) == {k: definition(v) for k, v in bucket.items()}
+    assert len(set(got.values())) == len(got)

@@ -119,28 +119,31 @@ class EngineService:
                 raise WeightSyncError("memory is released: resume_memory_occupation first")
             self.staging = Staging(self.model)
 
-    def stage(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None,
-              fingerprints: dict[str, int] | None = None) -> int:
+    def stage(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None) -> int:
+        return self._staged(lambda st: st.add(tensors, sums), len(tensors))
+
+    def _staged(self, add, n: int) -> int:
+        """add(staging) under the update lock; a failure drops the whole update."""
         with self.update_lock:
             if self.staging is None:
                 raise WeightSyncError("no update in progress (begin_update first)")
             try:
-                self.staging.add(tensors, sums, fingerprints)
+                add(self.staging)
             except Exception:
                 self.staging = None
                 raise
-            return len(tensors)
+            return n
 
     def stage_shared(self, handle: tuple, spec: list, fingerprints: dict[str, int]) -> int:
         """A bucket a colocated trainer rank shared (weights.share): opened in place, checked
         by its fingerprints on the device, copied into the staging area."""
-        from miles.rollout.weights import opened, views_of
+        from miles.rollout.weights import opened
 
         try:
             flat = opened(handle)
         except Exception as e:  # another node's buffer, or one already freed
             raise WeightSyncError(f"cannot open the trainer's shared buffer (colocated engines only): {e}") from e
-        return self.stage(views_of(flat, spec), None, fingerprints)
+        return self._staged(lambda st: st.add_bucket(flat, spec, fingerprints), len(spec))
 
     def commit(self, names: list[str], version: int | None = None) -> dict:
         """Swap the staged tensors in between two decoding steps; the engine keeps its old
@@ -195,7 +198,7 @@ class EngineService:
         """Receive every bucket of `plan` ({"src": group rank, "spec": [(name, shape, dtype)]})
         into the staging area; returns the digest of each received tensor (weights.digests:
         MD5s on the host, fingerprints on a GPU) for the caller to compare with the sender's."""
-        from miles.rollout.weights import digests
+        from miles.rollout.weights import bucket_digests
 
         if self._group is None:
             raise WeightSyncError("no broadcast group: open_group first")
@@ -205,10 +208,12 @@ class EngineService:
         # a member that leaves would stall the senders until the group's timeout.
         Staging(self.model).check_spec([x for bucket in plan for x in bucket["spec"]])
         for bucket in plan:
-            flat, views = bucket_buffer(bucket["spec"], dev)
+            flat, _ = bucket_buffer(bucket["spec"], dev)
             self._group.broadcast(flat, bucket["src"]).wait()
-            sums.update(digests(views))
-            self.stage(views, None)  # the caller compares the digests (staging them here would hash twice)
+            sums.update(bucket_digests(flat, bucket["spec"]))
+            # the caller compares the digests (staging them here would hash twice); the buffer is this update's
+            spec = bucket["spec"]
+            self._staged(lambda st, f=flat, sp=spec: st.add_bucket(f, sp, None, own=True), len(spec))
         return sums
 
     def close_group(self) -> None:

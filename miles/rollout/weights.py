@@ -41,6 +41,14 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str | int]:
     return fingerprints(tensors) if any(t.is_cuda for t in tensors.values()) else checksums(tensors)
 
 
+def bucket_digests(flat: torch.Tensor, spec: list[tuple[str, list[int], str]]) -> dict[str, str | int]:
+    """digests() of a bucket's tensors from its flat buffer: on a GPU their fingerprints in one
+    set of passes over the buffer, on the host their MD5s."""
+    from plugins.deepseek_v4.checksum import packed_fingerprints
+
+    return packed_fingerprints(flat, spans_of(spec)) if flat.is_cuda else checksums(views_of(flat, spec))
+
+
 def update_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors an update may set: the model's state_dict entries, by name."""
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
@@ -86,14 +94,9 @@ class Staging:
         self.staged: dict[str, torch.Tensor] = {}
         self.bytes = 0
 
-    def add(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None,
-            fingerprints: dict[str, int] | None = None) -> None:
-        """Check and copy in a bucket: `sums` the sender's MD5s of the received bytes, or its
-        `fingerprints` (checksum.fingerprints, on the device: no host copy) of them."""
-        if fingerprints is not None:
-            from plugins.deepseek_v4.checksum import fingerprints as fingerprints_of
-
-            got_fps = fingerprints_of(tensors)
+    def add(self, tensors: dict[str, torch.Tensor], sums: dict[str, str] | None) -> None:
+        """Check and copy in a bucket: `sums` the sender's MD5s of the received bytes (None: the
+        caller has compared them)."""
         for name, t in tensors.items():
             target = self.targets.get(name)
             if target is None:
@@ -108,12 +111,34 @@ class Staging:
                     raise WeightSyncError(f"'{name}': checksum mismatch (sent {sums[name]}, received {got})")
             if name in self.staged:
                 raise WeightSyncError(f"'{name}' arrived twice in one update")
-            if fingerprints is not None:
+            self.staged[name] = t.detach().to(device=target.device, dtype=target.dtype, copy=True)
+            self.bytes += t.numel() * t.element_size()
+
+    def add_bucket(self, flat: torch.Tensor, spec: list[tuple[str, list[int], str]],
+                   fingerprints: dict[str, int] | None, own: bool = False) -> None:
+        """Check and keep a bucket given as its flat buffer (bucket_buffer's layout): against the
+        sender's `fingerprints` (checksum.packed_fingerprints, over the whole buffer at once) if
+        given, else the caller has compared digests. Kept as views into one copy of the buffer
+        (`own`: the buffer is this update's already, no copy) where the model's tensor has the
+        same dtype and device, else converted one by one."""
+        self.check_spec(spec)
+        if fingerprints is not None:
+            from plugins.deepseek_v4.checksum import packed_fingerprints
+
+            got = packed_fingerprints(flat, spans_of(spec))
+            for name, _, _ in spec:
                 if name not in fingerprints:
                     raise WeightSyncError(f"'{name}': no fingerprint came with the tensor")
-                if got_fps[name] != fingerprints[name]:
+                if got[name] != fingerprints[name]:
                     raise WeightSyncError(f"'{name}': fingerprint mismatch (the received view is not the sent tensor)")
-            self.staged[name] = t.detach().to(device=target.device, dtype=target.dtype, copy=True)
+        views = views_of(flat if own else flat.clone(), spec)
+        twice = sorted(set(views) & set(self.staged))
+        if twice:
+            raise WeightSyncError(f"'{twice[0]}' arrived twice in one update")
+        for name, t in views.items():
+            target = self.targets[name]
+            same = t.dtype == target.dtype and t.device == target.device
+            self.staged[name] = t if same else t.to(device=target.device, dtype=target.dtype)
             self.bytes += t.numel() * t.element_size()
 
     def check_spec(self, spec: list[tuple[str, list[int], str]]) -> None:
@@ -179,9 +204,17 @@ def _layout(spec: list[tuple[str, list[int], str]]) -> tuple[list[int], int]:
 
 
 def bucket_buffer(spec: list[tuple[str, list[int], str]], device=None) -> tuple[torch.Tensor, dict]:
-    """One flat byte buffer for a bucket [(name, shape, dtype)] and the tensor views into it."""
-    flat = torch.empty(_layout(spec)[1], dtype=torch.uint8, device=device)
+    """One flat byte buffer for a bucket [(name, shape, dtype)] and the tensor views into it;
+    zeros between the tensors (fingerprints read an odd-sized tensor's next byte)."""
+    flat = torch.zeros(_layout(spec)[1], dtype=torch.uint8, device=device)
     return flat, views_of(flat, spec)
+
+
+def spans_of(spec: list[tuple[str, list[int], str]]) -> list[tuple[str, int, int]]:
+    """A bucket's tensors as [(name, byte offset, bytes)] in its flat buffer."""
+    offsets, _ = _layout(spec)
+    return [(name, off, int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dt)).element_size())
+            for (name, shape, dt), off in zip(spec, offsets, strict=True)]
 
 
 def views_of(flat: torch.Tensor, spec: list[tuple[str, list[int], str]]) -> dict[str, torch.Tensor]:
@@ -222,8 +255,7 @@ def pack(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """A bucket's tensors in one flat byte buffer laid out as `bucket_buffer(spec_of(...))`."""
     device = next(iter(tensors.values())).device
     flat, views = bucket_buffer(spec_of(tensors), device)
-    for name, t in tensors.items():
-        views[name].copy_(t)
+    torch._foreach_copy_(list(views.values()), list(tensors.values()))  # a few launches, not one a tensor
     return flat
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from miles.ckpt.sharded import model_tensors
-from miles.rollout.weights import bucket_buffer, digests, open_group, pack, put_buckets, share, spec_of
+from miles.rollout.weights import bucket_buffer, bucket_digests, open_group, pack, put_buckets, share, spans_of, spec_of
 from miles.train import weight_export
-from plugins.deepseek_v4.checksum import fingerprints
+from plugins.deepseek_v4.checksum import packed_fingerprints
 from plugins.deepseek_v4.hf_io import write_shard
 
 
@@ -46,9 +46,9 @@ class WeightSender:
         out = []
         self.shared = []
         for b in weight_export.buckets(self.model, bucket_bytes):
-            flat = pack(b)
+            flat, spec = pack(b), spec_of(b)
             self.shared.append(flat)
-            out.append((share(flat), spec_of(b), fingerprints(b)))
+            out.append((share(flat), spec, packed_fingerprints(flat, spans_of(spec))))
         if self.device is not None:
             torch.cuda.synchronize()  # the buffers are written before another process reads them
         return out
@@ -74,9 +74,8 @@ class WeightSender:
         sums = {}
         for b in plan:
             if b["src"] == me:
-                bucket = next(gen)
-                flat = pack(bucket)
-                sums.update(digests(bucket))
+                flat = pack(next(gen))
+                sums.update(bucket_digests(flat, b["spec"]))
             else:
                 flat, _ = bucket_buffer(b["spec"], self.device)
             self.group.broadcast(flat, b["src"]).wait()

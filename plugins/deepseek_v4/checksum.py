@@ -42,32 +42,60 @@ def named_md5(items: Iterable[tuple[str, torch.Tensor | None]]) -> str:
     return h.hexdigest()
 
 
-FINGERPRINT_CHUNK = 1 << 24  # 16-bit words per step: bounded int64 temporaries (128 MiB each)
+FINGERPRINT_CHUNK = 1 << 24  # 16-bit words per pass: bounded int64 temporaries (128 MiB each)
+_WRAP = 1 << 64
+
+
+@torch.no_grad()
+def packed_fingerprints(flat: torch.Tensor, spans: list[tuple[str, int, int]]) -> dict[str, int]:
+    """fingerprints() of the tensors packed in one flat byte buffer, spans [(name, byte offset,
+    bytes)] at even offsets, with zero bytes after an odd-sized tensor: a few passes of prefix
+    sums over the whole buffer (a weight-sync bucket holds ~100 tensors at a ~1B model; one
+    set of kernels per tensor made the GPU sync host-bound), one copy to the host at the end."""
+    if not spans:
+        return {}
+    words = flat.reshape(-1).view(torch.uint8).view(torch.int16)  # [N]
+    dev = words.device
+    first = [off // 2 for _, off, _ in spans]
+    last = [off // 2 + -(-nbytes // 2) for _, off, nbytes in spans]  # one past each tensor's words
+    if any(off % 2 for _, off, _ in spans) or max(last) > words.numel():
+        raise ValueError(f"spans must lie at even offsets inside the buffer's {flat.numel()} bytes")
+    bounds = torch.tensor(first + last, dtype=torch.int64, device=dev)  # [2T] word indices
+    # prefix sums at each bound: P(b) = sum of x_j for j < b, for x = w and x = (j + 1) w;
+    # int64 wraps (mod 2**64) alike on both ends of a sync
+    at = torch.zeros(2, bounds.numel(), dtype=torch.int64, device=dev)
+    carry = torch.zeros(2, 1, dtype=torch.int64, device=dev)
+    for c0 in range(0, words.numel(), FINGERPRINT_CHUNK):
+        w = words[c0: c0 + FINGERPRINT_CHUNK].long()  # [n]
+        n = w.numel()
+        pos = torch.arange(c0 + 1, c0 + n + 1, dtype=torch.int64, device=dev)
+        sums = torch.stack((w, w * pos)).cumsum(1)  # [2, n] inclusive
+        here = (bounds > c0) & (bounds <= c0 + n)
+        got = carry + sums[:, (bounds - c0 - 1).clamp(0, n - 1)]  # [2, 2T]
+        at = torch.where(here, got, at)
+        carry = carry + sums[:, -1:]
+    t = len(spans)
+    s = at[:, t:] - at[:, :t]  # [2, T]: sum of w, sum of (j + 1) w over each tensor's words
+    s[1] -= torch.tensor(first, dtype=torch.int64, device=dev) * s[0]  # positions from each tensor's start
+    rows = s.T.cpu().tolist()
+    return {name: (a % _WRAP) * _WRAP**2 + (b % _WRAP) * _WRAP + nbytes
+            for (name, _, nbytes), (a, b) in zip(spans, rows, strict=True)}
 
 
 @torch.no_grad()
 def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """An integer of each tensor's raw bytes computed on its own device, one copy to the host
-    for them all: their sum, and their sum weighted by position modulo 251, as 16-bit words
-    (exact in int64 for tensors under 2**33 bytes), and the byte count. Catches a wrong offset,
-    dtype, length or a torn copy, as the MD5 does, without the host copy the MD5 needs."""
-    sums, sizes = [], []
-    for t in tensors.values():
+    """An integer of each tensor's raw bytes computed on its own device: as 16-bit words w_j
+    (a zero byte after an odd count), their sum and their sum weighted by position, sum of
+    (j + 1) w_j (both mod 2**64), and the byte count. Catches a wrong offset, dtype, length,
+    swapped words or a torn copy, as the MD5 does, without the host copy the MD5 needs."""
+    out = {}
+    for name, t in tensors.items():
         b = t.detach().reshape(-1).contiguous().view(torch.uint8)
-        if b.numel() % 2:
+        n = b.numel()
+        if n % 2:
             b = torch.cat((b, b.new_zeros(1)))
-        words = b.view(torch.int16)  # [n]
-        acc = torch.zeros(2, dtype=torch.int64, device=b.device)
-        for i in range(0, words.numel(), FINGERPRINT_CHUNK):
-            w = words[i: i + FINGERPRINT_CHUNK].long()
-            pos = torch.arange(i, i + w.numel(), device=w.device) % 251 + 1
-            acc += torch.stack((w.sum(), (w * pos).sum()))
-        sums.append(acc)
-        sizes.append(b.numel())
-    if not sums:
-        return {}
-    both = torch.stack([x.to(sums[0].device) for x in sums]).cpu().tolist()  # [tensors, 2]
-    return {k: s * 2**40 + ws + n for k, (s, ws), n in zip(tensors, both, sizes, strict=True)}
+        out |= packed_fingerprints(b, [(name, 0, n)])
+    return out
 
 
 def fingerprint(t: torch.Tensor) -> int:
