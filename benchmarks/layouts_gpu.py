@@ -1,0 +1,113 @@
+"""V4-Flash's widths across GPUs (issue 58): train_gpu.py's flash_slice config on one GPU, with
+expert parallelism over four (EP=4: the all-to-all) and with TP=2 x EP=2. Each GPU holds the 8
+routed experts an EP=32 layout gives it (the model's routed experts = 8 x EP), so a GPU's expert
+work per token stays EP=32's; tokens/s per GPU against the first layout, peak memory per GPU.
+
+    python3 benchmarks/layouts_gpu.py [--layouts 1 ep4 tp2ep2] [--seq 4096] [--batch 2] [--steps 4]
+    .venv/bin/python benchmarks/layouts_gpu.py --device cpu --config small_50m --seq 128 --layouts 1 ep2  # the path
+
+Each layout runs in processes of its own (a GPU each, nccl; gloo on CPU). Every data-parallel
+rank trains --batch sequences of its own a step (the ranks of a TP group share theirs), so a
+GPU's tokens a step are batch x seq / TP. Rank 0 times the steps (median, after two warm-up
+steps: autotuning, the allocator); the memory column is the largest of the ranks' peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+EXPERTS_PER_GPU = 8  # V4-Flash's 256 routed experts over EP=32
+
+
+def parse_layout(name: str) -> tuple[int, int]:
+    """'1' -> (tp 1, ep 1); 'ep4' -> (1, 4); 'tp2ep2' -> (2, 2). GPUs = tp x ep (the data-parallel
+    ranks are the expert-parallel ones)."""
+    m = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", name)
+    if name == "1":
+        return 1, 1
+    if not m or not any(m.groups()):
+        raise SystemExit(f"--layouts: {name!r} is not 1, epN, tpN or tpNepM")
+    return int(m.group(1) or 1), int(m.group(2) or 1)
+
+
+def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, out: dict) -> None:
+    cuda = a.device == "gpu"
+    if cuda:  # before anything touches CUDA: TrainWorker takes device 0, as under Ray
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    else:
+        torch.set_num_threads(1)
+    from benchmarks.train_gpu import CONFIGS
+    from miles.train.batching import MicroBatch
+    from miles.train.worker import TrainWorker
+
+    tp, ep = parse_layout(layout)
+    cfg = CONFIGS[a.config](a.seq)
+    w = TrainWorker(rank, world)
+    me = w.init_distributed("127.0.0.1", port, tp=tp, ep=ep)
+    arch = {**cfg.to_dict(), "n_routed_experts": EXPERTS_PER_GPU * ep, "kernels": "triton" if cuda else "torch",
+            "cuda_graphs": cuda and tp == 1 and ep == 1 and a.graphs}
+    w.build_model(arch, seed=0, dtype="bfloat16" if cuda else "float32")
+    w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+    g = torch.Generator().manual_seed(1000 + me["dp_rank"])  # a data-parallel rank's own sequences
+    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
+    mbs = [MicroBatch.lm(ids[i:i + 1, :-1], ids[i:i + 1, 1:].contiguous()) for i in range(a.batch)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times = []
+    for i in range(a.steps + 2):
+        sync()
+        t = time.perf_counter()
+        w.train_step(mbs)
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    out[(layout, rank)] = (statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", nargs="+", default=["1", "ep4", "tp2ep2"])
+    ap.add_argument("--config", default="flash_slice")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2, help="sequences a data-parallel rank trains a step")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs on the one-GPU layout (data parallel only)")
+    ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    a = ap.parse_args()
+    from miles.cluster.node import free_port
+
+    have = torch.cuda.device_count() if a.device == "gpu" else os.cpu_count()
+    out = mp.Manager().dict()
+    where = torch.cuda.get_device_name() if a.device == "gpu" else "CPU"
+    print(f"{where}  {a.config} ({EXPERTS_PER_GPU} routed experts a GPU), seq={a.seq}, {a.batch} sequences a "
+          f"data-parallel rank, medians of {a.steps} steps")
+    print(f"{'layout':>8s} {'GPUs':>5s} {'step ms':>9s} {'tok/s/GPU':>10s} {'vs first':>9s} {'peak GiB':>9s}",
+          flush=True)
+    first = None
+    for layout in a.layouts:  # a row as each layout finishes (a long run may be cut off)
+        tp, ep = parse_layout(layout)
+        world = tp * ep
+        if world > have:
+            print(f"{layout:>8s} {world:5d}  needs {world} devices, {have} here: skipped", flush=True)
+            continue
+        mp.spawn(_run, args=(world, free_port(), a, layout, out), nprocs=world)
+        step = out[(layout, 0)][0]
+        mem = max(out[(layout, r)][1] for r in range(world))
+        per_gpu = a.batch * a.seq / tp / step
+        first = first or per_gpu
+        print(f"{layout:>8s} {world:5d} {step * 1e3:9.1f} {per_gpu:10,.0f} {per_gpu / first:9.1%} {mem:9.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
