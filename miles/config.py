@@ -92,8 +92,8 @@ class ModelConfig(Section):
     recompute: Bool = False  # keep block inputs only, run each block again in the backward (memory for compute)
     cuda_graphs: Bool = False  # CUDA training: blocks as CUDA graphs (one process per replica: DP only, no recompute)
     kv_quant: Literal["fp8"] | None = None  # KV-QAT: K = V's non-RoPE channels rounded to FP8 (block 64, fp32
-    # scales) as DeepSeek's runtime caches them, in training and in the embedded engine (whose cache still holds them
-    # in the model's dtype)
+    # scales) as DeepSeek's runtime caches them, in training and in the embedded engine (whose key cache holds them
+    # in FP8 with their scales)
     _arch: DeepSeekV4Config = PrivateAttr()
 
     @model_validator(mode="after")

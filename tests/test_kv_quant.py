@@ -96,10 +96,85 @@ def test_with_kv_quant_the_engine_caches_rounded_keys_and_decodes_the_forward(se
                 again = ops.fp8_kv_fake_quant(cap[name], rope)
                 assert torch.equal(again, cap[name]), f"layer {layer} {name}: unrounded"
     for i, lc in enumerate(cache.layers):
-        keys = lc.keys[:2]
+        keys = lc.keys.get((slice(0, 2),))
         assert torch.equal(ops.fp8_kv_fake_quant(keys, rope), keys), f"layer {i}: the cache holds unrounded keys"
     err = (steps - full[:, 20:]).abs().amax(-1)  # [2, 50]
     assert (err <= 1e-5).float().mean() >= 0.25, f"decode and forward differ beyond rounding ties: {err.max():.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_then_dequantize_is_the_rounding_and_a_rounded_row_keeps_its_codes(seed, dtype):
+    """What an FP8 cache stores (fp8_kv_quant) and gives back (fp8_kv_dequant) is the
+    training forward's rounding bit for bit; a row rounded once and quantized again (what the
+    engine's cache is handed) keeps its codes, its scale within an ulp."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(4, 9, 512, generator=g) * torch.logspace(-3, 2, 8).repeat_interleave(64)).to(dtype)
+    codes, scales = ops.fp8_kv_quant(x, 64)
+    assert codes.dtype == torch.uint8 and codes.shape == (4, 9, 448) and scales.shape == (4, 9, 7)
+    back = torch.cat((ops.fp8_kv_dequant(codes, scales, dtype), x[..., 448:]), -1)
+    assert torch.equal(back, ops.fp8_kv_fake_quant(x, 64))
+    again, scales2 = ops.fp8_kv_quant(back, 64)
+    assert torch.equal(again, codes), "a rounded row's codes changed"
+    assert torch.allclose(scales2, scales, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
+def test_the_engines_fp8_cache_stores_codes_and_scales_and_decodes_as_the_rounded_cache(seed):
+    """model.kv_quant: fp8 makes the engine's key pool FP8 codes with fp32 scales per block of
+    64 and the RoPE channels in the model's dtype (kv_pool.Fp8KeyPool): at V4-Flash's K = V
+    (448 + 64 channels) 604 bytes a row against 1,024 in bf16. The tiny model decodes with it as
+    with the same rounded keys held in the model's dtype (1e-5: a rewritten scale is within an
+    ulp), and n samples of one prompt copy its codes. (The kernels' path, the chosen rows
+    gathered and dequantized for the sparse-attention kernel: the next test here, and on a GPU
+    tests/gpu/test_engine_gpu.py.)"""
+    from plugins.deepseek_v4.kv_pool import Fp8KeyPool, KeyPool
+
+    pool = Fp8KeyPool.zeros(2, 8, 512, 64, torch.bfloat16, "cpu")
+    row = sum(t[0, 0].numel() * t.element_size() for t in pool.tensors())
+    assert row == 604 and KeyPool.zeros(2, 8, 512, torch.bfloat16, "cpu").t[0, 0].numel() * 2 == 1024
+
+    model = tiny_model(seed, kv_quant="fp8").eval()
+    end = 60
+    ids = random_ids(seed, 3, end)
+    with torch.no_grad():
+        cache = model.new_cache(4, end + 1)
+        assert all(isinstance(lc.keys, Fp8KeyPool) for lc in cache.layers)
+        assert all(lc.comp.entries.codes.data_ptr() == lc.keys.codes[:, model.config.sliding_window:].data_ptr()
+                   for lc in cache.layers if lc.comp is not None), "compressed entries outside the key pool"
+        plain = model.new_cache(4, end + 1)
+        for lc in plain.layers:  # the same pools as the model's dtype: the rounded values as they are
+            lc.keys = KeyPool(lc.keys.get((slice(None),)))
+            if lc.comp is not None:
+                lc.comp.entries = lc.keys.positions(model.config.sliding_window)
+        out = {}
+        for name, c in (("fp8", cache), ("plain", plain)):
+            model.prefill(list(ids[:2, :15]), c, [0, 1])
+            c.copy_slot(1, [3])  # a second sample of prompt 1
+            assert all(torch.equal(t[3], t[1]) for t in c.tensors()[1:]), "a copied slot lacks some state"
+            out[name] = torch.stack([model.decode(ids[[0, 1, 1], t], c, torch.tensor([0, 1, 3]))
+                                     for t in range(15, end)], 1)
+    assert torch.isfinite(out["fp8"]).all() and torch.isfinite(out["plain"]).all()
+    err = (out["fp8"] - out["plain"]).abs().max()
+    assert err <= 1e-5, f"the FP8 cache decodes otherwise than the rounded keys: {err:.2e}"
+    assert (out["fp8"][1] - out["fp8"][2]).abs().max() <= 1e-5, "a copied slot decodes otherwise"
+    layer = cache.layers[0].keys
+    stored = layer.get((slice(0, 2),))
+    assert torch.equal(ops.fp8_kv_fake_quant(stored, model.config.qk_rope_head_dim), stored)
+    assert layer.codes.any() and layer.scales.gt(0).any(), "nothing was stored"
+
+
+def test_the_fp8_pool_gives_the_kernel_the_rows_it_names(seed):
+    """for_kernel: the rows idx [B, K] names (-1 = none) gathered and dequantized, and idx into
+    them, so the attention kernel reads what the plain pool would give in place."""
+    from plugins.deepseek_v4.kv_pool import Fp8KeyPool
+
+    g = torch.Generator().manual_seed(seed)
+    pool = Fp8KeyPool.zeros(3, 10, 96, 32, torch.float32, "cpu")
+    pool.put((slice(None),), torch.randn(3, 10, 96, generator=g))
+    idx = torch.randint(-1, 30, (4, 6), generator=g, dtype=torch.int32)
+    rows, at = pool.for_kernel(idx)
+    whole = pool.get((slice(None),)).reshape(30, 96)
+    assert at.dtype == idx.dtype and torch.equal(at < 0, idx < 0)
+    assert torch.equal(rows[at[idx >= 0].long()], whole[idx[idx >= 0].long()])
 
 
 def test_kv_quant_with_sglang_engines_is_refused():

@@ -26,6 +26,7 @@ from . import ops
 from .config import DeepSeekV4Config
 from .forward import Fwd, Rope, Trace
 from .graphs import BlockGraphs
+from .kv_pool import Fp8KeyPool, KeyPool
 from .layout import Blocks, SequenceLayout
 from .parallel import ParallelContext, VocabHead
 
@@ -73,7 +74,7 @@ class CompressorCache:
     block g), and the projections C, Z of the current block's tokens (token p at p % r) and
     of the last complete block (CSA overlap only)."""
 
-    entries: torch.Tensor  # [N, G, dim] (the main compressor's: a view into the layer's key pool)
+    entries: KeyPool | Fp8KeyPool  # [N, G, dim] (the main compressor's: positions W.. of the layer's key pool)
     tail: torch.Tensor  # [N, 2, r, coff*dim] fp32
     prev: torch.Tensor | None  # [N, 2, r, coff*dim] fp32
 
@@ -81,10 +82,10 @@ class CompressorCache:
 @dataclass
 class LayerCache:
     """One attention layer's decoding state for N slots. keys [N, W + G, D] is the pool the
-    attention core reads in place: the window's K = V as a ring (position p at p % W), then
-    the compressed entries."""
+    attention core reads: the window's K = V as a ring (position p at p % W), then the
+    compressed entries (FP8 under model.kv_quant, kv_pool)."""
 
-    keys: torch.Tensor
+    keys: KeyPool | Fp8KeyPool
     comp: CompressorCache | None
     idx: CompressorCache | None  # the indexer's own compressor (CSA)
 
@@ -112,11 +113,11 @@ class KVCache:
         compressor's entries live inside `keys`)."""
         out = [self.length]
         for lc in self.layers:
-            out.append(lc.keys)
+            out += lc.keys.tensors()
             if lc.comp is not None:
                 out += [t for t in (lc.comp.tail, lc.comp.prev) if t is not None]
             if lc.idx is not None:
-                out += [t for t in (lc.idx.entries, lc.idx.tail, lc.idx.prev) if t is not None]
+                out += lc.idx.entries.tensors() + [t for t in (lc.idx.tail, lc.idx.prev) if t is not None]
         return out
 
 
@@ -222,10 +223,10 @@ class Compressor(nn.Module):
         return self.pool(*block_tokens(0), *prev, blocks.has_prev), (c, z)
 
     # ---- incremental decoding
-    def new_cache(self, slots: int, entries: torch.Tensor | None, max_len: int, device) -> CompressorCache:
+    def new_cache(self, slots: int, entries: KeyPool | Fp8KeyPool | None, max_len: int, device) -> CompressorCache:
         coff = 2 if self.overlap else 1
         if entries is None:
-            entries = torch.zeros(slots, max_len // self.ratio, self.dim, device=device)
+            entries = KeyPool.zeros(slots, max_len // self.ratio, self.dim, torch.float32, device)
         tail = torch.zeros(slots, 2, self.ratio, coff * self.dim, device=device)
         return CompressorCache(entries, tail, torch.zeros_like(tail) if self.overlap else None)
 
@@ -235,7 +236,7 @@ class Compressor(nn.Module):
         tokens of `row`, and its entries [n, D]."""
         r, n = self.ratio, entries.shape[0]
         c, z = (t[row, :length] for t in cz)
-        cc.entries[slot, :n] = entries.to(cc.entries.dtype)
+        cc.entries.put((slot, slice(0, n)), entries)
         cc.tail[slot, 0, : c.shape[0] - n * r], cc.tail[slot, 1, : c.shape[0] - n * r] = c[n * r:], z[n * r:]
         if cc.prev is not None and n:
             cc.prev[slot, 0], cc.prev[slot, 1] = c[(n - 1) * r: n * r], z[(n - 1) * r: n * r]
@@ -258,8 +259,8 @@ class Compressor(nn.Module):
             prev = cc.prev[slots][:, :, None]
             pc, pz = prev[:, 0], prev[:, 1]
         entry = self.pool(cur[:, 0], cur[:, 1], pc, pz, (g >= 1)[:, None])  # [B, 1, D]
-        entry = rope_fn(entry, (g * r)[:, None])[:, 0].to(cc.entries.dtype)  # [B, D]
-        cc.entries[slots, g] = torch.where(done[:, None], entry, cc.entries[slots, g])
+        entry = rope_fn(entry, (g * r)[:, None])[:, 0]  # [B, D]
+        cc.entries.put((slots, g), entry, when=done)
         if cc.prev is not None:
             cc.prev[slots] = torch.where(done[:, None, None, None], cc.tail[slots], cc.prev[slots])
 
@@ -465,8 +466,11 @@ class Attention(nn.Module):
     # ---- incremental decoding
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> LayerCache:
         g = max_len // self.ratio if self.ratio else 0
-        keys = torch.zeros(slots, self.window + g, self.head_dim, dtype=dtype, device=device)
-        comp = self.compressor.new_cache(slots, keys[:, self.window:], max_len, device) if self.ratio else None
+        if self.cfg.kv_quant:  # the runtime's FP8 cache
+            keys = Fp8KeyPool.zeros(slots, self.window + g, self.head_dim, self.cfg.qk_rope_head_dim, dtype, device)
+        else:
+            keys = KeyPool.zeros(slots, self.window + g, self.head_dim, dtype, device)
+        comp = self.compressor.new_cache(slots, keys.positions(self.window), max_len, device) if self.ratio else None
         idx = self.indexer.compressor.new_cache(slots, None, max_len, device) if self.indexer else None
         return LayerCache(keys, comp, idx)
 
@@ -475,7 +479,7 @@ class Attention(nn.Module):
         kv, cz, comp, ki_cz, ki_entries, blocks = captured
         w = self.window
         p = torch.arange(max(0, length - w), length, device=kv.device)
-        lc.keys[slot, p % w] = kv[row, p]
+        lc.keys.put((slot, p % w), kv[row, p])
         if self.compressor is not None:
             mine = blocks.valid[row]
             self.compressor.fill(lc.comp, slot, cz, row, length, comp[row, mine])
@@ -491,7 +495,7 @@ class Attention(nn.Module):
         w = self.window
         cos, sin = rope.at(pos[:, None])  # [B, 1, rd/2]
         c_q, q = self._q(x, cos, sin)  # q [B, 1, H, D]
-        lc.keys[slots, pos % w] = self._kv(x, cos, sin)[:, 0]
+        lc.keys.put((slots, pos % w), self._kv(x, cos, sin)[:, 0])
         mask = torch.arange(w, device=x.device) <= pos[:, None]  # [B, W] ring entries written so far
         keys = w  # the most keys a row attends (static: the slot's capacity, not this batch's count)
         if self.compressor is not None:
@@ -504,7 +508,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 self.indexer.compressor.step(x, lc.idx, slots, pos, rope_e)
                 qi, wi = self.indexer.queries(x, c_q, cos, sin)
-                scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries[slots]), wi)  # [B, 1, G]
+                scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries.get((slots,))), wi)  # [B, 1, G]
                 chosen = ops.topk_select(scores, chosen[:, None], self.indexer.topk)[:, 0]
                 keys = w + min(self.indexer.topk, g)
                 if picks is not None and self.pick_index is not None:  # a slot's entry g is block g
@@ -518,13 +522,15 @@ class Attention(nn.Module):
 
             pick = ops.mask_to_index(mask, keys)  # [B, K] into the slot's row of the pool
             idx = torch.where(pick >= 0, pick + slots[:, None] * lc.keys.shape[1], -1).to(torch.int32)
+            rows, idx = lc.keys.for_kernel(idx)  # the pool in place, or (FP8) its chosen rows dequantized
             b, _, h, d = q.shape
             c = self.cfg
-            o, _ = kernel(q.reshape(b, h, d), lc.keys.view(-1, d), idx, self.attn_sink, scale,
+            o, _ = kernel(q.reshape(b, h, d), rows, idx, self.attn_sink, scale,
                           options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
             o = o.view(b, 1, h, d)
         else:
-            o, _ = ops.sparse_attention(q, lc.keys[slots, : mask.shape[1]], mask[:, None], self.attn_sink, scale)
+            o, _ = ops.sparse_attention(q, lc.keys.get((slots, slice(0, mask.shape[1]))), mask[:, None],
+                                        self.attn_sink, scale)
         return self._out(o, cos, sin)
 
 

@@ -298,19 +298,50 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 KV_QUANT_BLOCK = 64  # channels sharing one scale
 
 
-def fp8_kv_fake_quant(x: torch.Tensor, rope_dims: int) -> torch.Tensor:
-    """KV-QAT: the non-RoPE channels x[..., :D - rope_dims] rounded as DeepSeek's runtime stores
-    them, FP8 e4m3 with an fp32 scale per token and block of 64 channels (scale = the block's
-    largest |x| / 448: a token's bits never depend on the other tokens of a batch); the RoPE
-    channels stay as they are (a model whose non-RoPE width is no multiple of 64, the test
-    presets, scales its whole width at once). Straight-through: the gradient passes as if
-    unrounded."""
+def _kv_block(d: int) -> int:
+    return KV_QUANT_BLOCK if d % KV_QUANT_BLOCK == 0 else d  # test models narrower than 64: one block
+
+
+def fp8_kv_quant(x: torch.Tensor, rope_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-RoPE channels x[..., :d] as DeepSeek's runtime stores them: FP8 e4m3 codes
+    [..., d] (uint8: indexing and where() take them on every device) and an fp32 scale per
+    token and block of 64 channels [..., d / 64] (scale = the block's largest |x| / 448, so a
+    token's bits never depend on the other tokens of a batch). A model whose non-RoPE width is
+    no multiple of 64 (the test presets) scales its whole width at once."""
     d = x.shape[-1] - rope_dims
-    block = KV_QUANT_BLOCK if d % KV_QUANT_BLOCK == 0 else d  # test models narrower than 64: one block
+    block = _kv_block(d)
     nope = x[..., :d].float().unflatten(-1, (d // block, block))  # [..., blocks, 64]
-    scale = (nope.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = ((nope / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :d] + (q - x[..., :d]).detach(), x[..., d:]), -1)
+    scale = (nope.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [..., blocks]
+    codes = (nope / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)  # [..., d]
+    return codes, scale
+
+
+def fp8_kv_dequant(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8_kv_quant's codes [..., d] and scales [..., d / block] -> the values [..., d] in `dtype`."""
+    d = codes.shape[-1]
+    q = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (scale.shape[-1], d // scale.shape[-1]))
+    return (q * scale[..., None]).flatten(-2).to(dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the rounded values exactly; backward: the gradient as if unrounded."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+        return rounded
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def fp8_kv_fake_quant(x: torch.Tensor, rope_dims: int) -> torch.Tensor:
+    """KV-QAT: the non-RoPE channels rounded as DeepSeek's runtime stores them (fp8_kv_quant,
+    then fp8_kv_dequant: what an FP8 cache gives back), the RoPE channels as they are.
+    Straight-through: the gradient passes as if unrounded."""
+    d = x.shape[-1] - rope_dims
+    rounded = torch.cat((fp8_kv_dequant(*fp8_kv_quant(x, rope_dims), x.dtype), x[..., d:]), -1)
+    return _StraightThrough.apply(x, rounded) if x.requires_grad and torch.is_grad_enabled() else rounded
 
 
 # --------------------------------------------------------------------------- Hadamard
