@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU runs the open issues wait on, each sized for one device call (under 10 minutes);
+# results go to docs/performance.md. On a machine without network, first `bash
+# scripts/gpu_install.sh` (README: "A GPU machine without network").
+#
+#   bash benchmarks/gpu_runs.sh tests     # tests/gpu: engine, sync, jobs (two GPUs: ~8 min); SFT weights kept
+#   bash benchmarks/gpu_runs.sh sync      # weight sync at 1b by CUDA IPC and NCCL, with the parts (two GPUs)
+#   bash benchmarks/gpu_runs.sh engine    # decode at 1b: bf16 key cache against FP8 (model.kv_quant)
+#   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
+#   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
+#   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, EP=4, TP=2 x EP=2 (four GPUs)
+#
+# Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 MILES_TEST_GPU=1
+logs="${OUT:-gpu-logs}"
+mkdir -p "$logs"
+keep=/tmp/miles-gpu-runs  # the SFT test's run (its hf/ starts the replay table)
+
+run() {  # NAME SECONDS COMMAND...: the command under a time limit, its log kept, its tail shown
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    (time timeout "$limit" "$@") > "$logs/$name.log" 2>&1
+    grep -v "Warning\|warnings.warn\|^\s*if hasattr\|^\s*return func\|^(" "$logs/$name.log" | tail -"${TAIL:-16}"
+}
+
+case "${1:-}" in
+tests)
+    run engine-tests 200 python3 -m pytest -q tests/gpu/test_sync_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider
+    run job-tests 380 python3 -m pytest -q -x tests/gpu/test_jobs_gpu.py --basetemp="$keep" -p no:cacheprovider
+    ;;
+sync)
+    run sync 300 python3 benchmarks/rollout.py --configs 1b --sync-only --paths shared broadcast
+    ;;
+engine)
+    run decode-bf16 200 python3 benchmarks/rollout.py --configs 1b --batches 1 16 64
+    run decode-fp8 200 python3 benchmarks/rollout.py --configs 1b --batches 1 16 64 --kv-quant fp8
+    ;;
+replay)
+    run replay 400 python3 benchmarks/replay.py --job jobs/dapo_gpu.yaml --hf "$keep/sft0/hf" --steps 4
+    ;;
+trainer)
+    run sft 240 python3 benchmarks/sft_gpu.py
+    run flash 300 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4
+    ;;
+layouts)
+    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep4 tp2ep2
+    ;;
+*)
+    sed -n 2,13p "$0"
+    exit 2
+    ;;
+esac
