@@ -121,7 +121,8 @@ def test_quantize_then_dequantize_is_the_rounding_and_a_rounded_row_keeps_its_co
 def test_the_engines_fp8_cache_stores_codes_and_scales_and_decodes_as_the_rounded_cache(seed):
     """model.kv_quant: fp8 makes the engine's key pool FP8 codes with fp32 scales per block of
     64 and the RoPE channels in the model's dtype (kv_pool.Fp8KeyPool): at V4-Flash's K = V
-    (448 + 64 channels) 604 bytes a row against 1,024 in bf16. The tiny model decodes with it as
+    (448 + 64 channels) 604 bytes a row against 1,024 in bf16; the indexer's entries likewise
+    (their RoPE channels fp32). The tiny model decodes with it as
     with the same rounded keys held in the model's dtype (1e-5: a rewritten scale is within an
     ulp), and n samples of one prompt copy its codes. (The kernels' path, the chosen rows
     gathered and dequantized for the sparse-attention kernel: the next test here, and on a GPU
@@ -140,11 +141,14 @@ def test_the_engines_fp8_cache_stores_codes_and_scales_and_decodes_as_the_rounde
         assert all(isinstance(lc.keys, Fp8KeyPool) for lc in cache.layers)
         assert all(lc.comp.entries.codes.data_ptr() == lc.keys.codes[:, model.config.sliding_window:].data_ptr()
                    for lc in cache.layers if lc.comp is not None), "compressed entries outside the key pool"
+        assert all(isinstance(lc.idx.entries, Fp8KeyPool) for lc in cache.layers if lc.idx is not None)
         plain = model.new_cache(4, end + 1)
         for lc in plain.layers:  # the same pools as the model's dtype: the rounded values as they are
             lc.keys = KeyPool(lc.keys.get((slice(None),)))
             if lc.comp is not None:
                 lc.comp.entries = lc.keys.positions(model.config.sliding_window)
+            if lc.idx is not None:  # the indexer's entries, fp32
+                lc.idx.entries = KeyPool(lc.idx.entries.get((slice(None),)))
         out = {}
         for name, c in (("fp8", cache), ("plain", plain)):
             model.prefill(list(ids[:2, :15]), c, [0, 1])

@@ -225,8 +225,10 @@ class Compressor(nn.Module):
     # ---- incremental decoding
     def new_cache(self, slots: int, entries: KeyPool | Fp8KeyPool | None, max_len: int, device) -> CompressorCache:
         coff = 2 if self.overlap else 1
-        if entries is None:
-            entries = KeyPool.zeros(slots, max_len // self.ratio, self.dim, torch.float32, device)
+        if entries is None:  # the indexer's own entries, fp32 (FP8 codes under kv_quant, as its keys are rounded)
+            g = max_len // self.ratio
+            entries = (Fp8KeyPool.zeros(slots, g, self.dim, self.cfg.qk_rope_head_dim, torch.float32, device)
+                       if self.cfg.kv_quant else KeyPool.zeros(slots, g, self.dim, torch.float32, device))
         tail = torch.zeros(slots, 2, self.ratio, coff * self.dim, device=device)
         return CompressorCache(entries, tail, torch.zeros_like(tail) if self.overlap else None)
 
