@@ -43,8 +43,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed(request) -> int:
-    """A fresh seed per test, printed so a failure can be replayed."""
-    s = secrets.randbits(31)
+    """A fresh seed per test, printed so a failure can be replayed (MILES_TEST_SEED=<it>)."""
+    s = int(os.environ.get("MILES_TEST_SEED") or secrets.randbits(31))
     print(f"[{request.node.name}] seed={s}")
     return s
 
