@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_runs.sh engine    # decode at 1b: bf16 key cache against FP8 (model.kv_quant)
 #   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
 #   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
-#   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, EP=4, TP=2 x EP=2 (four GPUs)
+#   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
 set -uo pipefail
@@ -46,7 +46,7 @@ trainer)
     run flash 300 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4
     ;;
 layouts)
-    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep4 tp2ep2
+    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240
     ;;
 *)
     sed -n 2,13p "$0"

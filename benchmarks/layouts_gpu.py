@@ -15,6 +15,7 @@ steps: autotuning, the allocator); the memory column is the largest of the ranks
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import statistics
@@ -43,6 +44,14 @@ def parse_layout(name: str) -> tuple[int, int]:
 
 def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, out: dict) -> None:
     cuda = a.device == "gpu"
+    t0 = time.perf_counter()
+
+    def note(what: str) -> None:  # where each rank is: a layout that stalls shows its phase
+        print(f"  [{layout} rank {rank}] {time.perf_counter() - t0:6.1f} s  {what}", file=sys.stderr, flush=True)
+
+    # A rank still running after --stall-after seconds prints every thread's stack and exits
+    # (a wait outside NCCL's watchdog, e.g. on the host or in a compiler, shows where it is).
+    faulthandler.dump_traceback_later(a.stall_after, exit=True)
     if cuda:  # before anything touches CUDA: TrainWorker takes device 0, as under Ray
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     else:
@@ -55,10 +64,12 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
     cfg = CONFIGS[a.config](a.seq)
     w = TrainWorker(rank, world)
     me = w.init_distributed("127.0.0.1", port, tp=tp, ep=ep)
+    note(f"process groups up: {me}")
     arch = {**cfg.to_dict(), "n_routed_experts": EXPERTS_PER_GPU * ep, "kernels": "triton" if cuda else "torch",
             "cuda_graphs": cuda and tp == 1 and ep == 1 and a.graphs}
     w.build_model(arch, seed=0, dtype="bfloat16" if cuda else "float32")
     w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+    note("model built")
     g = torch.Generator().manual_seed(1000 + me["dp_rank"])  # a data-parallel rank's own sequences
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
     mbs = [MicroBatch.lm(ids[i:i + 1, :-1], ids[i:i + 1, 1:].contiguous()) for i in range(a.batch)]
@@ -71,6 +82,19 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
         sync()
         if i >= 2:
             times.append(time.perf_counter() - t)
+        note(f"step {i}: {(time.perf_counter() - t) * 1e3:.1f} ms")
+    faulthandler.cancel_dump_traceback_later()
+    if a.profile:  # one more step under the profiler on every rank (its collectives), rank 0's shown
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            w.train_step(mbs)
+            sync()
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        if rank == 0:
+            print(f"[{layout}] one step on rank 0, by {key}:\n"
+                  + prof.key_averages().table(sort_by=key, row_limit=18), flush=True)
     out[(layout, rank)] = (statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
 
 
@@ -83,6 +107,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on the one-GPU layout (data parallel only)")
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    ap.add_argument("--profile", action="store_true", help="rank 0's top kernels over one more step, a layout each")
+    ap.add_argument("--stall-after", type=float, default=400,
+                    help="seconds after which a rank prints its threads' stacks and exits")
     a = ap.parse_args()
     from miles.cluster.node import free_port
 
@@ -100,7 +127,11 @@ def main() -> None:
         if world > have:
             print(f"{layout:>8s} {world:5d}  needs {world} devices, {have} here: skipped", flush=True)
             continue
-        mp.spawn(_run, args=(world, free_port(), a, layout, out), nprocs=world)
+        try:
+            mp.spawn(_run, args=(world, free_port(), a, layout, out), nprocs=world)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a stalled rank's stacks are above: go on to the next layout
+            print(f"{layout:>8s} {world:5d}  failed: {e}", flush=True)
+            continue
         step = out[(layout, 0)][0]
         mem = max(out[(layout, r)][1] for r in range(world))
         per_gpu = a.batch * a.seq / tp / step
