@@ -33,6 +33,7 @@ tests)
     ;;
 sync)
     run sync 300 python3 benchmarks/rollout.py --configs 1b --sync-only --paths shared broadcast
+    run fingerprint 60 python3 benchmarks/fingerprint.py
     ;;
 engine)
     run decode-bf16 200 python3 benchmarks/rollout.py --configs 1b --batches 1 16 64
