@@ -224,11 +224,13 @@ class MegatronContext(ParallelContext):
         n, k = idx.shape
         disp = self._dispatcher(n_experts, k)
         routing_map = torch.zeros(n, n_experts, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
-        if int(routing_map.sum()) != idx.numel():
-            raise ValueError("expert parallelism needs the k experts of a token to be distinct (Megatron's "
-                             "routing map holds one pair per token and expert): check the hash table")
         probs = w.new_zeros(n, n_experts).scatter(1, idx, w)  # differentiable in w
         rows, p = disp.token_dispatch(*disp.dispatch_preprocess(x, routing_map, probs))
+        # The pairs the map holds, from the split sizes the dispatcher brought to the host for its
+        # all-to-all (counting them on the device would make the host wait once more a layer).
+        if int(disp.input_splits.sum()) != idx.numel():
+            raise ValueError("expert parallelism needs the k experts of a token to be distinct (Megatron's "
+                             "routing map holds one pair per token and expert): check the hash table")
         rows, per_expert, p = disp.dispatch_postprocess(rows, p)  # grouped by local expert
         local = self.local_experts(n_experts)
         experts = torch.repeat_interleave(torch.arange(local.start, local.stop), per_expert.cpu()).to(idx.device)
