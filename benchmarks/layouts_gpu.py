@@ -129,7 +129,7 @@ def main() -> None:
             continue
         try:
             mp.spawn(_run, args=(world, free_port(), a, layout, out), nprocs=world)
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a stalled rank's stacks are above: go on to the next layout
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a stalled rank's stacks are above
             print(f"{layout:>8s} {world:5d}  failed: {e}", flush=True)
             continue
         step = out[(layout, 0)][0]

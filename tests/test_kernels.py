@@ -866,6 +866,41 @@ def test_swiglu_kernel_matches_float64_reference(seed, m, i, weighted):
         assert rel(got.float().cpu(), exp) < TOL, name
 
 
+# (T, H, non-RoPE width dn, RoPE width r, K, pool N): V4's K = V (448 + 64) and the 1b config's
+# (192 + 64: three scale blocks); on CPU a width that is no power of two (one block) and 1b's
+FP8_SHAPES = ([(37, 64, 448, 64, 640 + 3, 900), (64, 16, 192, 64, 20, 80)] if CUDA
+              else [(9, 5, 48, 16, 21, 40), (4, 16, 192, 64, 7, 12)])
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES)
+def test_fp8_pool_kernel_matches_attention_over_the_dequantized_rows(seed, shape):
+    """The decoding kernel over an FP8 key pool read in place (codes, per-block scales, RoPE
+    channels) against float64 attention over the rows fp8_kv_dequant gives, and against the
+    plain kernel over those rows: outputs start as NaN, the empty row gives zeros, and every
+    finite e4m3 code (subnormals, both signs) is in rows the second token reads."""
+    t, h, dn, r, k, n = shape
+    q, _, idx, sink = make(seed, t, h, dn + r, k, n)
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(n, dn + r, generator=g) * torch.logspace(-2, 2, dn + r)[torch.randperm(dn + r, generator=g)]
+    codes, scales = ops.fp8_kv_quant(x, r)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
+    codes.view(-1)[:finite.numel()] = finite
+    every = -(-finite.numel() // dn)  # the rows holding them
+    idx[1, :every] = torch.arange(every, dtype=idx.dtype)
+    rope = x[:, dn:].to(DTYPE)
+    rows = torch.cat((ops.fp8_kv_dequant(codes, scales, DTYPE), rope), -1)  # [N, dn + r]
+    assert torch.isfinite(rows).all() and rows[:every].abs().min() == 0
+    scale = (dn + r) ** -0.5
+    o_ref, lse_ref = ops.sparse_attention_indexed(q.double(), rows.double(), idx, sink.double(), scale)
+    qd, sk = q.to(DEV, DTYPE), sink.to(DEV)
+    o, lse = sa.sparse_attention_fp8(qd, codes.to(DEV), scales.to(DEV), rope.to(DEV), idx.to(DEV), sk, scale)
+    assert o.dtype == DTYPE and o.shape == (t, h, dn + r)
+    assert rel(o.float().cpu(), o_ref) < TOL and rel(lse.cpu(), lse_ref) < TOL
+    assert torch.equal(o[0].float().cpu(), torch.zeros(h, dn + r))
+    o_plain, _ = sa.sparse_attention(qd, rows.to(DEV), idx.to(DEV), sk, scale)
+    assert rel(o.float().cpu(), o_plain.float().cpu()) < TOL
+
+
 def test_non_power_of_two_head_dim_is_refused():
     """A head dim the kernel cannot tile is a clear error, not a wrong answer."""
     q, kv, idx, sink = make(0, 4, 16, 48, 5, 10)

@@ -5,6 +5,8 @@ indexer keys take it in training and in decoding alike."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -134,7 +136,7 @@ def test_the_engines_fp8_cache_stores_codes_and_scales_and_decodes_as_the_rounde
     assert row == 604 and KeyPool.zeros(2, 8, 512, torch.bfloat16, "cpu").t[0, 0].numel() * 2 == 1024
 
     model = tiny_model(seed, kv_quant="fp8").eval()
-    end = 60
+    end = 36  # past the window (16) and two HCA blocks (16)
     ids = random_ids(seed, 3, end)
     with torch.no_grad():
         cache = model.new_cache(4, end + 1)
@@ -166,19 +168,50 @@ def test_the_engines_fp8_cache_stores_codes_and_scales_and_decodes_as_the_rounde
     assert layer.codes.any() and layer.scales.gt(0).any(), "nothing was stored"
 
 
-def test_the_fp8_pool_gives_the_kernel_the_rows_it_names(seed):
-    """for_kernel: the rows idx [B, K] names (-1 = none) gathered and dequantized, and idx into
-    them, so the attention kernel reads what the plain pool would give in place."""
-    from plugins.deepseek_v4.kv_pool import Fp8KeyPool
+def test_on_the_kernel_path_the_fp8_pool_is_read_in_place_and_attends_as_the_rounded_keys(seed, monkeypatch):
+    """With kernels on (Triton's interpreter here), a decoding attention step reads the FP8
+    pool's codes, scales and RoPE channels in place (kernels.sparse_attention.sparse_attention_fp8,
+    every layer, every step) and gives what the reference path gives over the same rounded keys
+    held in the model's dtype (1e-5): every layer kind (SWA, CSA with its indexer, HCA), two rows
+    at different positions, past the window's end and across compressed blocks; a wrong row,
+    scale or decoded code would not. (Only the attention runs in the interpreter: the whole
+    model's decode there takes ~10 s a step.)"""
+    from plugins.deepseek_v4.forward import Rope
+    from plugins.deepseek_v4.kernels import sparse_attention as sa
+    from plugins.deepseek_v4.kv_pool import KeyPool
 
-    g = torch.Generator().manual_seed(seed)
-    pool = Fp8KeyPool.zeros(3, 10, 96, 32, torch.float32, "cpu")
-    pool.put((slice(None),), torch.randn(3, 10, 96, generator=g))
-    idx = torch.randint(-1, 30, (4, 6), generator=g, dtype=torch.int32)
-    rows, at = pool.for_kernel(idx)
-    whole = pool.get((slice(None),)).reshape(30, 96)
-    assert at.dtype == idx.dtype and torch.equal(at < 0, idx < 0)
-    assert torch.equal(rows[at[idx >= 0].long()], whole[idx[idx >= 0].long()])
+    calls = []
+    real = sa.sparse_attention_fp8
+    monkeypatch.setattr(sa, "sparse_attention_fp8", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    model = tiny_model(seed, kv_quant="fp8", kernels="torch").eval()
+    cfg = model.config
+    ids = random_ids(seed, 2, 22)
+    starts, steps = (16, 11), 5
+    slots = torch.tensor([0, 1])
+    ropes = {"swa": Rope(model.inv_freq_swa, None, None), "compressed": Rope(model.inv_freq_compressed, None, None)}
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        fp8 = model.new_cache(2, 22)
+        model.prefill([ids[0, :starts[0]], ids[1, :starts[1]]], fp8, [0, 1])
+        plain = copy.deepcopy(fp8)
+        for lc in plain.layers:  # the same rows, dequantized, in pools of the model's dtype
+            lc.keys = KeyPool(lc.keys.get((slice(None),)))
+            if lc.comp is not None:
+                lc.comp.entries = lc.keys.positions(cfg.sliding_window)
+            if lc.idx is not None:
+                lc.idx.entries = KeyPool(lc.idx.entries.get((slice(None),)))
+        for k in range(steps):
+            pos = torch.tensor(starts) + k
+            for i, (layer, a, b) in enumerate(zip(model.layers, fp8.layers, plain.layers, strict=True)):
+                x = torch.randn(2, 1, cfg.hidden_size, generator=g)
+                monkeypatch.setattr(cfg, "kernels", "triton")
+                got = layer.attn.step(x, a, slots, pos, ropes)
+                monkeypatch.setattr(cfg, "kernels", "torch")
+                want = layer.attn.step(x, b, slots, pos, ropes)
+                assert torch.isfinite(got).all() and torch.isfinite(want).all()
+                err = (got - want).abs().max()
+                assert err <= 1e-5, f"step {k} layer {i}: the FP8 kernel attends otherwise: {err:.2e}"
+    assert len(calls) == steps * cfg.num_hidden_layers and set(calls) == {torch.uint8}, calls
 
 
 def test_kv_quant_with_sglang_engines_is_refused():

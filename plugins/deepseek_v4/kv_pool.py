@@ -50,10 +50,12 @@ class KeyPool:
     def get(self, index: tuple) -> torch.Tensor:
         return self.t[index]
 
-    def for_kernel(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [M, D], idx [B, K] into them, -1 = none) for the attention kernel, from idx
-        [B, K] into the flattened pool: the pool itself, read in place."""
-        return self.t.view(-1, self.t.shape[-1]), idx
+    def attend(self, q: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, options) -> torch.Tensor:
+        """The sparse-attention kernel's o [B, H, D] for q [B, H, D] over the rows idx [B, K]
+        names in the flattened pool (-1 = none), read in place."""
+        from .kernels.sparse_attention import sparse_attention
+
+        return sparse_attention(q, self.t.view(-1, self.t.shape[-1]), idx, sink, scale, options=options)[0]
 
 
 class Fp8KeyPool:
@@ -96,12 +98,11 @@ class Fp8KeyPool:
         nope = ops.fp8_kv_dequant(self.codes[index], self.scales[index], self.rope.dtype)
         return torch.cat((nope, self.rope[index]), -1)
 
-    def for_kernel(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows idx [B, K] names, gathered and dequantized [B * K, D], and idx into them:
-        the kernel reads the chosen rows only, never the whole pool in bf16."""
-        b, k = idx.shape
-        flat = idx.clamp_min(0).long().flatten()  # [B * K]
-        at = (flat // self.codes.shape[1], flat % self.codes.shape[1])
-        rows = self.get(at)  # [B * K, D]
-        mine = torch.arange(b * k, device=idx.device, dtype=idx.dtype).view(b, k)
-        return rows, torch.where(idx >= 0, mine, -1)
+    def attend(self, q: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, options) -> torch.Tensor:
+        """KeyPool.attend over the codes, scales and RoPE channels in place: the kernel
+        dequantizes the rows it reads in registers (no bf16 copy of them). Its forward only:
+        the pool is a decoding cache."""
+        from .kernels.sparse_attention import sparse_attention_fp8
+
+        flat = [t.view(-1, t.shape[-1]) for t in self.tensors()]
+        return sparse_attention_fp8(q, *flat, idx, sink, scale)[0]

@@ -520,15 +520,13 @@ class Attention(nn.Module):
         scale = self.head_dim ** -0.5
         if use_kernels(self.cfg, q):
             from .kernels.sparse_attention import AttentionOptions
-            from .kernels.sparse_attention import sparse_attention as kernel
 
             pick = ops.mask_to_index(mask, keys)  # [B, K] into the slot's row of the pool
             idx = torch.where(pick >= 0, pick + slots[:, None] * lc.keys.shape[1], -1).to(torch.int32)
-            rows, idx = lc.keys.for_kernel(idx)  # the pool in place, or (FP8) its chosen rows dequantized
             b, _, h, d = q.shape
             c = self.cfg
-            o, _ = kernel(q.reshape(b, h, d), rows, idx, self.attn_sink, scale,
-                          options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
+            o = lc.keys.attend(q.reshape(b, h, d), idx, self.attn_sink, scale,  # the pool in place (FP8: codes)
+                               AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
             o = o.view(b, 1, h, d)
         else:
             o, _ = ops.sparse_attention(q, lc.keys.get((slots, slice(0, mask.shape[1]))), mask[:, None],

@@ -150,6 +150,73 @@ def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t
     tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
 
 
+@triton.jit
+def _e4m3_value(codes):
+    """FP8 e4m3fn codes (uint8) -> their values in fp32, exactly, by bit arithmetic (the
+    interpreter has no fp8 type). Codes 0x7F / 0xFF (NaN) never occur: quantizing clamps to 448."""
+    b = codes.to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    pow2 = ((e + 117) << 23).to(tl.float32, bitcast=True)  # 2^(e - 10)
+    mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * pow2)  # subnormal m x 2^-9; else (8 + m) x 2^(e - 10)
+    return tl.where(b >= 128, -mag, mag)
+
+
+@triton.autotune(_Q_CONFIGS, key=["H", "DN"])
+@triton.jit
+def _fwd_fp8(Q, CODES, SCALES, ROPE, IDX, CNT, SINK, O, LSE, scale, H, K, DN, sq_t, sq_h, sc, ss, sr, si_t, so_t,
+             so_h, DNB: tl.constexpr, R: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """_fwd over an FP8 key pool (kv_pool.Fp8KeyPool): each chosen row's first DN channels
+    from its codes and per-QBLOCK scales, dequantized in registers as fp8_kv_dequant does (the
+    fp32 product rounded to the RoPE channels' dtype), its last R channels as stored. Q.K^T and
+    P.V run as two products, the FP8 part (DNB = DN rounded up to a power of two, masked) and
+    the RoPE part."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_n = tl.arange(0, DNB)
+    nmask = offs_n < DN
+    offs_r = tl.arange(0, R)
+    q_at = Q + t * sq_t + offs_h[:, None] * sq_h
+    q_n = tl.load(q_at + offs_n[None, :], mask=hmask[:, None] & nmask[None, :], other=0.0)
+    q_r = tl.load(q_at + DN + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc_n = tl.zeros([BLOCK_H, DNB], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, R], tl.float32)
+    for k0 in range(0, tl.load(CNT + t), BLOCK_K):  # slots past the count are empty
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(IDX + t * si_t + offs_k, mask=offs_k < K, other=-1)
+        valid = ids >= 0
+        rows = ids.to(tl.int64)[:, None]
+        kmask = valid[:, None] & nmask[None, :]
+        codes = tl.load(CODES + rows * sc + offs_n[None, :], mask=kmask, other=0)
+        scales = tl.load(SCALES + rows * ss + (offs_n // QBLOCK)[None, :], mask=kmask, other=0.0)
+        kn = (_e4m3_value(codes) * scales).to(ROPE.dtype.element_ty)  # [BK, DNB]
+        kr = tl.load(ROPE + rows * sr + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BK, R]
+        s = _mm(q_n, tl.trans(kn), IEEE) + _mm(q_r, tl.trans(kr), IEEE)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc_n = acc_n * alpha[:, None] + _mm(p.to(kn.dtype), kn, IEEE)
+        acc_r = acc_r * alpha[:, None] + _mm(p.to(kr.dtype), kr, IEEE)
+        m = m_new
+    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
+    m_fin = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_fin)
+    l = l * alpha + tl.exp(sink - m_fin)
+    o_at = O + t * so_t + offs_h[:, None] * so_h
+    tl.store(o_at + offs_n[None, :], (acc_n * (alpha / l)[:, None]).to(O.dtype.element_ty),
+             mask=hmask[:, None] & nmask[None, :])
+    tl.store(o_at + DN + offs_r[None, :], (acc_r * (alpha / l)[:, None]).to(O.dtype.element_ty),
+             mask=hmask[:, None])
+    tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
+
+
 @triton.autotune(_DQ_CONFIGS, key=["H", "D"])
 @triton.jit
 def _bwd_dq(Q, KV, IDX, CNT, SINK, O, DO, LSE, DQ, DSINK, PT, DST, T0, scale, H, K, sq_t, sq_h, skv, si_t,
@@ -275,6 +342,33 @@ def sparse_attn_fwd(q, kv, idx, cnt, sink, scale, options: AttentionOptions = DE
         _fwd[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
             q, kv, idx, cnt, sink.float().contiguous(), o, lse, scale, h, k, q.stride(0), q.stride(1), kv.stride(0),
             idx.stride(0), o.stride(0), o.stride(1), D=d, IEEE=q.dtype == torch.float32)
+    return o, lse
+
+
+def sparse_attention_fp8(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor,
+                         idx: torch.Tensor, sink: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward (decoding: no gradient) over an FP8 key pool read in place: codes [N, dn]
+    uint8, scales [N, dn / block] fp32, rope [N, r] (kv_pool.Fp8KeyPool's tensors, flattened to
+    rows), idx [T, K] into the rows. Equal to sparse_attention over the rows fp8_kv_dequant
+    gives, up to the order of fp32 sums. o [T, H, dn + r] (q.dtype), lse [T, H] fp32."""
+    t, h, d = q.shape
+    dn, r = codes.shape[-1], rope.shape[-1]
+    if dn + r != d or r & (r - 1) or r < 16 or dn < 16 or dn % scales.shape[-1]:
+        raise ValueError(f"FP8 sparse attention kernel: q {list(q.shape)}, codes {list(codes.shape)}, scales "
+                         f"{list(scales.shape)}, rope {list(rope.shape)} do not fit (RoPE width a power of two >= 16)")
+    if idx.shape[0] != t or sink.shape != (h,):
+        raise ValueError(f"FP8 sparse attention kernel: idx {list(idx.shape)}, sink {list(sink.shape)} for q "
+                         f"{list(q.shape)}")
+    idx, cnt = compact(idx)
+    q, codes, scales, rope = q.contiguous(), codes.contiguous(), scales.contiguous(), rope.contiguous()
+    o = _new(q.shape, q, q.dtype)
+    lse = _new((t, h), q, torch.float32)
+    if t:
+        _fwd_fp8[lambda m: (t, triton.cdiv(h, m["BLOCK_H"]))](
+            q, codes, scales, rope, idx, cnt, sink.float().contiguous(), o, lse, scale, h, idx.shape[1], dn,
+            q.stride(0), q.stride(1), codes.stride(0), scales.stride(0), rope.stride(0), idx.stride(0), o.stride(0),
+            o.stride(1), DNB=triton.next_power_of_2(dn), R=r, QBLOCK=dn // scales.shape[-1],
+            IEEE=q.dtype == torch.float32)
     return o, lse
 
 
