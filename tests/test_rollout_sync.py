@@ -304,7 +304,7 @@ def test_device_fingerprints_tell_apart_what_the_md5_tells_apart(seed, monkeypat
     device instead of MD5s: equal bytes agree, in chunks or not; a torn copy, two words
     swapped, a view one element off, another dtype of the same values and one byte more each
     differ; a staged bucket whose fingerprint differs is refused and stages nothing."""
-    from miles.rollout.weights import Staging, bucket_digests, digests, pack, spans_of, spec_of
+    from miles.rollout.weights import Staging, bucket_digests, pack, spans_of, spec_of
     from plugins.deepseek_v4 import checksum
 
     g = torch.Generator().manual_seed(seed)
@@ -322,7 +322,6 @@ def test_device_fingerprints_tell_apart_what_the_md5_tells_apart(seed, monkeypat
               "one byte more": torch.cat((t.reshape(-1).view(torch.uint8), torch.zeros(1, dtype=torch.uint8)))}
     for what, x in others.items():
         assert checksum.fingerprint(x) != base, what
-    assert digests({"w": t}) == {"w": checksum.tensor_md5(t)}  # host tensors keep their MD5s
 
     model = torch.nn.Linear(1000, 3, bias=False)
     staging = Staging(model)

@@ -32,18 +32,10 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {k: tensor_md5(v) for k, v in tensors.items()}
 
 
-def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str | int]:
-    """What the two ends of a broadcast compare for each tensor: on a GPU its fingerprint
-    (computed there: an MD5 would copy every byte to the host and hash it at ~0.5 GB/s, which
-    set the NCCL path's speed), on the host its MD5."""
-    from plugins.deepseek_v4.checksum import fingerprints
-
-    return fingerprints(tensors) if any(t.is_cuda for t in tensors.values()) else checksums(tensors)
-
-
 def bucket_digests(flat: torch.Tensor, spec: list[tuple[str, list[int], str]]) -> dict[str, str | int]:
-    """digests() of a bucket's tensors from its flat buffer: on a GPU their fingerprints in one
-    set of passes over the buffer, on the host their MD5s."""
+    """What the two ends of a sync compare for each tensor of a bucket, from its flat buffer: on
+    a GPU their fingerprints, computed there in one set of passes over the buffer (an MD5
+    would copy every byte to the host and hash it at ~0.5 GB/s), on the host their MD5s."""
     from plugins.deepseek_v4.checksum import packed_fingerprints
 
     return packed_fingerprints(flat, spans_of(spec)) if flat.is_cuda else checksums(views_of(flat, spec))
