@@ -26,13 +26,11 @@ demo: venv
 
 # Two workers (the CI machine's 2 cores): a file's tests on one worker, the longest files first
 # (tests/conftest.py). `.venv/bin/python -m pytest tests/test_x.py` runs one file on its own.
-# One OpenMP thread in every process the tests start: with more processes than cores, torch's
-# threads spin-wait for each other (a CPU-bound test beside two busy cores: 52 s against 8 s).
 WORKERS ?= 2
 PARALLEL := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 test: venv
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PARALLEL)
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # Everything make test runs (every parallel layout, the five combined ones included), plus
 # every layout in bf16 against one process's bf16 errors as the GPUs run them (about 2.5 minutes).
