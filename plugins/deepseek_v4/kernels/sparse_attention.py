@@ -119,6 +119,27 @@ def _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K: tl.constexpr, D: tl.conste
     return offs_k, ids, valid, kv
 
 
+@triton.jit
+def _online_softmax(m, l, s):
+    """One block of scaled logits s [BH, BK] into the running max m and sum l [BH]: (new m,
+    new l, alpha [BH] to rescale the accumulator by, p [BH, BK])."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
+def _with_sink(m, l, SINK, offs_h, hmask):
+    """The sink joins the denominator: (the factor [BH] that turns the accumulator into o, lse [BH])."""
+    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
+    m_fin = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_fin)
+    l = l * alpha + tl.exp(sink - m_fin)
+    return alpha / l, m_fin + tl.log(l)
+
+
 @triton.autotune(_Q_CONFIGS, key=["H", "D"])
 @triton.jit
 def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t, so_h,
@@ -134,20 +155,12 @@ def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t
     for k0 in range(0, tl.load(CNT + t), BLOCK_K):  # slots past the count are empty
         _, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
         s = tl.where(valid[None, :], _mm(q, tl.trans(kv), IEEE) * scale, float("-inf"))  # [BH, BK]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        m, l, alpha, p = _online_softmax(m, l, s)
         acc = acc * alpha[:, None] + _mm(p.to(kv.dtype), kv, IEEE)
-        m = m_new
-    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
-    m_fin = tl.maximum(m, sink)
-    alpha = tl.exp(m - m_fin)
-    l = l * alpha + tl.exp(sink - m_fin)
-    o = acc * (alpha / l)[:, None]
+    f, lse = _with_sink(m, l, SINK, offs_h, hmask)
+    o = acc * f[:, None]
     tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty), mask=hmask[:, None])
-    tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
+    tl.store(LSE + t * H + offs_h, lse, mask=hmask)
 
 
 @triton.jit
@@ -197,24 +210,15 @@ def _fwd_fp8(Q, CODES, SCALES, ROPE, IDX, CNT, SINK, O, LSE, scale, H, K, DN, sq
         kr = tl.load(ROPE + rows * sr + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BK, R]
         s = _mm(q_n, tl.trans(kn), IEEE) + _mm(q_r, tl.trans(kr), IEEE)
         s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        m, l, alpha, p = _online_softmax(m, l, s)
         acc_n = acc_n * alpha[:, None] + _mm(p.to(kn.dtype), kn, IEEE)
         acc_r = acc_r * alpha[:, None] + _mm(p.to(kr.dtype), kr, IEEE)
-        m = m_new
-    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0)
-    m_fin = tl.maximum(m, sink)
-    alpha = tl.exp(m - m_fin)
-    l = l * alpha + tl.exp(sink - m_fin)
+    f, lse = _with_sink(m, l, SINK, offs_h, hmask)
     o_at = O + t * so_t + offs_h[:, None] * so_h
-    tl.store(o_at + offs_n[None, :], (acc_n * (alpha / l)[:, None]).to(O.dtype.element_ty),
+    tl.store(o_at + offs_n[None, :], (acc_n * f[:, None]).to(O.dtype.element_ty),
              mask=hmask[:, None] & nmask[None, :])
-    tl.store(o_at + DN + offs_r[None, :], (acc_r * (alpha / l)[:, None]).to(O.dtype.element_ty),
-             mask=hmask[:, None])
-    tl.store(LSE + t * H + offs_h, m_fin + tl.log(l), mask=hmask)
+    tl.store(o_at + DN + offs_r[None, :], (acc_r * f[:, None]).to(O.dtype.element_ty), mask=hmask[:, None])
+    tl.store(LSE + t * H + offs_h, lse, mask=hmask)
 
 
 @triton.autotune(_DQ_CONFIGS, key=["H", "D"])

@@ -1,0 +1,125 @@
+"""Where the embedded engine's time goes at one batch size: its iterations taken apart
+(prefill, the decode step, sampling and the host's bookkeeping), then the kernels of one
+packed prefill and of one eager decode step (counts and CUDA time, torch.profiler).
+
+    python3 benchmarks/decode_profile.py [--config 1b] [--batch 64] [--kv-quant fp8]
+
+The parts are timed with the device synchronised around each (so they add up to the wall
+time of a request batch, and a part's host time and device time are not told apart there;
+the kernel tables tell them apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rollout import PRESETS, engine_run  # noqa: E402
+from miles.rollout.engine import Engine  # noqa: E402
+from plugins.deepseek_v4 import DeepSeekV4ForCausalLM  # noqa: E402
+
+
+def timed_parts(engine: Engine, prompts: list[list[int]], gen: int) -> dict[str, float]:
+    """engine_run with the engine's _prefill, decoder and _append timed (ms, device synced)."""
+    parts: dict[str, float] = defaultdict(float)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    originals = {name: getattr(engine, name) for name in ("_prefill", "decoder", "_append")}
+
+    def wrap(name, fn):
+        def call(*a, **k):
+            sync()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            parts[name] += (time.perf_counter() - t) * 1e3
+            parts[name + " calls"] += 1
+            return out
+        return call
+
+    for name, fn in originals.items():
+        setattr(engine, name, wrap(name, fn))
+    try:
+        parts["wall"] = engine_run(engine, prompts, gen) * 1e3
+    finally:
+        for name, fn in originals.items():
+            setattr(engine, name, fn)
+    return parts
+
+
+def kernel_table(fn, rows: int) -> str:
+    """fn() profiled once (after one unprofiled call): kernel launches, CUDA time and the
+    ops with the most self CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3
+    head = f"wall {wall:.2f} ms, {len(kernels)} kernels, {busy:.2f} ms of kernel time"
+    return head + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--kv-quant", choices=["fp8"])
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = PRESETS[args.config](args.prompt + args.gen)
+    cfg.kv_quant = args.kv_quant
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = DeepSeekV4ForCausalLM(cfg, dtype=dt, seed=0).to(dev).eval()
+    engine = Engine(model, max_running=64, max_len=args.prompt + args.gen + 1)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, cfg.vocab_size, (args.batch, args.prompt), generator=g).tolist()
+    engine_run(engine, prompts, 2)  # the bucket's graph captured, Triton compiled
+    engine_run(engine, prompts, args.gen)
+    p = timed_parts(engine, prompts, args.gen)
+    tok = args.batch * args.gen
+    print(f"{args.config}, B={args.batch}, prompt {args.prompt}, {args.gen} generated"
+          + (", FP8 key cache" if args.kv_quant else "") + f": {tok / p['wall'] * 1e3:,.1f} tok/s (parts synced)")
+    print(f"{'part':<12} {'calls':>6} {'ms':>9} {'ms/call':>9}")
+    for name in ("_prefill", "decoder", "_append"):
+        n = p[name + " calls"]
+        print(f"{name:<12} {n:>6.0f} {p[name]:>9.2f} {p[name] / max(n, 1):>9.3f}")
+    rest = p["wall"] - p["_prefill"] - p["decoder"] - p["_append"]
+    print(f"{'rest':<12} {'':>6} {rest:>9.2f}   (scheduler, threads, callbacks)")
+    print(f"{'wall':<12} {'':>6} {p['wall']:>9.2f}")
+    if dev.type != "cuda":
+        return
+    with engine.step_lock:
+        ids = [torch.tensor(q, device=dev) for q in prompts]
+        slots = list(range(args.batch))
+        print(f"\n== one packed prefill of {args.batch} prompts")
+        print(kernel_table(lambda: model.prefill(ids, engine.cache, slots), args.rows))
+        ids_t = torch.full((args.batch,), 3, device=dev)
+        slots_t = torch.arange(args.batch, device=dev)
+
+        def step():
+            engine.cache.length[slots_t] = args.prompt
+            model.decode(ids_t, engine.cache, slots_t)
+
+        print(f"\n== one eager decode step of {args.batch}")
+        print(kernel_table(step, args.rows))
+        engine.cache.length[slots_t] = 0
+    engine.stop()
+
+
+if __name__ == "__main__":
+    main()
