@@ -5,7 +5,7 @@ weight-sync time and GB/s per path.
     .venv/bin/python benchmarks/rollout.py [--configs tiny small_50m] [--gen 32] [--sync]
 
 Per config and batch size B (1, 16, 64): B greedy requests with distinct prompts of --prompt
-tokens, --gen new tokens each (EOS ignored), submitted together to the engine (continuous
+tokens, --gen new tokens each (EOS ignored), submitted together to the paused engine (continuous
 batching, slot cache); the baseline generates the same tokens by running the full forward
 over the whole sequence for every new token (no cache). "n=8" sends B/8 prompts 8 times
 each (one prefill per prompt) against B distinct prompts. --sync adds the weight sync of
@@ -46,8 +46,10 @@ def engine_run(engine: Engine, prompts: list[list[int]], gen: int) -> float:
 
     params = SamplingParams(temperature=0, max_new_tokens=gen, ignore_eos=True)
     t = time.perf_counter()
+    engine.pause()  # all of them admitted at once (else the scheduler may start on the first few)
     for p in prompts:
         engine.submit(p, params, cb)
+    engine.resume()
     with cv:
         cv.wait_for(lambda: len(done) == len(prompts))
     return time.perf_counter() - t

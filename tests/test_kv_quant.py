@@ -154,7 +154,7 @@ def test_the_engines_fp8_cache_stores_codes_and_scales_and_decodes_as_the_rounde
         out = {}
         for name, c in (("fp8", cache), ("plain", plain)):
             model.prefill(list(ids[:2, :15]), c, [0, 1])
-            c.copy_slot(1, [3])  # a second sample of prompt 1
+            c.copy_slots([1], [3])  # a second sample of prompt 1
             assert all(torch.equal(t[3], t[1]) for t in c.tensors()[1:]), "a copied slot lacks some state"
             out[name] = torch.stack([model.decode(ids[[0, 1, 1], t], c, torch.tensor([0, 1, 3]))
                                      for t in range(15, end)], 1)

@@ -164,7 +164,7 @@ def test_decode_ragged_slots_reused(seed):
         lens = [3, 21, 37]
         seqs = [torch.randint(0, model.config.vocab_size, (n + 10,), generator=g) for n in lens]
         last = model.prefill([s[:n] for s, n in zip(seqs, lens, strict=True)], cache, [2, 0, 1])
-        cache.copy_slot(0, [3])  # a second sample of the 21-token prompt
+        cache.copy_slots([0], [3])  # a second sample of the 21-token prompt
         fulls = [model(s[None]).logits[0] for s in seqs]
         for i, n in enumerate(lens):
             assert_close(last[i], fulls[i][n - 1], atol=1e-5, what=f"prefill of prompt {i}")

@@ -210,16 +210,16 @@ class Engine:
         for s in admit:
             groups.setdefault(tuple(s.prompt), []).append(s)
         firsts = [g[0] for g in groups.values()]
-        prompts = [torch.tensor(s.prompt, dtype=torch.long, device=self.device) for s in firsts]
+        prompts = [torch.tensor(s.prompt, dtype=torch.long) for s in firsts]  # on the host: one copy in prefill
         wanted = frozenset().union(*(s.returns for s in admit))  # the choices only when someone asked
         out = self.model.prefill(prompts, self.cache, [s.slot for s in firsts], record=wanted)
         logits, choices = out if wanted else (out, {})  # [P, V]; [P, S, L, k], [P, S, C, K]
         self.counters["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
-        rows = []
+        rows = [i for i, g in enumerate(groups.values()) for _ in g]
+        copies = [(g[0].slot, s.slot) for g in groups.values() for s in g[1:]]
+        if copies:
+            self.cache.copy_slots([a for a, _ in copies], [b for _, b in copies])
         for i, g in enumerate(groups.values()):
-            if len(g) > 1:
-                self.cache.copy_slot(g[0].slot, [s.slot for s in g[1:]])
-            rows += [i] * len(g)
             for name, t in choices.items():
                 if any(name in s.returns for s in g):
                     prompt = t[i, :len(g[0].prompt)].to(torch.int32).cpu().numpy()  # [P, L, k] / [P, C, K]
