@@ -16,6 +16,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --pre       # mHC's pre kernels as one autograd node vs three, graphs on
     python3 benchmarks/train_gpu.py --ab --accum     # weight gradients into main_grad vs returned and added
     python3 benchmarks/train_gpu.py --ab --head-split  # the heads' backward split-bf16 vs TF32
+    python3 benchmarks/train_gpu.py --ab --head-backward  # head logits kept vs recomputed; dz in 1 vs 2 terms
     python3 benchmarks/train_gpu.py --ab --streams   # hc_post's stream gradient added in hc_pre's pass vs by autograd
     python3 benchmarks/train_gpu.py --ab --add-cast  # the MoE's one-pass output sum vs add then cast
     python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's 64- vs 32-row steps
@@ -508,6 +509,27 @@ def head_split_arms():
             ("CUDA graphs, head backward split-bf16 (default)", lambda on: None)]
 
 
+def head_backward_arms(model):
+    """The heads' backward: logits computed again from y and w (default) against kept from the
+    forward (config.head_keep_logits), and dz entering the GEMMs as two bf16 terms (default,
+    the fp32 head's gradients) against one (head_grad_terms = 1, a bf16 head's rounding)."""
+    c = model.config
+
+    def keep(on: bool) -> None:
+        c.head_keep_logits = on
+
+    def one_term(on: bool) -> None:
+        c.head_grad_terms = 1 if on else 2
+
+    def both(on: bool) -> None:
+        keep(on)
+        one_term(on)
+
+    return [("CUDA graphs, head recomputes, dz in 2 terms (default)", lambda on: None),
+            ("CUDA graphs, head logits kept", keep), ("CUDA graphs, head dz in 1 bf16 term", one_term),
+            ("CUDA graphs, head logits kept, dz in 1 term", both)]
+
+
 def indexer_arms():
     """The lightning indexer's scores through torch (chunked fp32 bmm's) against the kernels."""
     from plugins.deepseek_v4 import ops
@@ -936,6 +958,8 @@ def main() -> None:
     ap.add_argument("--clip", action="store_true", help="with --ab: only the clip inside fused AdamW vs its own pass")
     ap.add_argument("--accum", action="store_true", help="with --ab: only weight gradients into main_grad vs returned")
     ap.add_argument("--head-split", action="store_true", help="with --ab: only the head backward split-bf16 vs TF32")
+    ap.add_argument("--head-backward", action="store_true",
+                    help="with --ab: the head's logits kept vs recomputed, dz in one bf16 term vs two")
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
@@ -996,6 +1020,7 @@ def main() -> None:
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
                "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
+               "head_backward": ("head backward options", head_backward_arms),
                "add_cast": ("MoE output sum", add_cast_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
@@ -1008,7 +1033,7 @@ def main() -> None:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            graphed_ab(w, mbs, a.steps, tokens, title, arms(w.model) if flag == "accum" else arms())
+            graphed_ab(w, mbs, a.steps, tokens, title, arms(w.model) if flag in ("accum", "head_backward") else arms())
         return
     if a.ab:
         build("triton")

@@ -64,7 +64,7 @@ class ClusterConfig(Section):
 PRESETS = {"tiny": DeepSeekV4Config.tiny, "small_50m": DeepSeekV4Config.small_50m}
 # model.<name>, not overrides: they change how the model computes, not its weights
 KERNEL_SWITCHES = ("kernels", "sm90_kernels", "sm90_kv_gradient", "overlap_chunks", "tf32_projections",
-                   "fused_elementwise", "recompute", "cuda_graphs", "kv_quant")
+                   "fused_elementwise", "recompute", "cuda_graphs", "kv_quant", "head_keep_logits", "head_grad_terms")
 
 
 def model_difference(a: dict, b: dict, skip: frozenset[str] = frozenset()) -> tuple[str, str] | None:
@@ -94,6 +94,10 @@ class ModelConfig(Section):
     kv_quant: Literal["fp8"] | None = None  # KV-QAT: K = V's non-RoPE channels rounded to FP8 (block 64, fp32
     # scales) as DeepSeek's runtime caches them, in training and in the embedded engine (whose key cache holds them
     # in FP8 with their scales)
+    head_keep_logits: Bool = False  # the LM/MTP heads' backward reads the forward's fp32 logits instead of computing
+    # them again (speed for memory: 4 bytes a token and vocabulary entry per head until the backward)
+    head_grad_terms: Literal[1, 2] = 2  # bf16 terms of the heads' logit gradient in the backward GEMMs: 2 gives the
+    # fp32 head's gradients (to 2^-17), 1 rounds it to bf16 as a bf16 head would (faster)
     _arch: DeepSeekV4Config = PrivateAttr()
 
     @model_validator(mode="after")

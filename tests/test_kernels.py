@@ -1321,6 +1321,54 @@ def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, mon
         assert rel(y.grad.cpu(), y64.grad) < 1e-6
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("tp_rank", [None, 1])
+def test_head_keeps_its_logits_and_rounds_its_gradient_on_request(seed, tp_rank, fused, monkeypatch):
+    """The heads' backward options (config.head_keep_logits, head_grad_terms), 3 chunks, one
+    rank and a TP shard (labels on the other shard too), the model dtype's operands, w with a
+    main_grad. Kept logits: log-probs, dy and main_grad bit for bit the recomputing head's.
+    One gradient term: dz enters both GEMMs rounded to bf16, so main_grad (and on CPU dy) is
+    float64's product of float64's dz rounded to bf16, to 1e-5, where the two-term head is
+    off by ~1e-3 (asserted, so the option is seen to act)."""
+    from plugins.deepseek_v4 import parallel
+    from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
+
+    n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
+    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
+    g = torch.Generator().manual_seed(seed)
+    y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
+    labels = torch.randint(0, v if tp_rank is None else 2 * v, (n,), generator=g)
+    cot = torch.randn(n, generator=g)
+    ctx = ParallelContext() if tp_rank is None else ParallelContext(tp_size=2, tp_rank=tp_rank)
+
+    def run(**options) -> list[torch.Tensor]:
+        y, w = y0.to(DEV, copy=True).requires_grad_(), w0.to(DEV, copy=True).requires_grad_()
+        w.main_grad = torch.zeros(v, d, device=DEV)
+        lp = ctx.head_logprobs(VocabHead(y, w, ctx, CUDA, fused, **options), labels.to(DEV))
+        (lp * cot.to(DEV)).sum().backward()
+        out = [t.detach().cpu() for t in (lp, y.grad, w.main_grad)]
+        assert_finite(*out)
+        return out
+
+    base, kept, one = run(), run(keep_logits=True), run(grad_terms=1)
+    for name, a, b in zip(("logprobs", "dy", "dw"), kept, base, strict=True):
+        assert torch.equal(a, b), f"kept logits: {name}"
+    assert torch.equal(one[0], base[0])
+    # float64: dz = cot (onehot - softmax) over this shard's logits (one process: no other shard)
+    y64, w64 = y0.double(), w0.double()
+    ids = labels - (tp_rank or 0) * v
+    onehot = torch.zeros(n, v, dtype=torch.float64)
+    mine = (ids >= 0) & (ids < v)
+    onehot[mine, ids[mine]] = 1.0
+    dz = cot.double()[:, None] * (onehot - torch.softmax(y64 @ w64.t(), -1))
+    dzb = dz.float().to(torch.bfloat16).double()
+    assert rel(one[2].double(), dzb.t() @ y64) < 1e-5
+    assert rel(base[2].double(), dzb.t() @ y64) > 1e-4
+    if not CUDA:  # on CUDA dy comes back in bf16, rounding both alike
+        assert rel(one[1].double(), dzb @ w64) < 1e-5
+        assert rel(base[1].double(), dzb @ w64) > 1e-4
+
+
 def _graph_steps(w, cfg: dict, graphs: bool, batches: list) -> list[dict]:
     w.build_model({**cfg, "cuda_graphs": graphs}, seed=0, dtype="bfloat16", deterministic=True)
     w.setup_training(lr=1e-3, warmup_steps=0, total_steps=100)

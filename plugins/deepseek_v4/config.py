@@ -102,6 +102,13 @@ class DeepSeekV4Config:
     # DeepSeek's runtime stores them in its cache (ops.fp8_kv_fake_quant), in training and in
     # the engine alike; None: unrounded
     kv_quant: str | None = None
+    # The LM/MTP heads' backward (parallel._HeadLogprobs), A/B options for speed: keep each
+    # chunk's fp32 logits from the forward instead of computing them again (4 bytes a token
+    # and vocabulary entry held until the backward: 2.1 GB for 4,096 tokens of V4's 129,280,
+    # per head); the logits' gradient in the backward GEMMs as 2 bf16 terms (exact to 2^-17:
+    # the fp32 head's gradients) or 1 (the gradient rounded to bf16, as a bf16 head's is)
+    head_keep_logits: bool = False
+    head_grad_terms: int = 2
     # Fields of DeepSeek's file that carry no model meaning for us, kept for the round trip.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -180,6 +187,7 @@ class DeepSeekV4Config:
         need(self.hc_mult >= 1, "hc_mult", "must be >= 1")
         need(self.num_nextn_predict_layers <= 1, "num_nextn_predict_layers", "must be 0 or 1 (V4 ships one)")
         need(self.kv_quant in (None, "fp8"), "kv_quant", "must be null or 'fp8'")
+        need(self.head_grad_terms in (1, 2), "head_grad_terms", "must be 1 or 2")
         need(self.kernels in ("auto", "torch", "triton"), "kernels",
              "must be 'auto', 'torch' or 'triton'")
         need(self.scoring_func == "sqrtsoftplus", "scoring_func", "must be 'sqrtsoftplus'")

@@ -983,7 +983,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     def _head(self, y: torch.Tensor) -> VocabHead:
         """The LM head (shared by MTP) over this TP rank's vocabulary shard, for hidden y [..., d]."""
-        return VocabHead(y, self.head.weight, self.ctx, use_tf32(self.config, y), use_fused(self.config, y))
+        c = self.config
+        return VocabHead(y, self.head.weight, self.ctx, use_tf32(c, y), use_fused(c, y), c.head_keep_logits,
+                         c.head_grad_terms)
 
     def set_input_tensor(self, t: torch.Tensor | list | None) -> None:
         """Pipeline schedules hand a later stage its input here ([B, s, n*d] streams)."""

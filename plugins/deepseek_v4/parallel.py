@@ -41,6 +41,8 @@ class VocabHead:
     ctx: ParallelContext
     tf32: bool = False
     fused: bool = False  # the log-softmax kernels (kernels.cross_entropy) for the chunks
+    keep_logits: bool = False  # the backward reads the forward's logits (config.head_keep_logits)
+    grad_terms: int = 2  # bf16 terms of the logits' gradient in the backward GEMMs (config.head_grad_terms)
 
     def logits(self) -> torch.Tensor:
         return self.ctx.vocab_logits(self.y, self.weight, self.tf32)
@@ -58,18 +60,22 @@ class _HeadLogprobs(torch.autograd.Function):
     in one pass (kernels.cross_entropy), from the log-sum-exp kept on one rank too. Where w has
     a main_grad (the trainer) dz^T @ y is added there in fp32 and no weight gradient returned;
     with tf32 on bf16 CUDA y and w the backward GEMMs read dz as two bf16 terms (`head_split`;
-    TP ranks get an fp32 y from head_input, so their GEMMs stay on TF32)."""
+    TP ranks get an fp32 y from head_input, so their GEMMs stay on TF32). keep: the forward's
+    chunk logits are kept for the backward instead of computed again; terms = 1: dz rounded
+    to bf16 for both backward GEMMs (on every device, so the rounding is the same on CPU)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, pc: ParallelContext, tf32: bool,
-                rows: int, fused: bool, scale: float = 1.0) -> torch.Tensor:
+                rows: int, fused: bool, scale: float = 1.0, keep: bool = False, terms: int = 2) -> torch.Tensor:
         v = w.shape[0]
         ids = labels - pc.tp_rank * v
         mine = (ids >= 0) & (ids < v)
         ids = ids.clamp(0, v - 1)
-        out, lses = [], []
+        out, lses, kept = [], [], []
         for i in range(0, y.shape[0], rows):
             z = _scaled(fp32_linear(y[i:i + rows], w, tf32), scale)  # [c, V/tp]
+            if keep:
+                kept.append(z)  # read-only below, but for the copy the TP path takes
             if fused:
                 from .kernels.cross_entropy import row_stats
 
@@ -88,12 +94,14 @@ class _HeadLogprobs(torch.autograd.Function):
                 continue
             picked = torch.where(mine[i:i + rows], z.gather(-1, ids[i:i + rows, None])[:, 0], 0.0)
             m = pc.max_over_tp(z.amax(-1))  # any shift works; the max avoids overflow
-            lse = m + torch.log(pc.sum_over_tp(z.sub_(m[:, None]).exp_().sum(-1)))  # z spent: in place
+            e = z.sub(m[:, None]) if keep else z.sub_(m[:, None])  # unkept z is spent: in place
+            lse = m + torch.log(pc.sum_over_tp(e.exp_().sum(-1)))
             out.append(pc.sum_over_tp(picked) - lse)
             lses.append(lse)
         lse = torch.cat(lses) if lses else y.new_zeros(0, dtype=torch.float32)  # empty: one rank, torch
         ctx.save_for_backward(y, w, ids, mine, lse)
         ctx.tf32, ctx.rows, ctx.one_rank, ctx.fused, ctx.scale = tf32, rows, pc.tp_size == 1, fused, scale
+        ctx.kept, ctx.terms = kept if keep else None, terms
         return torch.cat(out) if out else y.new_zeros(0, dtype=torch.float32)
 
     @staticmethod
@@ -108,10 +116,14 @@ class _HeadLogprobs(torch.autograd.Function):
         dw = main if main is not None or not want_dw else torch.zeros_like(w, dtype=torch.float32)
         dy = torch.empty(y.shape, dtype=torch.float32, device=y.device)
         wf = None if split else w.float()
+        kept, ctx.kept = ctx.kept, None  # each chunk's buffer freed as its gradient is done
         with _cuda_matmul_precision(ctx.tf32):
             for i in range(0, y.shape[0], c):
                 sl = slice(i, i + c)
-                dz = _scaled(fp32_linear(y[sl], w, ctx.tf32), ctx.scale)  # [c, V/tp] logits: the forward's own
+                if kept is not None:
+                    dz, kept[i // c] = kept[i // c], None
+                else:
+                    dz = _scaled(fp32_linear(y[sl], w, ctx.tf32), ctx.scale)  # [c, V/tp] logits: the forward's own
                 # dz = g onehot(label) - g softmax(z), in place: the chunk's only [c, V/tp] buffer
                 # (one rank: every row's clamped label, as cross-entropy read it)
                 hit = g[sl] if ctx.one_rank else torch.where(mine[sl], g[sl], 0.0)
@@ -127,7 +139,17 @@ class _HeadLogprobs(torch.autograd.Function):
                 if not ctx.fused:
                     dz.scatter_add_(-1, ids[sl, None], hit[:, None])
                 _scaled(dz, ctx.scale)  # the logits' own gradient: d(z scale)/dz = scale
-                if split:
+                if ctx.terms == 1:  # dz rounded to bf16: bf16 GEMMs with fp32 sums (off bf16 CUDA, fp32 GEMMs of it)
+                    dzb = dz.to(torch.bfloat16)
+                    if split:
+                        dy[sl] = torch.mm(dzb, w, out_dtype=torch.float32)
+                        if dw is not None:
+                            accumulate_wgrad(dw, dzb, y[sl])
+                    else:
+                        torch.mm(dzb.float(), wf, out=dy[sl])
+                        if dw is not None:
+                            accumulate_wgrad(dw, dzb.float(), y[sl].float())
+                elif split:
                     # dz = hi + lo in bf16 ([c, 2V] as split_bf16 writes it, read as [2c, V]: a
                     # token's hi row, then its lo row): exact products, summed in fp32
                     n = dz.shape[0]
@@ -140,7 +162,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     if dw is not None:
                         accumulate_wgrad(dw, dz, y[sl].float())
         dw = None if main is not None or dw is None else dw.to(w.dtype)
-        return dy.to(y.dtype), dw, None, None, None, None, None, None
+        return dy.to(y.dtype), dw, None, None, None, None, None, None, None, None
 
 
 def _scaled(z: torch.Tensor, scale: float) -> torch.Tensor:
@@ -265,7 +287,7 @@ class ParallelContext:
         y = self.head_input(head.y)
         rows = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
         lp = _HeadLogprobs.apply(y.reshape(-1, y.shape[-1]), head.weight, labels.reshape(-1), self, head.tf32, rows,
-                                 head.fused, 1.0 / temperature)
+                                 head.fused, 1.0 / temperature, head.keep_logits, head.grad_terms)
         return lp.view(labels.shape)
 
     @torch.no_grad()
