@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
 #   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
 #   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
+#   bash benchmarks/gpu_runs.sh head      # flash_slice: the heads' backward options, and 4 micro-batches a step
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
 set -uo pipefail
@@ -46,6 +47,10 @@ replay)
 trainer)
     run sft 240 python3 benchmarks/sft_gpu.py
     run flash 300 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4
+    ;;
+head)
+    run head-ab 330 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --head-backward
+    run flash-4mb 200 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 4 --steps 4
     ;;
 layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240
