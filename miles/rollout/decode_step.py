@@ -37,10 +37,13 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeStep:
-    def __init__(self, model, cache, scratch: int, max_batch: int, graphs: bool = True):
+    def __init__(self, model, cache, scratch: int, max_batch: int, graphs: bool = True, compile: bool = False):
         """`cache` holds a slot `scratch` that no sequence is given (the padding rows'); with
-        `graphs`, on CUDA each bucket is captured at its first step."""
+        `graphs`, on CUDA each bucket is captured at its first step. `compile`: the step through
+        torch.compile (inductor fuses its elementwise chains; an A/B, `benchmarks/rollout.py
+        --compile`), compiled per bucket at its first step, before any capture."""
         self.model, self.cache, self.scratch = model, cache, scratch
+        self.decode = torch.compile(model.decode, dynamic=False) if compile else model.decode
         self.buckets = buckets(max_batch)
         self.device = cache.length.device
         # bf16 only: an fp32 model's experts loop over their groups on the host, which a
@@ -76,7 +79,7 @@ class DecodeStep:
         return logits[:n], {k: v[:n] for k, v in choices.items()}
 
     def _decode(self, ids: torch.Tensor, slots: torch.Tensor, rec: frozenset):
-        out = self.model.decode(ids, self.cache, slots, rec)
+        out = self.decode(ids, self.cache, slots, rec)
         return out if rec else (out, {})
 
     def _try_capture(self, bs: int, rec: frozenset) -> _Graph | None:
@@ -87,6 +90,7 @@ class DecodeStep:
         except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
             self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
             self.graphs.clear()
+            self.decode = self.model.decode  # a compiled step that failed to compile: eager too
             log.warning("the decode step cannot be captured as a CUDA graph; it runs eagerly: %s", self.graph_error)
             return None
 
@@ -100,7 +104,7 @@ class DecodeStep:
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.cache.length[self.scratch] = 0
-                self.model.decode(ids, self.cache, slots, rec)
+                self.decode(ids, self.cache, slots, rec)
         torch.cuda.current_stream().wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

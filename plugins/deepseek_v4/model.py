@@ -801,12 +801,12 @@ class Block(nn.Module):
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
              ropes: dict[str, Rope], ids: torch.Tensor, routes: dict[int, torch.Tensor] | None = None,
              picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        fused = use_kernels(self.cfg, x)  # Sinkhorn and stream sum; hc_post stays the reference here
+        fused = use_kernels(self.cfg, x)
         u, post, comb, x = self._hc("attn", x, fused)
-        x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes, picks), x, post, comb)
+        x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes, picks), x, post, comb, fused=fused)
         u, post, comb, x = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool), routes),
-                           x, post, comb)
+                           x, post, comb, fused=fused)
 
 
 def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype) -> None:
