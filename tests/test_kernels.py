@@ -1274,6 +1274,19 @@ def test_accumulate_wgrad_adds_fp32_sums_into_main(seed, path, monkeypatch):
     assert rel(got.double() - main0.double(), dy.double().t() @ x.double()) < 1e-5
 
 
+def _head_case(seed: int, tp_rank: int | None, monkeypatch):
+    """A head's inputs in 3 chunks: (generator, y [n, d], w [V, d] in the model dtype, labels
+    (on this shard, and with a TP rank on the other one too), a cotangent [n])."""
+    from plugins.deepseek_v4 import parallel
+
+    n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
+    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
+    g = torch.Generator().manual_seed(seed)
+    y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
+    labels = torch.randint(0, v if tp_rank is None else 2 * v, (n,), generator=g)
+    return g, y0, w0, labels, torch.randn(n, generator=g)
+
+
 @pytest.mark.parametrize("tp_rank,y_fp32", [(None, False), (1, False), (1, True)])
 def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, monkeypatch):
     """The trainer's head (its weight has a main_grad): w.grad stays None and main_grad is its
@@ -1284,15 +1297,10 @@ def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, mon
     head input is fp32 (their GEMMs stay on TF32: 1e-3)."""
     if y_fp32 and not CUDA:
         pytest.skip("on CPU y is fp32 in every case")
-    from plugins.deepseek_v4 import parallel
     from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
 
-    n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
-    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
-    g = torch.Generator().manual_seed(seed)
-    y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
-    labels = torch.randint(0, v if tp_rank is None else 2 * v, (n,), generator=g)
-    cot = torch.randn(n, generator=g)
+    g, y0, w0, labels, cot = _head_case(seed, tp_rank, monkeypatch)
+    v, d = w0.shape
     main0 = torch.randn(v, d, generator=g)
     y_dtype = torch.float32 if y_fp32 else DTYPE
     ctx = ParallelContext() if tp_rank is None else ParallelContext(tp_size=2, tp_rank=tp_rank)
@@ -1327,18 +1335,14 @@ def test_head_keeps_its_logits_and_rounds_its_gradient_on_request(seed, tp_rank,
     """The heads' backward options (config.head_keep_logits, head_grad_terms), 3 chunks, one
     rank and a TP shard (labels on the other shard too), the model dtype's operands, w with a
     main_grad. Kept logits: log-probs, dy and main_grad bit for bit the recomputing head's.
-    One gradient term: dz enters both GEMMs rounded to bf16, so main_grad (and on CPU dy) is
-    float64's product of float64's dz rounded to bf16, to 1e-5, where the two-term head is
-    off by ~1e-3 (asserted, so the option is seen to act)."""
-    from plugins.deepseek_v4 import parallel
+    One gradient term: dz enters both GEMMs rounded to bf16, so main_grad's rows (and on CPU
+    dy's) are float64's products of float64's dz rounded to bf16, to 1e-5, but where an
+    element of dz lay within fp32 noise of a bf16 tie (a row or two: 90% of rows asked), and
+    the two-term head's rows are off by ~1e-3 (at most half within 1e-5: the option acts)."""
     from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
 
-    n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
-    monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
-    g = torch.Generator().manual_seed(seed)
-    y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
-    labels = torch.randint(0, v if tp_rank is None else 2 * v, (n,), generator=g)
-    cot = torch.randn(n, generator=g)
+    _, y0, w0, labels, cot = _head_case(seed, tp_rank, monkeypatch)
+    (n, d), v = y0.shape, w0.shape[0]
     ctx = ParallelContext() if tp_rank is None else ParallelContext(tp_size=2, tp_rank=tp_rank)
 
     def run(**options) -> list[torch.Tensor]:
@@ -1362,11 +1366,16 @@ def test_head_keeps_its_logits_and_rounds_its_gradient_on_request(seed, tp_rank,
     onehot[mine, ids[mine]] = 1.0
     dz = cot.double()[:, None] * (onehot - torch.softmax(y64 @ w64.t(), -1))
     dzb = dz.float().to(torch.bfloat16).double()
-    assert rel(one[2].double(), dzb.t() @ y64) < 1e-5
-    assert rel(base[2].double(), dzb.t() @ y64) > 1e-4
+
+    def rows_within(got: torch.Tensor, want: torch.Tensor) -> float:
+        """The share of rows within 1e-5 of want's (relative to each row's norm)."""
+        return ((got.double() - want).norm(dim=-1) <= 1e-5 * want.norm(dim=-1)).double().mean().item()
+
+    assert rows_within(one[2], dzb.t() @ y64) >= 0.9
+    assert rows_within(base[2], dzb.t() @ y64) <= 0.5
     if not CUDA:  # on CUDA dy comes back in bf16, rounding both alike
-        assert rel(one[1].double(), dzb @ w64) < 1e-5
-        assert rel(base[1].double(), dzb @ w64) > 1e-4
+        assert rows_within(one[1], dzb @ w64) >= 0.9
+        assert rows_within(base[1], dzb @ w64) <= 0.5
 
 
 def _graph_steps(w, cfg: dict, graphs: bool, batches: list) -> list[dict]:
