@@ -139,16 +139,12 @@ class _HeadLogprobs(torch.autograd.Function):
                 if not ctx.fused:
                     dz.scatter_add_(-1, ids[sl, None], hit[:, None])
                 _scaled(dz, ctx.scale)  # the logits' own gradient: d(z scale)/dz = scale
-                if ctx.terms == 1:  # dz rounded to bf16: bf16 GEMMs with fp32 sums (off bf16 CUDA, fp32 GEMMs of it)
-                    dzb = dz.to(torch.bfloat16)
-                    if split:
-                        dy[sl] = torch.mm(dzb, w, out_dtype=torch.float32)
-                        if dw is not None:
-                            accumulate_wgrad(dw, dzb, y[sl])
-                    else:
-                        torch.mm(dzb.float(), wf, out=dy[sl])
-                        if dw is not None:
-                            accumulate_wgrad(dw, dzb.float(), y[sl].float())
+                if ctx.terms == 1:  # dz rounded to bf16: one bf16 term (off bf16 CUDA, its values in fp32)
+                    dz = dz.to(torch.bfloat16) if split else dz.to(torch.bfloat16).float()
+                if split and ctx.terms == 1:  # bf16 GEMMs with fp32 sums
+                    dy[sl] = torch.mm(dz, w, out_dtype=torch.float32)
+                    if dw is not None:
+                        accumulate_wgrad(dw, dz, y[sl])
                 elif split:
                     # dz = hi + lo in bf16 ([c, 2V] as split_bf16 writes it, read as [2c, V]: a
                     # token's hi row, then its lo row): exact products, summed in fp32
