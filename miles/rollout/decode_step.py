@@ -51,6 +51,7 @@ class DecodeStep:
         self.use_graphs = graphs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16
         self.graphs: dict[tuple[int, frozenset], _Graph] = {}  # by (bucket, what it records)
         self.graph_error: str | None = None  # why the step runs eagerly after all (a capture failed)
+        self.compile_error: str | None = None  # why a compiled step runs uncompiled after all
         self._pool = None
 
     def bucket(self, n: int) -> int:
@@ -88,9 +89,13 @@ class DecodeStep:
         try:
             return self._capture(bs, rec)
         except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
+            if self.decode is not self.model.decode:  # the compiled step failed: capture the plain one
+                self.compile_error, self.decode = f"{type(e).__name__}: {e}", self.model.decode
+                self.graphs.clear()
+                log.warning("the compiled decode step failed; it runs uncompiled: %s", self.compile_error)
+                return self._try_capture(bs, rec)
             self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
             self.graphs.clear()
-            self.decode = self.model.decode  # a compiled step that failed to compile: eager too
             log.warning("the decode step cannot be captured as a CUDA graph; it runs eagerly: %s", self.graph_error)
             return None
 

@@ -62,6 +62,7 @@ def test_a_compiled_decode_step_is_captured_and_matches_the_full_forward(seed):
     engine = Engine(model, max_running=16, max_len=160, compile_decode=True)
     try:
         results = _run(engine, prompts, params, stagger=0.01)
+        assert engine.decoder.compile_error is None, engine.decoder.compile_error
         assert engine.decoder.graph_error is None, engine.decoder.graph_error
         assert len(engine.decoder.graphs) >= 2, "the compiled step was not replayed from graphs"
     finally:

@@ -122,7 +122,8 @@ def _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K: tl.constexpr, D: tl.conste
 @triton.jit
 def _online_softmax(m, l, s):
     """One block of scaled logits s [BH, BK] into the running max m and sum l [BH]: (new m,
-    new l, alpha [BH] to rescale the accumulator by, p [BH, BK])."""
+    new l, alpha [BH] to rescale the accumulator by, p [BH, BK]). Callers pass s as fp32: under
+    torch.compile a Python-float `scale` arrives as fp64, and a loop-carried m may not change type."""
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: no NaN
     alpha = tl.exp(m - m_safe)
@@ -154,7 +155,7 @@ def _fwd(Q, KV, IDX, CNT, SINK, O, LSE, scale, H, K, sq_t, sq_h, skv, si_t, so_t
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     for k0 in range(0, tl.load(CNT + t), BLOCK_K):  # slots past the count are empty
         _, _, valid, kv = _gather_kv(KV, IDX, t, si_t, skv, k0, K, BLOCK_K, D)
-        s = tl.where(valid[None, :], _mm(q, tl.trans(kv), IEEE) * scale, float("-inf"))  # [BH, BK]
+        s = tl.where(valid[None, :], (_mm(q, tl.trans(kv), IEEE) * scale).to(tl.float32), float("-inf"))  # [BH, BK]
         m, l, alpha, p = _online_softmax(m, l, s)
         acc = acc * alpha[:, None] + _mm(p.to(kv.dtype), kv, IEEE)
     f, lse = _with_sink(m, l, SINK, offs_h, hmask)
@@ -209,7 +210,7 @@ def _fwd_fp8(Q, CODES, SCALES, ROPE, IDX, CNT, SINK, O, LSE, scale, H, K, DN, sq
         kn = (_e4m3_value(codes) * scales).to(ROPE.dtype.element_ty)  # [BK, DNB]
         kr = tl.load(ROPE + rows * sr + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BK, R]
         s = _mm(q_n, tl.trans(kn), IEEE) + _mm(q_r, tl.trans(kr), IEEE)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
+        s = tl.where(valid[None, :], (s * scale).to(tl.float32), float("-inf"))  # [BH, BK]
         m, l, alpha, p = _online_softmax(m, l, s)
         acc_n = acc_n * alpha[:, None] + _mm(p.to(kn.dtype), kn, IEEE)
         acc_r = acc_r * alpha[:, None] + _mm(p.to(kr.dtype), kr, IEEE)
