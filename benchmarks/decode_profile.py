@@ -27,10 +27,11 @@ from plugins.deepseek_v4 import DeepSeekV4ForCausalLM  # noqa: E402
 
 
 def timed_parts(engine: Engine, prompts: list[list[int]], gen: int) -> dict[str, float]:
-    """engine_run with the engine's _prefill, decoder and _append timed (ms, device synced)."""
+    """engine_run with the engine's _prefill, decoder, _sample and _read timed (ms, device
+    synced: the overlap of a step's reading with the next step is gone here)."""
     parts: dict[str, float] = defaultdict(float)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    originals = {name: getattr(engine, name) for name in ("_prefill", "decoder", "_append")}
+    originals = {name: getattr(engine, name) for name in ("_prefill", "decoder", "_sample", "_read")}
 
     def wrap(name, fn):
         def call(*a, **k):
@@ -95,10 +96,10 @@ def main() -> None:
     print(f"{args.config}, B={args.batch}, prompt {args.prompt}, {args.gen} generated"
           + (", FP8 key cache" if args.kv_quant else "") + f": {tok / p['wall'] * 1e3:,.1f} tok/s (parts synced)")
     print(f"{'part':<12} {'calls':>6} {'ms':>9} {'ms/call':>9}")
-    for name in ("_prefill", "decoder", "_append"):
+    for name in ("_prefill", "decoder", "_sample", "_read"):
         n = p[name + " calls"]
         print(f"{name:<12} {n:>6.0f} {p[name]:>9.2f} {p[name] / max(n, 1):>9.3f}")
-    rest = p["wall"] - p["_prefill"] - p["decoder"] - p["_append"]
+    rest = p["wall"] - p["_prefill"] - p["decoder"] - p["_sample"] - p["_read"]
     print(f"{'rest':<12} {'':>6} {rest:>9.2f}   (scheduler, threads, callbacks)")
     print(f"{'wall':<12} {'':>6} {p['wall']:>9.2f}")
     if dev.type != "cuda":

@@ -1,4 +1,5 @@
-"""Moving tensors' device memory out to the host and back, in place.
+"""Moving tensors between the host and the device: one copy without a wait, and a whole
+device memory out to the host and back, in place.
 
 Colocated training and generation share a GPU: whichever side is idle frees its device
 memory. The storages are resized to zero (every view, optimizer reference and cache view
@@ -8,6 +9,17 @@ stays valid) and refilled bit for bit later.
 from __future__ import annotations
 
 import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """t on `device` (None: as it is); from the host to a GPU through pinned memory, so the host
+    does not wait for the copy (nor for the GPU's queue before it)."""
+    if device is None:
+        return t
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":  # the pinned copy lives until the transfer ends
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def unique_storages(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:

@@ -134,6 +134,39 @@ def test_samples_of_one_prompt_share_its_prefill(seed):
         engine.stop()
 
 
+def test_requests_stopping_mid_batch_leave_the_others_and_the_counts_exact(seed):
+    """The scheduler reads a step's tokens while the next step runs, so a request that stops
+    runs one step more, whose token is dropped. Requests stopping at different steps, one of
+    them at the engine's last position (prompt + max_new_tokens = max_len: its extra step
+    writes position max_len - 1), one by a stop token, get the tokens they get alone; the
+    engine counts only the tokens it returned; an idle engine holds no step unread."""
+    engine = _engine(seed, max_running=4, max_len=40)
+    short = [p[:20] for p in _prompts(seed, 3)]
+    full = (_prompts(seed + 1, 1)[0] * 40)[:30]
+    prompts = [short[0], full, short[1], short[2]]
+    greedy = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (10, 10, 3, 7)]
+    try:
+        alone = [_run(engine, [p], g, prefix=f"a{i}-")[f"a{i}-0"]
+                 for i, (p, g) in enumerate(zip(prompts, greedy, strict=True))]
+        stop_at = alone[0]["output_ids"][3]
+        first = alone[0]["output_ids"].index(stop_at)
+        params = [SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop_at])] + greedy[1:]
+        before = engine.counters["generated_tokens"]
+        got = _run(engine, prompts, params, together=True)
+        assert got["0"]["output_ids"] == alone[0]["output_ids"][: first + 1]
+        assert got["0"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+        assert got["1"]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+        for i in (1, 2, 3):
+            assert got[str(i)]["output_ids"] == alone[i]["output_ids"], f"request {i}"
+            assert_close(_logprobs(got[str(i)]), _logprobs(alone[i]), atol=1e-5, what=f"request {i} log-probs")
+        produced = sum(len(r["output_ids"]) for r in got.values())
+        assert engine.counters["generated_tokens"] - before == produced, "dropped rows were counted"
+        time.sleep(0.05)
+        assert engine._pending is None, "an idle engine holds a step it has not read"
+    finally:
+        engine.stop()
+
+
 def test_stop_conditions_and_abort(seed):
     """max_new_tokens, stop_token_ids (the matched id reported, kept in output_ids), EOS unless
     ignore_eos, abort of a running request (finish_reason abort, its slot reused)."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.memory import to_device
+
 log = logging.getLogger(__name__)
 
 
@@ -58,20 +60,25 @@ class DecodeStep:
         return next(b for b in self.buckets if b >= n)
 
     @torch.no_grad()
-    def __call__(self, ids: list[int], slots: list[int], record=()
+    def __call__(self, ids: list[int] | torch.Tensor, slots: list[int], record=()
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-token logits [n, V] of n sequences (their last tokens `ids`, in cache `slots`)
         and the choices `record` names that those tokens made ("routes": the experts per
         learned MoE layer [n, L, k]; "picks": the indexer's entries per CSA layer [n, C, K]);
-        each slot advances one token."""
-        n = len(ids)
+        each slot advances one token. `ids` may be a [n] long tensor on the device (tokens
+        sampled by the step before, not yet seen by the host): nothing here waits for the
+        device, so the host can prepare this step while the last one runs."""
+        n = len(slots)
         bs, rec = self.bucket(n), frozenset(record)
-        ids_t = torch.tensor(ids + [0] * (bs - n), dtype=torch.long)
-        slots_t = torch.tensor(slots + [self.scratch] * (bs - n), dtype=torch.long)
+        if isinstance(ids, torch.Tensor):
+            ids_t = torch.cat((ids, ids.new_zeros(bs - n))) if bs > n else ids
+        else:
+            ids_t = to_device(torch.tensor(ids + [0] * (bs - n), dtype=torch.long), self.device)
+        slots_t = to_device(torch.tensor(slots + [self.scratch] * (bs - n), dtype=torch.long), self.device)
         self.cache.length[self.scratch] = 0  # the scratch slot never fills up
         g = (self.graphs.get((bs, rec)) or self._try_capture(bs, rec)) if self.use_graphs else None
         if g is None:
-            logits, choices = self._decode(ids_t.to(self.device), slots_t.to(self.device), rec)
+            logits, choices = self._decode(ids_t, slots_t, rec)
         else:
             g.ids.copy_(ids_t)
             g.slots.copy_(slots_t)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from miles.memory import to_device
 from miles.rollout.decode_step import DecodeStep
 from miles.rollout.sampling import SamplingParams, sample, uniforms
 from plugins.deepseek_v4.model import DeepSeekV4ForCausalLM
@@ -53,6 +54,16 @@ class Sequence:
     choices: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
 
+@dataclass
+class _Sampled:
+    """A step's tokens sampled on the device and on their way to the host (`read` waits)."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [n] on the device: the next decode step's input ids
+    host: torch.Tensor  # [2, n] float64 on the host: the tokens and their log-probs
+    choices: dict[str, torch.Tensor]  # by name, on the host: "routes" [n, L, k], "picks" [n, C, K] int32
+    landed: torch.cuda.Event | None  # the copies to the host are done (None on CPU: they are)
+
+
 class Engine:
     """Serves one model replica. Thread-safe entry points: submit, abort, pause/resume,
     stats; `run_exclusive` runs a function between two decoding steps (weight swaps)."""
@@ -78,6 +89,8 @@ class Engine:
         self.free = list(range(max_running))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._admitted: list[Sequence] = []  # out of waiting, being prefilled, not yet running
+        self._pending: _Sampled | None = None  # the last decode step's tokens, launched, not yet read
         self.cv = threading.Condition()
         self.step_lock = threading.Lock()  # held for each scheduler iteration and each weight swap
         self.paused = False
@@ -124,7 +137,7 @@ class Engine:
     def abort(self, rid: str | None = None) -> int:
         """Abort one request (rid) or all (None); each finishes with finish_reason abort."""
         with self.cv:
-            hit = [s for s in list(self.waiting) + self.running if rid is None or s.rid == rid]
+            hit = [s for s in list(self.waiting) + self._admitted + self.running if rid is None or s.rid == rid]
             for s in hit:
                 s.aborted = "aborted by request"
             self.cv.notify_all()
@@ -142,6 +155,7 @@ class Engine:
     def run_exclusive(self, fn: Callable[[], object]) -> object:
         """Run fn with no decoding step in progress (the model's weights may change)."""
         with self.step_lock:
+            self._drain()
             return fn()
 
     @property
@@ -159,6 +173,7 @@ class Engine:
             self._stop = True
             self.cv.notify_all()
         self._thread.join(timeout=30)
+        self._pending = None
         self.abort()
         for s in list(self.waiting) + self.running:
             self._finish(s, {"type": "abort", "message": "engine stopped"})
@@ -167,21 +182,26 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self._stop and (self.paused or not (self.waiting or self.running)):
+                while not self._stop and self._idle() and self._pending is None:
                     self.cv.wait()
                 if self._stop:
                     return
+                idle = self._idle()
             with self.step_lock:
                 try:
-                    self._iteration()
+                    self._drain() if idle else self._iteration()  # idle: the last step's tokens read first
                 except Exception as e:  # a failed step fails its requests, never the engine
                     log.exception("engine step failed")
+                    self._pending = None
                     with self.cv:
-                        failed = self.running + list(self.waiting)
-                        self.running, self.waiting = [], deque()
+                        failed = self._admitted + self.running + list(self.waiting)
+                        self._admitted, self.running, self.waiting = [], [], deque()
                     for s in failed:
                         self._release(s)
                         self._finish(s, {"type": "abort", "message": f"engine error: {e}"})
+
+    def _idle(self) -> bool:
+        return self.paused or not (self.waiting or self.running)
 
     def _iteration(self) -> None:
         with self.cv:
@@ -198,7 +218,9 @@ class Engine:
                 s.slot = self.free.pop()
                 budget -= len(s.prompt)
                 admit.append(s)
+            self._admitted = admit  # abort finds them (their abort takes effect at the next iteration)
         if admit:
+            self._drain()  # the running sequences' last tokens on the host: the next step takes them from there
             self._prefill(admit)
         if self.running:
             self._decode()
@@ -231,28 +253,67 @@ class Engine:
         seqs = [s for g in groups.values() for s in g]
         with self.cv:
             self.running += seqs
-        self._append(seqs, logits[rows])
+            self._admitted = []
+        self._read(self._sample(seqs, logits[rows]))
 
     def _decode(self) -> None:
-        seqs = list(self.running)
+        """One step of every running sequence, overlapped with the host's reading of the step
+        before: its tokens go on as this step's inputs on the device, and are read (appended,
+        checked for a stop) while this step runs. A sequence that stopped at the step before
+        thus runs one step more, whose token is dropped (its slot still holds the position:
+        a sequence stops by max_len at max_len tokens, and the extra step writes position
+        max_len - 1)."""
+        seqs, last = list(self.running), self._pending
+        self._pending = None
+        if last is None:
+            ids = [s.out[-1] for s in seqs]
+        elif len(last.seqs) == len(seqs) and all(a is b for a, b in zip(last.seqs, seqs, strict=True)):
+            ids = last.tokens
+        else:  # some stopped or were aborted since: the rows of those still running
+            row = {id(s): i for i, s in enumerate(last.seqs)}
+            ids = last.tokens[to_device(torch.tensor([row[id(s)] for s in seqs]), self.device)]
         wanted = frozenset().union(*(s.returns for s in seqs))
-        logits, choices = self.decoder([s.out[-1] for s in seqs], [s.slot for s in seqs], wanted)
-        self._append(seqs, logits, choices)
+        logits, choices = self.decoder(ids, [s.slot for s in seqs], wanted)
+        self._pending = self._sample(seqs, logits, choices)
+        if last is not None:
+            self._read(last)
 
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor, choices: dict[str, torch.Tensor] | None = None
-                ) -> None:
-        """Sample each sequence's next token from `logits`; `choices` ("routes" [n, L, k], "picks"
-        [n, C, K]): what the step's input tokens (each sequence's last) chose, kept for those
-        that asked."""
+    def _drain(self) -> None:
+        """Read the last decode step's tokens, if any are still on their way."""
+        last, self._pending = self._pending, None
+        if last is not None:
+            self._read(last)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, choices: dict[str, torch.Tensor] | None = None
+                ) -> _Sampled:
+        """Sample each sequence's next token from `logits` and start its copy to the host;
+        `choices` ("routes" [n, L, k], "picks" [n, C, K]): what the step's input tokens (each
+        sequence's last) chose."""
         tokens, logps = sample(logits, [s.params for s in seqs], uniforms([s.gen for s in seqs]))
-        self.counters["generated_tokens"] += len(seqs)
-        both = torch.stack((tokens.double(), logps.double())).cpu()  # the step's one wait for the device
-        for name, t in (choices or {}).items():
-            host = t.to(torch.int32).cpu().numpy()  # after the wait above: a copy, no stall
-            for s, r in zip(seqs, host, strict=True):
-                if name in s.returns:
+        both = torch.stack((tokens.double(), logps.double()))  # [2, n]
+        wanted = {name: t.to(torch.int32) for name, t in (choices or {}).items()}
+        if both.device.type != "cuda":
+            return _Sampled(seqs, tokens, both, wanted, None)
+        host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for name, t in {"": both, **wanted}.items()}
+        landed = torch.cuda.Event()
+        landed.record()
+        return _Sampled(seqs, tokens, host.pop(""), host, landed)
+
+    def _read(self, step: _Sampled) -> None:
+        """Append a step's tokens (and the choices of those that asked) to the sequences it
+        ran that are still running; finish those that stop. The step's one wait for the device."""
+        if step.landed is not None:
+            step.landed.synchronize()
+        live = [s.finish is None for s in step.seqs]  # not stopped or aborted while the step ran
+        for name, t in step.choices.items():
+            for s, on, r in zip(step.seqs, live, t.numpy(), strict=True):
+                if on and name in s.returns:
                     s.choices[name].append(r[None])
-        for s, t, lp in zip(seqs, both[0].long().tolist(), both[1].tolist(), strict=True):
+        self.counters["generated_tokens"] += sum(live)
+        for s, on, t, lp in zip(step.seqs, live, step.host[0].long().tolist(), step.host[1].tolist(), strict=True):
+            if not on:
+                continue
             s.out.append(t)
             s.logprobs.append(lp)
             reason = self._stopped(s)

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from miles.memory import to_device
+
 Float = Annotated[float, Field(allow_inf_nan=False, strict=False)]
 
 
@@ -84,7 +86,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     ks = [p.top_k if 0 < p.top_k < v else v for p in params]
     rows = torch.tensor([[p.temperature or 1.0, k, p.top_p, p.min_p, float(p.greedy)]
                          for p, k in zip(params, ks, strict=True)], dtype=torch.float64)
-    rows = torch.cat((rows, u.double()[:, None]), 1).to(logits.device, torch.float32)  # [B, 6]
+    rows = to_device(torch.cat((rows, u.double()[:, None]), 1).float(), logits.device)  # [B, 6], no wait for the queue
     temps, top_k, top_p, min_p, greedy, u = rows.unbind(1)
     top_k = top_k.long()
     scaled = logits if all(p.temperature in (0, 1) for p in params) else logits / temps[:, None]

@@ -121,7 +121,7 @@ def update(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None], grad_sc
     blocks, aligned = _table(opt, flat, states, outs, device)
     hyper = torch.tensor([[g["lr"], g["weight_decay"], *g["betas"], g["eps"]] for g in opt.param_groups],
                          dtype=torch.float64)
-    from miles.train.batching import to_device
+    from miles.memory import to_device
 
     hyper = to_device(hyper, device)  # pinned: the host does not wait for the GPU here
     scale = grad_scale if grad_scale is not None else hyper  # any pointer; unread without HAS_SCALE

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from miles.data.sample import Sample
+from miles.memory import to_device
 from plugins.deepseek_v4.model import IGNORE_INDEX
 
 # replay choices: MicroBatch field -> Sample field ([B, S, layers, slots] -> [T, layers, slots])
@@ -95,17 +96,6 @@ class MicroBatch:
         """Rows [start, stop) as a micro-batch of their own."""
         return replace(self, **{f.name: getattr(self, f.name)[start:stop] for f in fields(self)
                                 if getattr(self, f.name) is not None})
-
-
-def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
-    """t on `device` (None: as it is); from the host to a GPU through pinned memory, so the host
-    does not wait for the copy (nor for the GPU's queue before it)."""
-    if device is None:
-        return t
-    device = torch.device(device)
-    if t.device.type == "cpu" and device.type == "cuda":  # the pinned copy lives until the transfer ends
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def positions(sample: Sample) -> int:

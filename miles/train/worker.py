@@ -33,11 +33,11 @@ from miles.ckpt import sharded
 from miles.ckpt.hf_slices import hf_slices
 from miles.ckpt.sharded import model_tensors
 from miles.cluster.node import node_address
-from miles.memory import device_memory, offload, restore, unique_storages
+from miles.memory import device_memory, offload, restore, to_device, unique_storages
 from miles.observe.alignment import grad_checksums
 from miles.observe.profiler import Profile
 from miles.train import inspect, losses
-from miles.train.batching import MicroBatch, to_device
+from miles.train.batching import MicroBatch
 from miles.train.parallel_context import MegatronContext
 from miles.train.weight_sender import WeightSender
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
