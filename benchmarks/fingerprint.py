@@ -1,5 +1,6 @@
 """The weight sync's device checksum against a plain copy of the same bytes (the memory floor):
-`checksum.packed_fingerprints` over one buffer holding a 1b-sized model's tensors.
+`checksum.packed_fingerprints` over one buffer holding a 1b-sized model's tensors, by torch's
+scans and (CUDA) by the block-sum kernel.
 
     python3 benchmarks/fingerprint.py [--gb 2.708] [--device cuda]
     .venv/bin/python benchmarks/fingerprint.py --gb 0.2 --device cpu
@@ -49,8 +50,11 @@ def main() -> None:
     where = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"{where}: {n / 1e9:.3f} GB in {len(spans)} tensors, medians of 3\n")
     print(f"{'pass':34s} {'ms':>9s} {'GB/s':>8s}")
-    for name, fn in (("copy of the bytes (the floor)", lambda: dst.copy_(flat)),
-                     ("packed_fingerprints", lambda: packed_fingerprints(flat, spans))):
+    passes = [("copy of the bytes (the floor)", lambda: dst.copy_(flat)),
+              ("packed_fingerprints, torch's scans", lambda: packed_fingerprints(flat, spans, kernel=False))]
+    if a.device == "cuda":  # the GPU's default
+        passes.append(("packed_fingerprints, block kernel", lambda: packed_fingerprints(flat, spans, kernel=True)))
+    for name, fn in passes:
         s = timed(fn, a.device)
         print(f"{name:34s} {s * 1e3:9.1f} {n / s / 1e9:8.1f}")
 

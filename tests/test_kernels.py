@@ -1590,3 +1590,29 @@ def test_adamw_kernel_follows_its_tensors_and_leaves_the_rest(seed):
     idle, empty, copy = extra[0]
     assert torch.equal(idle.detach(), torch.ones(5, device=DEV)) and idle not in mine.state and copy.isnan().all()
     assert float(mine.state[empty]["step"]) == 3
+
+
+def test_fingerprint_block_sums_give_the_scans_fingerprints(seed, monkeypatch):
+    """The weight sync's fingerprints on a GPU (kernels/fingerprint.py: a block's sums in one
+    read of its bytes, then the blocks before each span's ends and its own block up to them)
+    equal torch's scans over the words (checksum's CPU path, tested against the definition in
+    Python integers in test_rollout_sync) for a buffer of many tensors, odd-sized and
+    straddling blocks; one word changed changes its tensor's alone."""
+    from plugins.deepseek_v4 import checksum
+    from plugins.deepseek_v4.kernels import fingerprint
+
+    if not CUDA:
+        monkeypatch.setattr(fingerprint, "BLOCK", 64)
+    g = torch.Generator().manual_seed(seed)
+    n = (64 << 20) if CUDA else 20_000  # bytes
+    flat = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).to(DEV)
+    spans, off = [], 0
+    while (size := int(torch.randint(1, n // 40, (1,), generator=g))) + off <= n:
+        spans.append((f"t{len(spans)}", off, size))
+        off += size + size % 2  # the next tensor at an even offset
+    blocks = checksum.packed_fingerprints(flat, spans, kernel=True)
+    assert blocks == checksum.packed_fingerprints(flat, spans, kernel=False)
+    k, o, b = spans[len(spans) // 2]
+    flat[o + b // 2] ^= 1
+    changed = checksum.packed_fingerprints(flat, spans, kernel=True)
+    assert [s for s in changed if changed[s] != blocks[s]] == [k]

@@ -338,16 +338,24 @@ def test_device_fingerprints_tell_apart_what_the_md5_tells_apart(seed, monkeypat
     assert bucket_digests(flat, spec) == {"weight": checksum.tensor_md5(torch.zeros_like(w))}  # host: MD5s
 
 
-@pytest.mark.parametrize("chunk", [5, 64, 1 << 24])
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 24, "kernel 8", "kernel 4096"])
 def test_a_buckets_fingerprints_in_one_pass_equal_each_tensors_own(seed, chunk, monkeypatch):
     """packed_fingerprints (a bucket's buffer at once, what the GPU paths compute) gives each
     tensor the integer fingerprints() gives it alone, positions counted from its own start;
     odd-sized, empty and chunk-straddling tensors too; checked against the definition in
-    Python integers."""
+    Python integers. By torch's scans in chunks (CPU), and by the GPU's block-sum kernel
+    (Triton's interpreter here) with blocks that tensors straddle and with its own block."""
     from miles.rollout.weights import pack, spans_of, spec_of
     from plugins.deepseek_v4 import checksum
 
-    monkeypatch.setattr(checksum, "FINGERPRINT_CHUNK", chunk)
+    kernel = isinstance(chunk, str)
+    if kernel:
+        pytest.importorskip("triton")
+        from plugins.deepseek_v4.kernels import fingerprint
+
+        monkeypatch.setattr(fingerprint, "BLOCK", int(chunk.split()[1]))
+    else:
+        monkeypatch.setattr(checksum, "FINGERPRINT_CHUNK", chunk)
     g = torch.Generator().manual_seed(seed)
     bucket = {"a": torch.randn(7, 13, generator=g).to(torch.bfloat16),
               "odd": torch.randint(0, 256, (37,), generator=g, dtype=torch.int64).to(torch.uint8),
@@ -355,7 +363,7 @@ def test_a_buckets_fingerprints_in_one_pass_equal_each_tensors_own(seed, chunk, 
               "b": torch.randn(301, generator=g),
               "c": torch.randn(4, 3, generator=g, dtype=torch.float64)}
     flat, spec = pack(bucket), spec_of(bucket)
-    got = checksum.packed_fingerprints(flat, spans_of(spec))
+    got = checksum.packed_fingerprints(flat, spans_of(spec), kernel=kernel)
 
     def definition(t: torch.Tensor) -> int:
         b = bytes(t.reshape(-1).view(torch.uint8).tolist())

@@ -47,11 +47,14 @@ _WRAP = 1 << 64
 
 
 @torch.no_grad()
-def packed_fingerprints(flat: torch.Tensor, spans: list[tuple[str, int, int]]) -> dict[str, int]:
+def packed_fingerprints(flat: torch.Tensor, spans: list[tuple[str, int, int]], kernel: bool | None = None
+                        ) -> dict[str, int]:
     """fingerprints() of the tensors packed in one flat byte buffer, spans [(name, byte offset,
-    bytes)] at even offsets, with zero bytes after an odd-sized tensor: a few passes of prefix
-    sums over the whole buffer (a weight-sync bucket holds ~100 tensors at a ~1B model; one
-    set of kernels per tensor made the GPU sync host-bound), one copy to the host at the end."""
+    bytes)] at even offsets, with zero bytes after an odd-sized tensor: prefix sums over the
+    whole buffer at each span's ends (a weight-sync bucket holds ~100 tensors at a ~1B model;
+    one set of kernels per tensor made the GPU sync host-bound), one copy to the host at the
+    end. `kernel` (default: on CUDA): the sums of each block of the buffer in one read of its
+    bytes (kernels/fingerprint.py) instead of torch's scans over int64 copies of it."""
     if not spans:
         return {}
     words = flat.reshape(-1).view(torch.uint8).view(torch.int16)  # [N]
@@ -63,6 +66,36 @@ def packed_fingerprints(flat: torch.Tensor, spans: list[tuple[str, int, int]]) -
     bounds = torch.tensor(first + last, dtype=torch.int64, device=dev)  # [2T] word indices
     # prefix sums at each bound: P(b) = sum of x_j for j < b, for x = w and x = (j + 1) w;
     # int64 wraps (mod 2**64) alike on both ends of a sync
+    at = (_prefix_by_blocks if (dev.type == "cuda" if kernel is None else kernel) else _prefix_by_scans)(words, bounds)
+    t = len(spans)
+    s = at[:, t:] - at[:, :t]  # [2, T]: sum of w, sum of (j + 1) w over each tensor's words
+    s[1] -= torch.tensor(first, dtype=torch.int64, device=dev) * s[0]  # positions from each tensor's start
+    rows = s.T.cpu().tolist()
+    return {name: (a % _WRAP) * _WRAP**2 + (b % _WRAP) * _WRAP + nbytes
+            for (name, _, nbytes), (a, b) in zip(spans, rows, strict=True)}
+
+
+def _prefix_by_blocks(words: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """[2, B]: P(b) for w and (j + 1) w at each bound, as the blocks before b's block (one
+    kernel's block sums, then a scan over blocks) plus b's own block up to b (gathered)."""
+    from plugins.deepseek_v4.kernels.fingerprint import BLOCK, block_sums
+
+    if not words.numel():  # every span empty
+        return torch.zeros(2, bounds.numel(), dtype=torch.int64, device=words.device)
+    sums = block_sums(words, BLOCK)  # [2, nblocks]
+    zero = sums.new_zeros(1)
+    # one 1-D scan each (CUDA scans the rows of a 2-D tensor with a thread block per row)
+    before = torch.stack([torch.cat((zero, x.cumsum(0))) for x in sums])  # [2, nblocks + 1]
+    blk = bounds // BLOCK  # [B]
+    j = blk[:, None] * BLOCK + torch.arange(BLOCK, device=words.device)  # [B, BLOCK]
+    w = words[j.clamp_max(words.numel() - 1)].long() * (j < bounds[:, None])  # b's block up to b
+    return before[:, blk] + torch.stack((w.sum(1), (w * (j + 1)).sum(1)))
+
+
+def _prefix_by_scans(words: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """[2, B]: P(b) for w and (j + 1) w at each bound, from torch's scans over int64 copies of
+    the words, FINGERPRINT_CHUNK words at a time (the CPU path)."""
+    dev = words.device
     at = torch.zeros(2, bounds.numel(), dtype=torch.int64, device=dev)
     carry = torch.zeros(2, 1, dtype=torch.int64, device=dev)
     for c0 in range(0, words.numel(), FINGERPRINT_CHUNK):
@@ -76,12 +109,7 @@ def packed_fingerprints(flat: torch.Tensor, spans: list[tuple[str, int, int]]) -
         got = carry + sums[:, (bounds - c0 - 1).clamp(0, n - 1)]  # [2, 2T]
         at = torch.where(here, got, at)
         carry = carry + sums[:, -1:]
-    t = len(spans)
-    s = at[:, t:] - at[:, :t]  # [2, T]: sum of w, sum of (j + 1) w over each tensor's words
-    s[1] -= torch.tensor(first, dtype=torch.int64, device=dev) * s[0]  # positions from each tensor's start
-    rows = s.T.cpu().tolist()
-    return {name: (a % _WRAP) * _WRAP**2 + (b % _WRAP) * _WRAP + nbytes
-            for (name, _, nbytes), (a, b) in zip(spans, rows, strict=True)}
+    return at
 
 
 @torch.no_grad()
