@@ -127,6 +127,13 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
         tok = b * args.gen
         rows.append((name, f"B={b}", tok / t_eng, tok / t_base if t_base else None,
                      t_base / t_eng if t_base else None))
+    for b in args.batches if args.overlap_ab else ():  # the same engine reading each step before the next
+        ps = prompts(b)
+        on = median_of(lambda ps=ps: engine_run(engine, ps, args.gen), args.repeats)
+        engine.overlap = False
+        off = median_of(lambda ps=ps: engine_run(engine, ps, args.gen), args.repeats)
+        engine.overlap = True
+        rows.append((name, f"B={b}, overlap on/off", b * args.gen / on, b * args.gen / off, off / on))
     for b in args.batches:
         rows.append((name, f"B={b} step parts", *step_parts(engine, b, args.gen, args.repeats * 10)))
     b = max(8, args.batches[-1] if args.batches[-1] % 8 == 0 else 16)
@@ -207,7 +214,8 @@ def generation_tables(args: argparse.Namespace, dev: torch.device) -> None:
             base = f"{b:>15.1f}" if b else f"{'-':>15}"
             ratio = f"{r:>8.2f}x" if r else f"{'-':>9}"
             print(f"{c:<10} {w:<18} {e:>13.1f} {base} {ratio}", flush=True)
-    print("(n=8 shared: baseline column = the same batch with distinct prompts, speed-up = distinct / shared time)")
+    print("(n=8 shared: baseline column = the same batch with distinct prompts, speed-up = distinct / shared time; "
+          "overlap on/off: baseline column = the engine with overlap off)")
     print(f"\n{'config':<10} {'batch':<8} {'model ms':>10} {'sampler ms':>10} {'step ms':>10}")
     print("\n".join(parts))
     print("(model: the decode step alone; sampler: sampling and the copy to the host; step: the engine's whole "
@@ -226,6 +234,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--paths", nargs="+", default=["object_store", "broadcast", "disk", "shared"],
                     choices=["object_store", "broadcast", "disk", "shared"], help="the sync paths to time")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="also each batch with the engine reading every step before launching the next")
     ap.add_argument("--no-graphs", action="store_true", help="the decode step eager on CUDA too (the A/B)")
     ap.add_argument("--kv-quant", choices=["fp8"], help="KV-QAT: the engine's key cache in FP8 (the A/B)")
     ap.add_argument("--compile", action="store_true", help="the decode step through torch.compile (the A/B)")

@@ -70,10 +70,13 @@ class Engine:
 
     def __init__(self, model: DeepSeekV4ForCausalLM, max_running: int = 64, max_len: int = 4096,
                  tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192, cuda_graphs: bool = True,
-                 return_routed_experts: bool = False, return_indexer_picks: bool = False, compile_decode: bool = False):
+                 return_routed_experts: bool = False, return_indexer_picks: bool = False, compile_decode: bool = False,
+                 overlap: bool = True):
         """`return_routed_experts`, `return_indexer_picks`: every request's answer carries the
         experts, the indexer's entries (as if each asked). `compile_decode`: the decode step
-        through torch.compile (DecodeStep)."""
+        through torch.compile (DecodeStep). `overlap`: a decode step's tokens read while the
+        next step runs (`_decode`; off: each step read before the next, the A/B)."""
+        self.overlap = overlap
         self.model = model.eval()
         self.always = frozenset(n for n, on in (("routes", return_routed_experts), ("picks", return_indexer_picks))
                                 if on)
@@ -277,6 +280,8 @@ class Engine:
         self._pending = self._sample(seqs, logits, choices)
         if last is not None:
             self._read(last)
+        if not self.overlap:
+            self._drain()
 
     def _drain(self) -> None:
         """Read the last decode step's tokens, if any are still on their way."""
