@@ -477,7 +477,8 @@ def test_the_decode_step_pads_to_its_bucket_in_a_slot_nobody_owns(seed):
         ids = torch.randint(2, 320, (3,), generator=g)
         with torch.no_grad():
             alone, alone_choices = model.decode(ids, caches[0], torch.tensor([0, 2, 3]), record=("routes", "picks"))
-        padded, choices = step(ids.tolist(), [0, 2, 3], record=("routes", "picks"))
+        # ids from the host, or as a tensor (the last step's tokens on the device)
+        padded, choices = step(ids.tolist() if k % 2 else ids, [0, 2, 3], record=("routes", "picks"))
         assert step.bucket(3) == 4 and padded.shape == alone.shape
         assert_close(padded, alone, atol=1e-6, what=f"step {k}")
         assert torch.equal(choices["routes"].sort(-1).values, alone_choices["routes"].sort(-1).values), \
@@ -486,3 +487,28 @@ def test_the_decode_step_pads_to_its_bucket_in_a_slot_nobody_owns(seed):
     for i, (a, b) in enumerate(zip(caches[0].tensors(), caches[1].tensors(), strict=True)):
         # rounding apart (a batch of 4 may block its sums unlike one of 3), not a write of other rows
         assert_close(b[:4].double(), a[:4].double(), atol=1e-5, what=f"cache tensor {i}: a sequence's slot")
+
+
+def test_a_step_that_cannot_be_captured_runs_uncompiled_then_eagerly(seed):
+    """A compiled decode step whose capture fails is captured uncompiled; a capture that fails
+    again leaves the step eager (both said, once each). It recursed until Python's limit
+    instead: a bound method is a new object at each access, so `decode is not model.decode`
+    always held."""
+    from miles.rollout.decode_step import DecodeStep
+
+    model = tiny_model(seed).eval()
+    step = DecodeStep(model, model.new_cache(3, 32), scratch=2, max_batch=2)
+    tried = []
+
+    def capture(bs, rec):
+        tried.append(step.compiled)
+        raise RuntimeError("no graphs here")
+
+    step._capture, step.compiled = capture, True
+    assert step._try_capture(2, frozenset()) is None
+    assert tried == [True, False], tried
+    assert "no graphs here" in step.compile_error and "no graphs here" in step.graph_error
+    assert not step.use_graphs and not step.compiled
+    tried.clear()
+    step._capture = capture  # an uncompiled step: one try, then eager
+    assert step._try_capture(1, frozenset()) is None and tried == [False]

@@ -45,6 +45,7 @@ class DecodeStep:
         torch.compile (inductor fuses its elementwise chains; an A/B, `benchmarks/rollout.py
         --compile`), compiled per bucket at its first step, before any capture."""
         self.model, self.cache, self.scratch = model, cache, scratch
+        self.compiled = compile  # (a bound method is a new object at each access: no `is` test on it)
         self.decode = torch.compile(model.decode, dynamic=False) if compile else model.decode
         self.buckets = buckets(max_batch)
         self.device = cache.length.device
@@ -96,8 +97,8 @@ class DecodeStep:
         try:
             return self._capture(bs, rec)
         except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
-            if self.decode is not self.model.decode:  # the compiled step failed: capture the plain one
-                self.compile_error, self.decode = f"{type(e).__name__}: {e}", self.model.decode
+            if self.compiled:  # the compiled step failed: capture the plain one
+                self.compiled, self.compile_error, self.decode = False, f"{type(e).__name__}: {e}", self.model.decode
                 self.graphs.clear()
                 log.warning("the compiled decode step failed; it runs uncompiled: %s", self.compile_error)
                 return self._try_capture(bs, rec)

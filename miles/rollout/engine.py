@@ -178,7 +178,7 @@ class Engine:
         self._thread.join(timeout=30)
         self._pending = None
         self.abort()
-        for s in list(self.waiting) + self.running:
+        for s in list(self.waiting) + self._admitted + self.running:
             self._finish(s, {"type": "abort", "message": "engine stopped"})
 
     # ------------------------------------------------------------------ scheduler
@@ -189,8 +189,10 @@ class Engine:
                     self.cv.wait()
                 if self._stop:
                     return
-                idle = self._idle()
+                idle = self._idle()  # checked again under the step lock
             with self.step_lock:
+                with self.cv:  # again under the step lock: a pause and a run_exclusive may have come between
+                    idle = idle or self._idle()
                 try:
                     self._drain() if idle else self._iteration()  # idle: the last step's tokens read first
                 except Exception as e:  # a failed step fails its requests, never the engine
@@ -302,7 +304,7 @@ class Engine:
         host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                 for name, t in {"": both, **wanted}.items()}
         landed = torch.cuda.Event()
-        landed.record()
+        landed.record(torch.cuda.current_stream(self.device))
         return _Sampled(seqs, tokens, host.pop(""), host, landed)
 
     def _read(self, step: _Sampled) -> None:

@@ -228,8 +228,11 @@ class EngineService:
             self.engine.pause()
 
             tensors = list(self.model.parameters()) + list(self.model.buffers()) + self.engine.cache.tensors()
-            self._released, freed = self.engine.run_exclusive(lambda: offload(tensors))
-            self.engine.decoder.reset()  # the storages come back elsewhere: graphs are captured again
+            def free() -> tuple:
+                self.engine.decoder.reset()  # the storages come back elsewhere: graphs are captured again
+                return offload(tensors)
+
+            self._released, freed = self.engine.run_exclusive(free)
             return freed
 
     def resume_memory(self) -> None:

@@ -44,6 +44,7 @@ def named_md5(items: Iterable[tuple[str, torch.Tensor | None]]) -> str:
 
 FINGERPRINT_CHUNK = 1 << 24  # 16-bit words per pass: bounded int64 temporaries (128 MiB each)
 _WRAP = 1 << 64
+BOUNDS_CHUNK = 256  # span ends gathered at a time by the block path: [256, BLOCK] int64 temporaries
 
 
 @torch.no_grad()
@@ -86,10 +87,13 @@ def _prefix_by_blocks(words: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor
     zero = sums.new_zeros(1)
     # one 1-D scan each (CUDA scans the rows of a 2-D tensor with a thread block per row)
     before = torch.stack([torch.cat((zero, x.cumsum(0))) for x in sums])  # [2, nblocks + 1]
-    blk = bounds // BLOCK  # [B]
-    j = blk[:, None] * BLOCK + torch.arange(BLOCK, device=words.device)  # [B, BLOCK]
-    w = words[j.clamp_max(words.numel() - 1)].long() * (j < bounds[:, None])  # b's block up to b
-    return before[:, blk] + torch.stack((w.sum(1), (w * (j + 1)).sum(1)))
+    out = []
+    for bs in bounds.split(BOUNDS_CHUNK):
+        blk = bs // BLOCK  # [b]
+        j = blk[:, None] * BLOCK + torch.arange(BLOCK, device=words.device)  # [b, BLOCK]
+        w = words[j.clamp_max(words.numel() - 1)].long() * (j < bs[:, None])  # each bound's block up to it
+        out.append(before[:, blk] + torch.stack((w.sum(1), (w * (j + 1)).sum(1))))
+    return torch.cat(out, 1)
 
 
 def _prefix_by_scans(words: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@ the words weighted by their 1-based index in the buffer, in int64 that wraps as 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -27,5 +29,6 @@ def block_sums(words: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     nblocks = triton.cdiv(n, block)
     out = torch.empty(2, nblocks, dtype=torch.int64, device=words.device)
     if nblocks:
-        _block_sums[(nblocks,)](words, out, n, nblocks, BLOCK=block, num_warps=8)
+        with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():
+            _block_sums[(nblocks,)](words, out, n, nblocks, BLOCK=block, num_warps=8)
     return out
