@@ -189,10 +189,9 @@ class Engine:
                     self.cv.wait()
                 if self._stop:
                     return
-                idle = self._idle()  # checked again under the step lock
             with self.step_lock:
-                with self.cv:  # again under the step lock: a pause and a run_exclusive may have come between
-                    idle = idle or self._idle()
+                with self.cv:  # under the step lock: a pause and a run_exclusive may come before it
+                    idle = self._idle()
                 try:
                     self._drain() if idle else self._iteration()  # idle: the last step's tokens read first
                 except Exception as e:  # a failed step fails its requests, never the engine
@@ -301,11 +300,14 @@ class Engine:
         wanted = {name: t.to(torch.int32) for name, t in (choices or {}).items()}
         if both.device.type != "cuda":
             return _Sampled(seqs, tokens, both, wanted, None)
-        host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                for name, t in {"": both, **wanted}.items()}
+
+        def landing(t: torch.Tensor) -> torch.Tensor:  # a pinned copy the host reads after `landed`
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        host, wanted = landing(both), {name: landing(t) for name, t in wanted.items()}
         landed = torch.cuda.Event()
         landed.record(torch.cuda.current_stream(self.device))
-        return _Sampled(seqs, tokens, host.pop(""), host, landed)
+        return _Sampled(seqs, tokens, host, wanted, landed)
 
     def _read(self, step: _Sampled) -> None:
         """Append a step's tokens (and the choices of those that asked) to the sequences it

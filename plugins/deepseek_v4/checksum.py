@@ -67,7 +67,8 @@ def packed_fingerprints(flat: torch.Tensor, spans: list[tuple[str, int, int]], k
     bounds = torch.tensor(first + last, dtype=torch.int64, device=dev)  # [2T] word indices
     # prefix sums at each bound: P(b) = sum of x_j for j < b, for x = w and x = (j + 1) w;
     # int64 wraps (mod 2**64) alike on both ends of a sync
-    at = (_prefix_by_blocks if (dev.type == "cuda" if kernel is None else kernel) else _prefix_by_scans)(words, bounds)
+    blocks = dev.type == "cuda" if kernel is None else kernel
+    at = (_prefix_by_blocks if blocks else _prefix_by_scans)(words, bounds)
     t = len(spans)
     s = at[:, t:] - at[:, :t]  # [2, T]: sum of w, sum of (j + 1) w over each tensor's words
     s[1] -= torch.tensor(first, dtype=torch.int64, device=dev) * s[0]  # positions from each tensor's start
