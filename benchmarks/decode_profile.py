@@ -12,6 +12,7 @@ the kernel tables tell them apart).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -72,6 +73,58 @@ def kernel_table(fn, rows: int) -> str:
     return head + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
 
 
+def overlapped(engine: Engine, prompts: list[list[int]], gen: int) -> str:
+    """engine_run as it runs (steps overlapped, nothing synchronised): the host's time a call
+    in each of the engine's parts (their ranges nest: _decode holds decoder, _sample and _read),
+    and from torch.profiler's kernels, how much of the run the GPU was busy and its idle gaps
+    (the profiler sees the scheduler thread's kernels, not its ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names = ("_prefill", "_decode", "decoder", "_sample", "_read")
+    originals = {name: getattr(engine, name) for name in names}
+    host = defaultdict(list)
+
+    def wrap(name, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host[name].append(time.perf_counter() - t)
+        return call
+
+    for name, fn in originals.items():
+        setattr(engine, name, wrap(name, fn))
+    try:
+        cuda = engine.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            wall = engine_run(engine, prompts, gen) * 1e3
+    finally:
+        for name, fn in originals.items():
+            setattr(engine, name, fn)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    lines = [f"{'host part':12s} {'calls':>6s} {'ms/call':>9s}"]
+    for name in names:
+        lines.append(f"{name:12s} {len(host[name]):6d} {statistics.mean(host[name] or [0]) * 1e3:9.3f}")
+    if not spans:
+        return "\n".join(lines + ["no device kernels were recorded"])
+    busy, gaps, cur = 0.0, [], list(spans[0])
+    for a, b in spans[1:]:
+        if a > cur[1]:
+            busy += cur[1] - cur[0]
+            gaps.append(a - cur[1])
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    busy += cur[1] - cur[0]
+    window = cur[1] - spans[0][0]
+    big = sorted((g for g in gaps if g > 20), reverse=True)
+    return "\n".join([f"wall {wall:.1f} ms; first to last kernel {window / 1e3:.2f} ms, the GPU busy {busy / 1e3:.2f} "
+                      f"ms ({busy / window:.0%}); {len(big)} idle gaps over 20 us, {sum(big) / 1e3:.2f} ms in all, "
+                      "the largest " + ", ".join(f"{g:.0f}" for g in big[:8]) + " us"] + lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="1b", choices=sorted(PRESETS))
@@ -104,6 +157,8 @@ def main() -> None:
     print(f"{'wall':<12} {'':>6} {p['wall']:>9.2f}")
     if dev.type != "cuda":
         return
+    print(f"\n== {args.batch} requests as the engine runs them (steps overlapped), profiled")
+    print(overlapped(engine, prompts, args.gen))
     with engine.step_lock:
         ids = [torch.tensor(q, device=dev) for q in prompts]
         slots = list(range(args.batch))
