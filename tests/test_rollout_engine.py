@@ -421,6 +421,8 @@ def test_sampled_log_probs_are_those_of_the_tempered_distribution(seed):
     want = torch.log_softmax(logits.double() / temps, -1).gather(-1, tokens[:, None])[:, 0]
     assert_close(logp, want.float(), atol=1e-6, what="tempered log-probs")
     assert tokens[2] == logits[2].argmax()
+    alone, alone_logp = sample(logits[2:], [params[2], SamplingParams(temperature=0)], uniforms([None, None]))
+    assert alone[0] == tokens[2] and alone_logp[0] == logp[2]  # an all-greedy batch: the same token and log-prob
     assert (torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] - logp).abs()[[0, 1, 3]].min() > 1e-3
 
 

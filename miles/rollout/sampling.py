@@ -70,6 +70,8 @@ class SamplingParams(BaseModel):
 def uniforms(gens: list[torch.Generator | None]) -> torch.Tensor:
     """One uniform number [0, 1) per row from its request's stream (0 for greedy rows, which
     draw none): a request samples the same tokens whatever else shares its batch."""
+    if all(g is None for g in gens):
+        return torch.zeros(len(gens))
     return torch.stack([torch.zeros(()) if g is None else torch.rand((), generator=g) for g in gens])
 
 
@@ -81,6 +83,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     result is what it would be alone."""
     logits = logits.float()
     b, v = logits.shape
+    if all(p.greedy and p.temperature in (0, 1) for p in params):  # no distribution to cut or invert
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     # every row's settings in one host tensor, one copy to the device; the branches decided on
     # the host (a step waits for the device once, for its tokens)
     ks = [p.top_k if 0 < p.top_k < v else v for p in params]
@@ -101,7 +106,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
         drop = sp.cumsum(-1) - sp > top_p[:, None]
         cut = probs.scatter(-1, order, sp.masked_fill(drop, 0.0))
         probs = torch.where((top_p < 1)[:, None], cut, probs)
-    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    if any(p.min_p > 0 for p in params):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
     cdf = probs.cumsum(-1)  # [B, V]
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     tokens = torch.where(greedy.bool(), logits.argmax(-1), drawn.clamp_max(v - 1))

@@ -6,6 +6,7 @@ only, no communication) and `buckets` cut the same buckets."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -37,9 +38,13 @@ def _items(model) -> Iterator[tuple[str, torch.Tensor, list[int], bool]]:
 
 def plan(model, bucket_bytes: int) -> list[list[tuple[str, list[int], str]]]:
     """This rank's buckets as [(name, full shape, dtype)] without moving any data."""
-    owned = [(n, s, t.dtype) for n, t, s, own in _items(model) if own]
+    return _plan(list(_items(model)), bucket_bytes)
+
+
+def _plan(items: list, bucket_bytes: int) -> list[list[tuple[str, list[int], str]]]:
+    owned = [(n, s, t.dtype) for n, t, s, own in items if own]
     meta = {n: (s, d) for n, s, d in owned}
-    sizes = ((n, torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in owned)
+    sizes = ((n, math.prod(s) * d.itemsize) for n, s, d in owned)
     cuts = cut_names(sizes, bucket_bytes)
     return [[(n, meta[n][0], str(meta[n][1]).removeprefix("torch.")) for n in names] for names in cuts]
 
@@ -52,10 +57,11 @@ def buckets(model, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
 
     from miles.train.parallel_context import _all_gather
 
-    cuts = iter(plan(model, bucket_bytes))
+    items = list(_items(model))  # one walk of the state_dict for the plan and the data
+    cuts = iter(_plan(items, bucket_bytes))
     want = next(cuts, [])
     cur: dict[str, torch.Tensor] = {}
-    for name, t, _, own in _items(model):
+    for name, t, _, own in items:
         if getattr(t, "tensor_model_parallel", False) and model.ctx.tp_size > 1:
             t = torch.cat(_all_gather(t.detach(), ps.get_tensor_model_parallel_group()), t.partition_dim)
         if not own:
