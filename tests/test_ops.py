@@ -1081,8 +1081,10 @@ def test_sqrtsoftplus_gradient_finite_for_extreme_logits() -> None:
 
 def test_sorts_in_narrow_key_types_give_the_int64_order(rng: Rng) -> None:
     """The index sorts run on the narrowest integer keys that hold them (layout.sort_key_dtype:
-    fewer radix passes): mask_to_index, the routing's expert groups (stable: token order within
-    a group) and the layout's compression blocks give what int64 keys give."""
+    fewer radix passes): the routing's expert groups (stable: token order within a group) and
+    the layout's compression blocks give what int64 keys give; mask_to_index (a search over the
+    mask's running count, no sort) gives what a sort of int64 keys gives, rows with fewer keys
+    than the bound padded with -1."""
     from plugins.deepseek_v4.layout import sort_key_dtype
 
     assert [sort_key_dtype(n) for n in (1, 2 ** 15, 2 ** 15 + 1, 2 ** 31, 2 ** 31 + 1)] == [
@@ -1092,6 +1094,9 @@ def test_sorts_in_narrow_key_types_give_the_int64_order(rng: Rng) -> None:
     ar = torch.arange(t)
     want = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :120]
     assert torch.equal(ops.mask_to_index(mask, 120), torch.where(mask.gather(-1, want), want, -1))
+    assert (mask.sum(-1) < 120).all() and (mask.sum(-1) > 40).all()  # every row padded at 120, cut at 40
+    assert torch.equal(ops.mask_to_index(mask, 40), want[..., :40])
+    assert torch.equal(ops.mask_to_index(mask), ops.mask_to_index(mask, int(mask.sum(-1).max())))
     idx = rng.randint(0, 40, 200, 6)  # experts 10..29 local, others elsewhere: key 20
     pairs, rows, offs, counts, m = ops.expert_rows(idx, 10, 20, all_local=False, align=1)
     flat = idx.flatten() - 10

@@ -861,13 +861,15 @@ def unrope_out_proj(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a:
 def mask_to_index(mask: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Key mask [..., T] -> the attended key indices [..., K] in ascending order (-1 = empty
     slot). K = k, a bound on every row's set known to the caller (no wait for the GPU), else
-    the largest set (read from the GPU)."""
+    the largest set (read from the GPU). The j-th index is where the mask's running count
+    first reaches j + 1: a search over the count, no sort (a decode step ran a radix sort a
+    layer for this)."""
     t = mask.shape[-1]
-    ar = torch.arange(t, device=mask.device, dtype=sort_key_dtype(2 * t))  # unique keys < 2t
-    if k is None:
-        k = int(mask.sum(-1).max().item()) if mask.numel() else 0
-    order = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :k]
-    return torch.where(mask.gather(-1, order), order, -1)
+    k = min(t, int(mask.sum(-1).max().item()) if mask.numel() else 0) if k is None else min(k, t)
+    count = mask.cumsum(-1)  # [..., T] int64, non-decreasing
+    want = torch.arange(1, k + 1, device=mask.device).expand(*mask.shape[:-1], k).contiguous()  # [..., K]
+    at = torch.searchsorted(count, want)  # [..., K]: T where the row has fewer than j + 1 keys
+    return torch.where(at < t, at, -1)
 
 
 def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
