@@ -68,11 +68,13 @@ def recompute_run(model, prompts: list[list[int]], gen: int) -> float:
     return time.perf_counter() - t
 
 
-def step_parts(engine: Engine, b: int, gen: int, repeats: int) -> tuple[float, float, float]:
+def step_parts(engine: Engine, b: int, gen: int, repeats: int) -> tuple[float, float, float, float]:
     """One decode step of b sequences taken apart, in ms (medians): the model's step (replayed
-    from its graph where there is one), the sampler with its copy to the host, and the engine's
-    whole step as the scheduler runs it (its Python included). On slots 0..b-1 of the idle
-    engine, which are overwritten and handed back empty."""
+    from its graph where there is one), the sampler with its copy to the host, the engine's
+    whole step as the scheduler runs it (its Python included, the prefill spread over `gen`
+    steps), and its steady decode step: (time of 2 x gen tokens - time of gen) / gen, the
+    prefill taken out. On slots 0..b-1 of the idle engine, which are overwritten and handed
+    back empty."""
     from miles.rollout.sampling import sample, uniforms
 
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -95,8 +97,10 @@ def step_parts(engine: Engine, b: int, gen: int, repeats: int) -> tuple[float, f
         logits, _ = engine.decoder(ids, slots)
         sampler = timed(lambda: sample(logits, params, uniforms([None] * b))[0].cpu())
         engine.cache.length[slots] = 0
-    t = engine_run(engine, [[3] * 8 + [i] for i in range(b)], gen)
-    return model, sampler, t * 1e3 / gen
+    prompts = [[3] * 8 + [i] for i in range(b)]
+    t = median_of(lambda: engine_run(engine, prompts, gen), 3)
+    t2 = median_of(lambda: engine_run(engine, prompts, 2 * gen), 3)
+    return model, sampler, t * 1e3 / gen, (t2 - t) * 1e3 / gen
 
 
 def median_of(fn, repeats: int) -> float:
@@ -207,19 +211,24 @@ def generation_tables(args: argparse.Namespace, dev: torch.device) -> None:
     parts: list[str] = []
     print(f"\n{'config':<10} {'workload':<18} {'engine tok/s':>13} {'baseline tok/s':>15} {'speed-up':>9}")
     for name in args.configs:
-        for c, w, e, b, r in generation_rows(name, args, dev):
+        for c, w, e, b, r, *more in generation_rows(name, args, dev):
+            steady_ms = more[0] if more else None
             if w.endswith("step parts"):
-                parts.append(f"{c:<10} {w[:-11]:<8} {e:>10.2f} {b:>10.2f} {r:>10.2f}")
+                steady = int(w.split()[0][2:]) / steady_ms * 1e3
+                parts.append(f"{c:<10} {w[:-11]:<8} {e:>10.2f} {b:>10.2f} {r:>10.2f} {steady_ms:>10.2f} "
+                             f"{steady:>12.1f}")
                 continue
             base = f"{b:>15.1f}" if b else f"{'-':>15}"
             ratio = f"{r:>8.2f}x" if r else f"{'-':>9}"
             print(f"{c:<10} {w:<18} {e:>13.1f} {base} {ratio}", flush=True)
     print("(n=8 shared: baseline column = the same batch with distinct prompts, speed-up = distinct / shared time; "
           "overlap on/off: baseline column = the engine with overlap off)")
-    print(f"\n{'config':<10} {'batch':<8} {'model ms':>10} {'sampler ms':>10} {'step ms':>10}")
+    print(f"\n{'config':<10} {'batch':<8} {'model ms':>10} {'sampler ms':>10} {'step ms':>10} {'steady ms':>10} "
+          f"{'decode tok/s':>12}")
     print("\n".join(parts))
     print("(model: the decode step alone; sampler: sampling and the copy to the host; step: the engine's whole "
-          "step, --gen tokens of b requests, their prefill included)")
+          "step, --gen tokens of b requests, their prefill included; steady: a step with the prefill taken out, "
+          "(time of 2 x gen tokens - time of gen) / gen, and the batch's tokens/s at that step)")
 
 
 def main() -> None:

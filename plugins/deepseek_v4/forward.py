@@ -19,9 +19,16 @@ class Rope:
     inv_freq: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    # a decoding step's tables by what their positions are (`key`): every layer of a kind
+    # rotates at the same positions, computed once a step (seven fp64 kernels a table)
+    memo: dict | None = None
 
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope_cos_sin(positions, self.inv_freq)
+    def at(self, positions: torch.Tensor, key=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if key is None or self.memo is None:
+            return ops.rope_cos_sin(positions, self.inv_freq)
+        if key not in self.memo:
+            self.memo[key] = ops.rope_cos_sin(positions, self.inv_freq)
+        return self.memo[key]
 
 
 # What a trace can hold of an attention layer's forward (doc and pos always: its replay needs them)

@@ -306,7 +306,7 @@ class Compressor(nn.Module):
             prev = cc.prev[slots][:, :, None]
             pc, pz = prev[:, 0], prev[:, 1]
         entry = self.pool(cur[:, 0], cur[:, 1], pc, pz, (g >= 1)[:, None])  # [B, 1, D]
-        entry = rope_fn(entry, (g * r)[:, None])[:, 0]  # [B, D]
+        entry = rope_fn(entry, (g * r)[:, None], ("blocks", r, cc.entries.shape[1]))[:, 0]  # [B, D]
         cc.entries.put((slots, g), entry, when=done)
         if cc.prev is not None:
             cc.prev[slots] = torch.where(done[:, None, None, None], cc.tail[slots], cc.prev[slots])
@@ -377,8 +377,8 @@ class Attention(nn.Module):
     def _rope_entries(self, rope: Rope):
         """fn(entries [.., G, D], their positions) -> entries with RoPE (and KV-QAT's rounding):
         compressed and indexer keys, in the full forward and where decoding completes a block."""
-        def fn(entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            cos, sin = rope.at(positions)
+        def fn(entries: torch.Tensor, positions: torch.Tensor, key=None) -> torch.Tensor:
+            cos, sin = rope.at(positions, key)
             out = ops.apply_rope(entries, cos, sin, fused=use_fused(self.cfg, entries))
             return ops.fp8_kv_fake_quant(out, 2 * cos.shape[-1]) if self.cfg.kv_quant else out
         return fn
@@ -538,7 +538,7 @@ class Attention(nn.Module):
         `picks`: where the indexer's chosen entries go ([B, K] block numbers, as Fwd.picks)."""
         rope = ropes[self.rope_kind]
         w = self.window
-        cos, sin = rope.at(pos[:, None])  # [B, 1, rd/2]
+        cos, sin = rope.at(pos[:, None], "tokens")  # [B, 1, rd/2]
         c_q, q = self._q(x, cos, sin)  # q [B, 1, H, D]
         lc.keys.put((slots, pos % w), self._kv(x, cos, sin)[:, 0])
         mask = torch.arange(w, device=x.device) <= pos[:, None]  # [B, W] ring entries written so far
@@ -1197,7 +1197,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         if not pos.is_cuda and int(pos.max()) >= cache.max_len:  # on a GPU the caller keeps count (no wait)
             raise ValueError(f"a slot is full ({cache.max_len} tokens)")
         ids = input_ids.reshape(-1, 1)
-        ropes = {"swa": Rope(self.inv_freq_swa, None, None), "compressed": Rope(self.inv_freq_compressed, None, None)}
+        ropes = {"swa": Rope(self.inv_freq_swa, None, None, memo={}),
+                 "compressed": Rope(self.inv_freq_compressed, None, None, memo={})}
         x = self._streams(self.embed(ids))
         record = frozenset(record)
         routes = {} if "routes" in record else None
