@@ -73,6 +73,42 @@ def kernel_table(fn, rows: int) -> str:
     return head + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
 
 
+def by_source(fn, rows: int) -> str:
+    """fn() profiled with Python stacks: its kernels and their CUDA time by the line of the
+    model's code that launched them (the innermost frame in model.py, else in the repository)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # the Python frames recorded
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 experimental_config=verbose) as prof:
+        fn()
+        torch.cuda.synchronize()
+
+    def stack(e) -> list[str]:  # innermost first; a Triton launch's op has only its parents' frames
+        if e.stack:
+            return list(e.stack)
+        out = []
+        while e is not None:
+            out.append(e.name)
+            e = e.cpu_parent
+        return out
+
+    lines: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
+            continue
+        frames = [f for f in stack(e) if "plugins/" in f or "miles/" in f]
+        where = next((f for f in frames if "model.py" in f), frames[0] if frames else "(no frame: " + e.name + ")")
+        lines[where.split("/")[-1]][0] += len(e.kernels)
+        lines[where.split("/")[-1]][1] += sum(k.duration for k in e.kernels)
+    top = sorted(lines.items(), key=lambda kv: -kv[1][1])[:rows]
+    out = [f"{'kernels':>8} {'us':>9}  where (the innermost frame in model.py)"]
+    out += [f"{n:>8.0f} {us:>9.1f}  {where}" for where, (n, us) in top]
+    return "\n".join(out)
+
+
 def overlapped(engine: Engine, prompts: list[list[int]], gen: int) -> str:
     """engine_run as it runs (steps overlapped, nothing synchronised): the host's time a call
     in each of the engine's parts (their ranges nest: _decode holds decoder, _sample and _read),
@@ -173,6 +209,8 @@ def main() -> None:
 
         print(f"\n== one eager decode step of {args.batch}")
         print(kernel_table(step, args.rows))
+        print("\n== the same step's kernels by the model code that launched them")
+        print(by_source(step, args.rows))
         engine.cache.length[slots_t] = 0
     engine.stop()
 
