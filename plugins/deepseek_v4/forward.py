@@ -12,6 +12,17 @@ from . import ops
 from .layout import SequenceLayout
 
 
+def once(memo: dict | None, key, make):
+    """make() computed once per key in a decoding step's memo (every time without one): what
+    each layer would compute again from the step's positions (RoPE tables, masks, block
+    numbers), a few small kernels each."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 @dataclass
 class Rope:
     """cos/sin [B, S, rd/2] at token positions for one rotation kind, plus its inv_freq."""
@@ -19,16 +30,13 @@ class Rope:
     inv_freq: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    # a decoding step's tables by what their positions are (`key`): every layer of a kind
-    # rotates at the same positions, computed once a step (seven fp64 kernels a table)
+    # a decoding step's position facts by what they are (`once`): every layer of a kind rotates
+    # at the same positions, its tables computed once a step (seven fp64 kernels a table)
     memo: dict | None = None
 
     def at(self, positions: torch.Tensor, key=None) -> tuple[torch.Tensor, torch.Tensor]:
-        if key is None or self.memo is None:
-            return ops.rope_cos_sin(positions, self.inv_freq)
-        if key not in self.memo:
-            self.memo[key] = ops.rope_cos_sin(positions, self.inv_freq)
-        return self.memo[key]
+        return once(self.memo if key is not None else None, ("rope", key),
+                    lambda: ops.rope_cos_sin(positions, self.inv_freq))
 
 
 # What a trace can hold of an attention layer's forward (doc and pos always: its replay needs them)

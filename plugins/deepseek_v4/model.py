@@ -24,7 +24,7 @@ from torch import nn
 
 from . import ops
 from .config import DeepSeekV4Config
-from .forward import Fwd, Rope, Trace
+from .forward import Fwd, Rope, Trace, once
 from .graphs import BlockGraphs
 from .kv_pool import Fp8KeyPool, KeyPool
 from .layout import Blocks, SequenceLayout
@@ -288,28 +288,38 @@ class Compressor(nn.Module):
             if store is not None:
                 store[slot, 0, j], store[slot, 1, j] = cz[0][row, tok], cz[1][row, tok]
 
-    def step(self, x: torch.Tensor, cc: CompressorCache, slots: torch.Tensor, pos: torch.Tensor, rope_fn) -> None:
+    def step(self, x: torch.Tensor, cc: CompressorCache, slots: torch.Tensor, pos: torch.Tensor, rope_fn,
+             memo: dict | None = None) -> None:
         """Feed each row's token at position pos [B] (x [B, 1, d]); rows whose block it
         completes emit entry pos // r. Every row pools and only the completing ones write:
-        the shapes never depend on which rows complete (no wait for the GPU, one CUDA graph)."""
-        r = self.ratio
+        the shapes never depend on which rows complete (no wait for the GPU, one CUDA graph).
+        `memo`: the step's position facts (forward.once), shared by the compressors of a ratio."""
+        r, cap = self.ratio, cc.entries.shape[1]
         c, z = self.project(x)  # [B, 1, coff*D]
-        j = pos % r
+        # [B] each: the token's place in its block, whether it completes it, the block (a
+        # completing row's is in range), whether a block precedes it, the block's first position
+        j, done, g, has_prev, start = once(memo, ("blocks", r, cap), lambda: block_facts(pos, r, cap))
         cc.tail[slots, 0, j], cc.tail[slots, 1, j] = c[:, 0], z[:, 0]
-        if cc.entries.shape[1] == 0:  # a cache shorter than one block: no block ever completes
+        if cap == 0:  # a cache shorter than one block: no block ever completes
             return
-        done = j == r - 1  # [B]
-        g = (pos // r).clamp_max(cc.entries.shape[1] - 1)  # [B]; a completing row's entry is in range
-        cur = cc.tail[slots][:, :, None]  # [B, 2, 1, r, coff*D]
-        pc = pz = None
+        cur = cc.tail[slots]  # [B, 2, r, coff*D]
+        pc = pz = prev = None
         if cc.prev is not None:
-            prev = cc.prev[slots][:, :, None]
-            pc, pz = prev[:, 0], prev[:, 1]
-        entry = self.pool(cur[:, 0], cur[:, 1], pc, pz, (g >= 1)[:, None])  # [B, 1, D]
-        entry = rope_fn(entry, (g * r)[:, None], ("blocks", r, cc.entries.shape[1]))[:, 0]  # [B, D]
+            prev = cc.prev[slots]
+            pc, pz = prev[:, 0, None], prev[:, 1, None]
+        entry = self.pool(cur[:, 0, None], cur[:, 1, None], pc, pz, has_prev)  # [B, 1, D]
+        entry = rope_fn(entry, start, ("blocks", r, cap))[:, 0]  # [B, D]
         cc.entries.put((slots, g), entry, when=done)
         if cc.prev is not None:
-            cc.prev[slots] = torch.where(done[:, None, None, None], cc.tail[slots], cc.prev[slots])
+            cc.prev[slots] = torch.where(done[:, None, None, None], cur, prev)
+
+
+def block_facts(pos: torch.Tensor, r: int, cap: int) -> tuple[torch.Tensor, ...]:
+    """Decoding positions pos [B] against blocks of r tokens in a cache of `cap` entries: (j,
+    done, g, has_prev [B, 1], start [B, 1]) as Compressor.step reads them."""
+    j = pos % r
+    g = (pos // r).clamp_max(max(cap - 1, 0))
+    return j, j == r - 1, g, (g >= 1)[:, None], (g * r)[:, None]
 
 
 class Indexer(nn.Module):
@@ -537,21 +547,23 @@ class Attention(nn.Module):
         writes the token's K = V, compressor projections and any completed entry to the cache.
         `picks`: where the indexer's chosen entries go ([B, K] block numbers, as Fwd.picks)."""
         rope = ropes[self.rope_kind]
-        w = self.window
+        w, memo = self.window, rope.memo
         cos, sin = rope.at(pos[:, None], "tokens")  # [B, 1, rd/2]
         c_q, q = self._q(x, cos, sin)  # q [B, 1, H, D]
-        lc.keys.put((slots, pos % w), self._kv(x, cos, sin)[:, 0])
-        mask = torch.arange(w, device=x.device) <= pos[:, None]  # [B, W] ring entries written so far
+        lc.keys.put((slots, once(memo, ("ring", w), lambda: pos % w)), self._kv(x, cos, sin)[:, 0])
+        # [B, W] ring entries written so far
+        mask = once(memo, ("window", w), lambda: torch.arange(w, device=x.device) <= pos[:, None])
         keys = w  # the most keys a row attends (static: the slot's capacity, not this batch's count)
         if self.compressor is not None:
             rope_e = self._rope_entries(rope)
-            self.compressor.step(x, lc.comp, slots, pos, rope_e)
-            count = (pos + 1) // self.ratio  # [B] complete blocks, all visible
+            self.compressor.step(x, lc.comp, slots, pos, rope_e, memo)
             g = lc.keys.shape[1] - w  # G: the slot's entry capacity (entries past count are masked)
-            chosen = torch.arange(g, device=x.device) < count[:, None]  # [B, G]
+            # [B, G] the complete blocks, all visible
+            chosen = once(memo, ("complete", self.ratio, g),
+                          lambda: torch.arange(g, device=x.device) < ((pos + 1) // self.ratio)[:, None])
             keys += g
             if self.indexer is not None:
-                self.indexer.compressor.step(x, lc.idx, slots, pos, rope_e)
+                self.indexer.compressor.step(x, lc.idx, slots, pos, rope_e, memo)
                 qi, wi = self.indexer.queries(x, c_q, cos, sin)
                 scores = ops.indexer_scores(qi, self.indexer.keys(lc.idx.entries.get((slots,))), wi)  # [B, 1, G]
                 chosen = ops.topk_select(scores, chosen[:, None], self.indexer.topk)[:, 0]
