@@ -73,6 +73,27 @@ def kernel_table(fn, rows: int) -> str:
     return head + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
 
 
+def host_table(fn, rows: int) -> str:
+    """fn() under cProfile (after one unprofiled call), the device synchronised at its end:
+    the functions with the most own time, and the most time in all."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip() and "Ordered by" not in line)
+
+
 def by_source(fn, rows: int) -> str:
     """fn() profiled with Python stacks: its kernels and their CUDA time by the line of the
     model's code that launched them (the innermost frame in model.py, else in the repository)."""
@@ -200,6 +221,8 @@ def main() -> None:
         slots = list(range(args.batch))
         print(f"\n== one packed prefill of {args.batch} prompts")
         print(kernel_table(lambda: model.prefill(ids, engine.cache, slots), args.rows))
+        print("\n== its host time by function (cProfile; a wait for the device shows in the call that waits)")
+        print(host_table(lambda: model.prefill(ids, engine.cache, slots), args.rows))
         ids_t = torch.full((args.batch,), 3, device=dev)
         slots_t = torch.arange(args.batch, device=dev)
 

@@ -568,6 +568,37 @@ def test_moe_row_moves_match_the_reference(seed, n, d, k):
         assert not s[0].any()
 
 
+@pytest.mark.parametrize("n,k,n_experts,first,align", [(64, 4, 32, 0, 16), (37, 6, 5, 10, 16), (1, 2, 3, 0, 16),
+                                                        (50, 3, 7, 4, 1)])
+def test_expert_layout_kernel_gives_the_sorted_layouts_row_maps(seed, n, k, n_experts, first, align):
+    """kernels.moe.expert_layout (a decoding step's MoE layout in one program) against
+    ops.expert_rows and the row maps routed_experts derives from it: group ends, counts, the
+    row count, each row's pair, token and routing weight (padding rows -1 and 0) and each
+    pair's row, all bit for bit; experts with no pair (their one padded block), experts owning
+    many; NaN / int-min poisoned outputs, so an unwritten element shows."""
+    from plugins.deepseek_v4.kernels import moe
+
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.randint(0, n_experts - 1, (n, k), generator=g)  # the last expert gets no pair
+    hot[: n // 2] = torch.randint(0, max(1, n_experts // 3), (n // 2, k), generator=g)  # skewed
+    idx = (hot + first).to(DEV)
+    weight = torch.rand(n, k, generator=g).to(DEV)
+    assert moe.layout_fits(n * k, n_experts) and not moe.layout_fits(4096, 64)
+    offs, counts, m, pair_of_row, token_of_row, row_of_pair, wg = moe.expert_layout(idx, weight, first, n_experts,
+                                                                                    align)
+    pairs, rows, w_offs, w_counts, w_m = ops.expert_rows(idx, first, n_experts, True, align)
+    w_pair_of_row = torch.full((w_m,), -1, dtype=torch.long, device=DEV).index_copy_(0, rows, pairs)
+    w_row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=DEV).index_copy_(0, pairs, rows)
+    w_token_of_row = torch.where(w_pair_of_row >= 0, w_pair_of_row // k, -1)
+    w_wg = ops.take_rows(weight.flatten().float(), w_pair_of_row)
+    assert w_counts[-1] == 0 and (n * k < 2 * n_experts or w_counts.max() > 1)
+    assert m == w_m
+    for name, a, b in [("offs", offs, w_offs), ("counts", counts, w_counts),
+                       ("pair_of_row", pair_of_row, w_pair_of_row), ("token_of_row", token_of_row, w_token_of_row),
+                       ("row_of_pair", row_of_pair, w_row_of_pair), ("wg", wg, w_wg)]:
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, a.tolist(), b.tolist())
+
+
 @pytest.mark.parametrize("n,k,n_experts", [(300, 4, 8), (37, 2, 5)])
 def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
     """The fused routed-expert path (bf16 grouped GEMMs over padded expert groups, the SwiGLU

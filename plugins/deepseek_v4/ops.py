@@ -708,16 +708,27 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     fused: the grouped GEMMs; fused_elementwise: the SwiGLU and the row moves as kernels."""
     n, k = idx.shape
     align = GROUP_ALIGN if fused else 1
-    pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
-    pair_of_row = torch.full((m,), -1, dtype=torch.long, device=idx.device).index_copy_(0, rows, pairs)  # [M]
-    row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=idx.device).index_copy_(0, pairs, rows)
-    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // k, -1)  # [M], -1: a padding row
+    if fused and all_local and not (torch.is_grad_enabled() and weight.requires_grad) and _small_layout(n * k, w1):
+        from .kernels.moe import expert_layout  # decoding: the layout and its row maps in one kernel
+
+        offs, counts, m, _, token_of_row, row_of_pair, wg = expert_layout(idx, weight, first, w1.shape[0], align)
+    else:
+        pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
+        pair_of_row = torch.full((m,), -1, dtype=torch.long, device=idx.device).index_copy_(0, rows, pairs)  # [M]
+        row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=idx.device).index_copy_(0, pairs, rows)
+        token_of_row = torch.where(pair_of_row >= 0, pair_of_row // k, -1)  # [M], -1: a padding row
+        wg = take_rows(weight.flatten().float(), pair_of_row)  # [M]
     xg = _Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)  # [M, d]
-    wg = take_rows(weight.flatten().float(), pair_of_row)  # [M]
     h = swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
                limit, wg, x.dtype, fused_elementwise)  # [M, I]
     y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
     return _Combine.apply(y, row_of_pair, token_of_row, k, fused_elementwise)  # [N, d] fp32; n may be 0 (EP)
+
+
+def _small_layout(pairs: int, w: torch.Tensor) -> bool:
+    from .kernels.moe import layout_fits
+
+    return layout_fits(pairs, w.shape[0])
 
 
 class _AddCast(torch.autograd.Function):

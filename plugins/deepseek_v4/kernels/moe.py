@@ -65,6 +65,73 @@ def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype) ->
     return out
 
 
+# --------------------------------------------------------------------------- expert groups, small batches
+# A decoding step routes a few hundred (token, slot) pairs a layer. ops.expert_rows lays them
+# out with a sort, searches, scans and gathers, and routed_experts derives its row maps from
+# that layout: ~35 small kernels a layer, most of a decode step's MoE time that is not GEMM.
+# Here one program does all of it for up to LAYOUT_MAX one-hot cells (pairs x experts).
+LAYOUT_MAX = 1 << 15
+
+
+@triton.jit
+def _expert_layout(IDX, W, OFFS, COUNTS, PAIR_OF_ROW, TOKEN_OF_ROW, ROW_OF_PAIR, WG, P, M, n_local,
+                   K: tl.constexpr, ALIGN: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr):
+    """One program: pairs i < P with local experts IDX[i] (0..n_local-1, others not here) as
+    expert groups, each group's pairs in pair order, its rows padded to a multiple of ALIGN
+    (one block at least), the last group ending at M."""
+    i = tl.arange(0, BP)
+    e = tl.arange(0, BE)
+    live = i < P
+    ex = tl.load(IDX + i, mask=live, other=-1)
+    local = live & (ex >= 0) & (ex < n_local)
+    hit = (ex[:, None] == e[None, :]) & local[:, None]  # [BP, BE] one-hot of the local pairs
+    ones = hit.to(tl.int32)
+    counts = tl.sum(ones, axis=0)  # [BE]
+    rank = tl.sum(tl.where(hit, tl.cumsum(ones, axis=0), 0), axis=1) - 1  # [BP] place in its group
+    is_e = e < n_local
+    padded = tl.where(is_e, (tl.maximum(counts, 1) + ALIGN - 1) // ALIGN * ALIGN, 0)
+    end = tl.cumsum(padded, axis=0)
+    start = tl.sum(tl.where(hit, (end - padded)[None, :], 0), axis=1)  # [BP] its group's first row
+    row = tl.where(local, start + rank, -1)
+    tl.store(OFFS + e, tl.where(e == n_local - 1, M, end).to(tl.int32), mask=is_e)
+    tl.store(COUNTS + e, counts.to(tl.int64), mask=is_e)
+    tl.store(ROW_OF_PAIR + i, row.to(tl.int64), mask=live)
+    for r0 in range(0, M, BM):  # every row a padding row first
+        r = r0 + tl.arange(0, BM)
+        tl.store(PAIR_OF_ROW + r, tl.full([BM], -1, tl.int64), mask=r < M)
+        tl.store(TOKEN_OF_ROW + r, tl.full([BM], -1, tl.int64), mask=r < M)
+        tl.store(WG + r, tl.zeros([BM], tl.float32), mask=r < M)
+    tl.debug_barrier()  # then the real rows (other threads wrote their padding)
+    w = tl.load(W + i, mask=live, other=0.0)
+    tl.store(PAIR_OF_ROW + row, i.to(tl.int64), mask=local)
+    tl.store(TOKEN_OF_ROW + row, (i // K).to(tl.int64), mask=local)
+    tl.store(WG + row, w.to(tl.float32), mask=local)
+
+
+def layout_fits(pairs: int, n_local: int) -> bool:
+    """Whether expert_layout takes `pairs` pairs over n_local experts (one program's one-hot)."""
+    return triton.next_power_of_2(max(pairs, 1)) * triton.next_power_of_2(n_local) <= LAYOUT_MAX
+
+
+def expert_layout(idx: torch.Tensor, weight: torch.Tensor, first: int, n_local: int, align: int):
+    """What ops.routed_experts reads of ops.expert_rows' layout when every pair is local, in
+    one program: idx [N, k] global expert ids (first..first+n_local-1), weight [N, k] ->
+    (offs [E] int32 group ends, counts [E], M, pair_of_row [M], token_of_row [M] (-1: a
+    padding row), row_of_pair [N*k], wg [M] fp32 each row's routing weight, 0 on padding)."""
+    n, k = idx.shape
+    p = n * k
+    m = p + align * n_local  # as expert_rows: >= the padded total, the last group takes the rest
+    offs = new_output((n_local,), idx, torch.int32)
+    counts = new_output((n_local,), idx, torch.int64)
+    pair_of_row, token_of_row = new_output((m,), idx, torch.int64), new_output((m,), idx, torch.int64)
+    row_of_pair, wg = new_output((p,), idx, torch.int64), new_output((m,), idx, torch.float32)
+    flat = (idx.reshape(-1) - first).contiguous()
+    _expert_layout[(1,)](flat, weight.reshape(-1).float().contiguous(), offs, counts, pair_of_row, token_of_row,
+                         row_of_pair, wg, p, m, n_local, K=k, ALIGN=align, BP=triton.next_power_of_2(max(p, 1)),
+                         BE=triton.next_power_of_2(n_local), BM=1024 if not INTERPRET else 64)
+    return offs, counts, m, pair_of_row, token_of_row, row_of_pair, wg
+
+
 # --------------------------------------------------------------------------- expert weight gradient
 # dW[g] = dY_g^T A_g over each expert group's rows, added into the weight's fp32 main_grad by
 # the GEMM's epilogue. torch's grouped GEMM writes dW in bf16 and DDP (or the backward graph)
