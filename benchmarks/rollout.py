@@ -112,8 +112,7 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
     cfg.kv_quant = args.kv_quant  # "fp8": the FP8 key cache (kv_pool.Fp8KeyPool)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = DeepSeekV4ForCausalLM(cfg, dtype=dt, seed=0).to(dev).eval()
-    engine = Engine(model, max_running=64, max_len=args.prompt + args.gen + 1, cuda_graphs=not args.no_graphs,
-                    compile_decode=args.compile)
+    engine = Engine(model, max_running=64, max_len=args.prompt + args.gen + 1, cuda_graphs=not args.no_graphs)
     cache = sum(t.numel() * t.element_size() for t in engine.cache.tensors())
     print(f"{name}: the engine's cache {cache / 2**20:.1f} MiB ({engine.cache.slots} slots of {engine.cache.max_len})")
     g = torch.Generator().manual_seed(0)
@@ -247,13 +246,12 @@ def main() -> None:
                     help="also each batch with the engine reading every step before launching the next")
     ap.add_argument("--no-graphs", action="store_true", help="the decode step eager on CUDA too (the A/B)")
     ap.add_argument("--kv-quant", choices=["fp8"], help="KV-QAT: the engine's key cache in FP8 (the A/B)")
-    ap.add_argument("--compile", action="store_true", help="the decode step through torch.compile (the A/B)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     graphs = "CUDA graphs" if gpu and not args.no_graphs else "eager"
     print(f"device {dev}; prompt {args.prompt} tokens, {args.gen} generated, median of {args.repeats}; {graphs}"
-          + ("; FP8 key cache" if args.kv_quant else "") + ("; decode step compiled" if args.compile else ""))
+          + ("; FP8 key cache" if args.kv_quant else ""))
     if not args.sync_only:
         generation_tables(args, dev)
     if args.sync or args.sync_only:

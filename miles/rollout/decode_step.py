@@ -39,14 +39,10 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeStep:
-    def __init__(self, model, cache, scratch: int, max_batch: int, graphs: bool = True, compile: bool = False):
+    def __init__(self, model, cache, scratch: int, max_batch: int, graphs: bool = True):
         """`cache` holds a slot `scratch` that no sequence is given (the padding rows'); with
-        `graphs`, on CUDA each bucket is captured at its first step. `compile`: the step through
-        torch.compile (inductor fuses its elementwise chains; an A/B, `benchmarks/rollout.py
-        --compile`), compiled per bucket at its first step, before any capture."""
+        `graphs`, on CUDA each bucket is captured at its first step."""
         self.model, self.cache, self.scratch = model, cache, scratch
-        self.compiled = compile  # (a bound method is a new object at each access: no `is` test on it)
-        self.decode = torch.compile(model.decode, dynamic=False) if compile else model.decode
         self.buckets = buckets(max_batch)
         self.device = cache.length.device
         # bf16 only: an fp32 model's experts loop over their groups on the host, which a
@@ -54,7 +50,6 @@ class DecodeStep:
         self.use_graphs = graphs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16
         self.graphs: dict[tuple[int, frozenset], _Graph] = {}  # by (bucket, what it records)
         self.graph_error: str | None = None  # why the step runs eagerly after all (a capture failed)
-        self.compile_error: str | None = None  # why a compiled step runs uncompiled after all
         self._pool = None
 
     def bucket(self, n: int) -> int:
@@ -88,7 +83,7 @@ class DecodeStep:
         return logits[:n], {k: v[:n] for k, v in choices.items()}
 
     def _decode(self, ids: torch.Tensor, slots: torch.Tensor, rec: frozenset):
-        out = self.decode(ids, self.cache, slots, rec)
+        out = self.model.decode(ids, self.cache, slots, rec)
         return out if rec else (out, {})
 
     def _try_capture(self, bs: int, rec: frozenset) -> _Graph | None:
@@ -97,11 +92,6 @@ class DecodeStep:
         try:
             return self._capture(bs, rec)
         except Exception as e:  # noqa: BLE001 (any capture failure: the step still runs, eagerly)
-            if self.compiled:  # the compiled step failed: capture the plain one
-                self.compiled, self.compile_error, self.decode = False, f"{type(e).__name__}: {e}", self.model.decode
-                self.graphs.clear()
-                log.warning("the compiled decode step failed; it runs uncompiled: %s", self.compile_error)
-                return self._try_capture(bs, rec)
             self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
             self.graphs.clear()
             log.warning("the decode step cannot be captured as a CUDA graph; it runs eagerly: %s", self.graph_error)
@@ -117,7 +107,7 @@ class DecodeStep:
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.cache.length[self.scratch] = 0
-                self.decode(ids, self.cache, slots, rec)
+                self.model.decode(ids, self.cache, slots, rec)
         torch.cuda.current_stream().wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

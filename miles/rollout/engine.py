@@ -70,11 +70,10 @@ class Engine:
 
     def __init__(self, model: DeepSeekV4ForCausalLM, max_running: int = 64, max_len: int = 4096,
                  tokenizer=None, eos_ids: tuple[int, ...] = (), prefill_tokens: int = 8192, cuda_graphs: bool = True,
-                 return_routed_experts: bool = False, return_indexer_picks: bool = False, compile_decode: bool = False,
+                 return_routed_experts: bool = False, return_indexer_picks: bool = False,
                  overlap: bool = True):
         """`return_routed_experts`, `return_indexer_picks`: every request's answer carries the
-        experts, the indexer's entries (as if each asked). `compile_decode`: the decode step
-        through torch.compile (DecodeStep). `overlap`: a decode step's tokens read while the
+        experts, the indexer's entries (as if each asked). `overlap`: a decode step's tokens read while the
         next step runs (`_decode`; off: each step read before the next, the A/B)."""
         self.overlap = overlap
         self.model = model.eval()
@@ -87,8 +86,7 @@ class Engine:
         self.vocab = model.config.vocab_size
         # one slot more than sequences: the decode step's padding rows write there (DecodeStep)
         self.cache = model.new_cache(max_running + 1, max_len, self.device)
-        self.decoder = DecodeStep(model, self.cache, scratch=max_running, max_batch=max_running, graphs=cuda_graphs,
-                                  compile=compile_decode)
+        self.decoder = DecodeStep(model, self.cache, scratch=max_running, max_batch=max_running, graphs=cuda_graphs)
         self.free = list(range(max_running))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
