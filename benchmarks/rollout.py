@@ -213,7 +213,7 @@ def generation_tables(args: argparse.Namespace, dev: torch.device) -> None:
         for c, w, e, b, r, *more in generation_rows(name, args, dev):
             steady_ms = more[0] if more else None
             if w.endswith("step parts"):
-                steady = int(w.split()[0][2:]) / steady_ms * 1e3
+                steady = int(w.split()[0][2:]) / steady_ms * 1e3 if steady_ms > 0 else float("nan")  # noisy
                 parts.append(f"{c:<10} {w[:-11]:<8} {e:>10.2f} {b:>10.2f} {r:>10.2f} {steady_ms:>10.2f} "
                              f"{steady:>12.1f}")
                 continue

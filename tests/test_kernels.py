@@ -569,7 +569,7 @@ def test_moe_row_moves_match_the_reference(seed, n, d, k):
 
 
 @pytest.mark.parametrize("n,k,n_experts,first,align", [(64, 4, 32, 0, 16), (37, 6, 5, 10, 16), (1, 2, 3, 0, 16),
-                                                        (50, 3, 7, 4, 1)])
+                                                        (50, 3, 7, 4, 1), (0, 4, 6, 0, 16)])
 def test_expert_layout_kernel_gives_the_sorted_layouts_row_maps(seed, n, k, n_experts, first, align):
     """kernels.moe.expert_layout (a decoding step's MoE layout in one program) against
     ops.expert_rows and the row maps routed_experts derives from it: group ends, counts, the
@@ -597,6 +597,26 @@ def test_expert_layout_kernel_gives_the_sorted_layouts_row_maps(seed, n, k, n_ex
                        ("pair_of_row", pair_of_row, w_pair_of_row), ("token_of_row", token_of_row, w_token_of_row),
                        ("row_of_pair", row_of_pair, w_row_of_pair), ("wg", wg, w_wg)]:
         assert a.dtype == b.dtype and torch.equal(a, b), (name, a.tolist(), b.tolist())
+
+
+@pytest.mark.skipif(not CUDA, reason="the grouped GEMMs need CUDA and bf16")
+def test_routed_experts_without_a_gradient_equal_the_trained_path(seed):
+    """Decoding's routed experts (no gradient wanted: the layout from kernels.moe.expert_layout)
+    give bit for bit what the training path (expert_rows' sort, a gradient for the routing
+    weights) gives on the same inputs."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, e, d, inter = 64, 4, 32, 256, 128
+    x = torch.randn(n, d, generator=g).to(DEV, torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(DEV)
+    weight = torch.rand(n, k, generator=g).to(DEV)
+    w1, w3 = (torch.randn(e, inter, d, generator=g).to(DEV, torch.bfloat16) * 0.05 for _ in range(2))
+    w2 = torch.randn(e, d, inter, generator=g).to(DEV, torch.bfloat16) * 0.05
+    args = (w1, w3, w2, 0, 7.0)
+    trained = ops.routed_experts(x, idx, weight.clone().requires_grad_(), *args, fused=True, fused_elementwise=True)
+    with torch.no_grad():
+        decoding = ops.routed_experts(x, idx, weight, *args, fused=True, fused_elementwise=True)
+    assert_finite(decoding)
+    assert torch.equal(decoding, trained.detach())
 
 
 @pytest.mark.parametrize("n,k,n_experts", [(300, 4, 8), (37, 2, 5)])

@@ -358,7 +358,7 @@ def test_flat_buckets_round_trip_mixed_dtypes(seed):
     """A broadcast bucket packs tensors of odd byte sizes and mixed dtypes (fp32, bf16, int64
     router tables, bool) into one byte buffer; the receiver's views of a buffer laid out from
     the spec alone give back every tensor bit for bit."""
-    from miles.rollout.weights import bucket_buffer, checksums, pack, spec_of
+    from miles.rollout.weights import bucket_buffer, checksums, pack, spec_of, views_of
 
     g = torch.Generator().manual_seed(seed)
     tensors = {"a": torch.randn(3, 7, generator=g), "b": torch.randint(0, 9, (5, 3), generator=g),
@@ -368,6 +368,29 @@ def test_flat_buckets_round_trip_mixed_dtypes(seed):
     recv, views = bucket_buffer(spec_of(tensors))
     recv.copy_(flat)
     assert checksums(views) == checksums(tensors)
+    aliases = [(n, s, {"float32": "float", "int64": "long"}.get(d, d)) for n, s, d in spec_of(tensors)]
+    assert checksums(views_of(recv, aliases)) == checksums(tensors)  # a dtype by any of torch's names
+
+
+def test_staging_commits_every_dtype_and_an_empty_update(seed):
+    """An update's commit copies each staged tensor into the model whatever its dtype (the
+    copies go in groups of one device and dtype), and an empty update commits nothing and
+    says so (it raised inside the grouped copy once)."""
+    from miles.rollout.weights import Staging, update_targets
+
+    model = tiny_model(seed)
+    targets = update_targets(model)
+    assert len({t.dtype for t in targets.values()}) > 1
+    g = torch.Generator().manual_seed(seed)
+    new = {k: (torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point() else
+               ~v if v.dtype == torch.bool else torch.randint(0, 4, v.shape, generator=g).to(v.dtype))
+           for k, v in targets.items()}
+    st = Staging(model)
+    st.add(new, None)
+    assert st.commit(list(new)) == len(new)
+    for k, v in update_targets(model).items():
+        assert torch.equal(v, new[k]), k
+    assert Staging(model).commit([]) == 0
 
 
 def test_release_and_resume_memory_keep_weights_and_cache(server):

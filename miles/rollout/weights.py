@@ -153,8 +153,14 @@ class Staging:
         if missing or extra:
             raise WeightSyncError(f"update incomplete: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
                                   f", not announced {extra[:5]}")
-        with torch.no_grad():  # a few multi-tensor launches, not one copy a tensor
-            torch._foreach_copy_([self.targets[n] for n in self.staged], list(self.staged.values()))
+        groups: dict[tuple, tuple[list, list]] = {}  # multi-tensor copies take one device and dtype a call
+        for name, t in self.staged.items():
+            dst, src = groups.setdefault((t.device, t.dtype), ([], []))
+            dst.append(self.targets[name])
+            src.append(t)
+        with torch.no_grad():  # a launch or a few a group, not one copy a tensor
+            for dst, src in groups.values():
+                torch._foreach_copy_(dst, src)
         return len(self.staged)
 
 
@@ -184,7 +190,8 @@ def open_group(host: str, port: int, rank: int, size: int, backend: str, timeout
 
 
 ALIGN = 16  # bytes: every tensor of a flat bucket starts aligned for any dtype's view
-_ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in vars(torch).values() if isinstance(d, torch.dtype)}
+# each dtype by every name torch gives it ("float32", "float", ...): what check_spec accepts
+_ITEMSIZE = {name: d.itemsize for name, d in vars(torch).items() if isinstance(d, torch.dtype)}
 
 
 def _layout(spec: list[tuple[str, list[int], str]]) -> tuple[list[int], list[int], int]:

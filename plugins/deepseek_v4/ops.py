@@ -708,7 +708,8 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     fused: the grouped GEMMs; fused_elementwise: the SwiGLU and the row moves as kernels."""
     n, k = idx.shape
     align = GROUP_ALIGN if fused else 1
-    if fused and all_local and not (torch.is_grad_enabled() and weight.requires_grad) and _small_layout(n * k, w1):
+    if (fused and fused_elementwise and all_local and not (torch.is_grad_enabled() and weight.requires_grad)
+            and _small_layout(n * k, w1)):
         from .kernels.moe import expert_layout  # decoding: the layout and its row maps in one kernel
 
         offs, counts, m, _, token_of_row, row_of_pair, wg = expert_layout(idx, weight, first, w1.shape[0], align)
@@ -726,6 +727,7 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
 
 
 def _small_layout(pairs: int, w: torch.Tensor) -> bool:
+    """Whether kernels.moe.expert_layout takes `pairs` pairs over w's experts (its one program)."""
     from .kernels.moe import layout_fits
 
     return layout_fits(pairs, w.shape[0])

@@ -31,8 +31,9 @@ def within_head_dim(block: str):
 
 def new_output(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A kernel's output buffer (uninitialised, or NaN-filled under POISON_OUTPUTS)."""
-    if POISON_OUTPUTS:  # integers: their most negative value
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+    if POISON_OUTPUTS:  # integers: their most negative value; bool: True
+        fill = (float("nan") if dtype.is_floating_point or dtype.is_complex else True if dtype == torch.bool
+                else torch.iinfo(dtype).min)
         return torch.full(shape, fill, device=like.device, dtype=dtype)
     return torch.empty(shape, device=like.device, dtype=dtype)
 
