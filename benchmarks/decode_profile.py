@@ -12,6 +12,7 @@ the kernel tables tell them apart).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -27,31 +28,42 @@ from miles.rollout.engine import Engine  # noqa: E402
 from plugins.deepseek_v4 import DeepSeekV4ForCausalLM  # noqa: E402
 
 
-def timed_parts(engine: Engine, prompts: list[list[int]], gen: int) -> dict[str, float]:
-    """engine_run with the engine's _prefill, decoder, _sample and _read timed (ms, device
-    synced: the overlap of a step's reading with the next step is gone here)."""
-    parts: dict[str, float] = defaultdict(float)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    originals = {name: getattr(engine, name) for name in ("_prefill", "decoder", "_sample", "_read")}
+@contextlib.contextmanager
+def timing(engine: Engine, names: tuple[str, ...], sync=lambda: None):
+    """The engine's methods `names` timed while inside: {name: [seconds of each call]}, `sync`
+    called around each call."""
+    times: dict[str, list[float]] = defaultdict(list)
+    originals = {name: getattr(engine, name) for name in names}
 
     def wrap(name, fn):
         def call(*a, **k):
             sync()
             t = time.perf_counter()
-            out = fn(*a, **k)
-            sync()
-            parts[name] += (time.perf_counter() - t) * 1e3
-            parts[name + " calls"] += 1
-            return out
+            try:
+                return fn(*a, **k)
+            finally:
+                sync()
+                times[name].append(time.perf_counter() - t)
         return call
 
     for name, fn in originals.items():
         setattr(engine, name, wrap(name, fn))
     try:
-        parts["wall"] = engine_run(engine, prompts, gen) * 1e3
+        yield times
     finally:
         for name, fn in originals.items():
             setattr(engine, name, fn)
+
+
+def timed_parts(engine: Engine, prompts: list[list[int]], gen: int) -> dict[str, float]:
+    """engine_run with the engine's _prefill, decoder, _sample and _read timed (ms, device
+    synced: the overlap of a step's reading with the next step is gone here)."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    parts: dict[str, float] = defaultdict(float)
+    with timing(engine, ("_prefill", "decoder", "_sample", "_read"), sync) as times:
+        parts["wall"] = engine_run(engine, prompts, gen) * 1e3
+    for name, ts in times.items():
+        parts[name], parts[name + " calls"] = sum(ts) * 1e3, len(ts)
     return parts
 
 
@@ -138,27 +150,10 @@ def overlapped(engine: Engine, prompts: list[list[int]], gen: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     names = ("_prefill", "_decode", "decoder", "_sample", "_read")
-    originals = {name: getattr(engine, name) for name in names}
-    host = defaultdict(list)
-
-    def wrap(name, fn):
-        def call(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                host[name].append(time.perf_counter() - t)
-        return call
-
-    for name, fn in originals.items():
-        setattr(engine, name, wrap(name, fn))
-    try:
-        cuda = engine.device.type == "cuda"
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            wall = engine_run(engine, prompts, gen) * 1e3
-    finally:
-        for name, fn in originals.items():
-            setattr(engine, name, fn)
+    cuda = engine.device.type == "cuda"
+    with timing(engine, names) as host, \
+            profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        wall = engine_run(engine, prompts, gen) * 1e3
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     lines = [f"{'host part':12s} {'calls':>6s} {'ms/call':>9s}"]

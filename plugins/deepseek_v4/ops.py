@@ -708,10 +708,12 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
     fused: the grouped GEMMs; fused_elementwise: the SwiGLU and the row moves as kernels."""
     n, k = idx.shape
     align = GROUP_ALIGN if fused else 1
-    if (fused and fused_elementwise and all_local and not (torch.is_grad_enabled() and weight.requires_grad)
-            and _small_layout(n * k, w1)):
-        from .kernels.moe import expert_layout  # decoding: the layout and its row maps in one kernel
+    one_kernel = fused and fused_elementwise and all_local and not (torch.is_grad_enabled() and weight.requires_grad)
+    if one_kernel:  # decoding: the layout and its row maps in one kernel, where its one program holds them
+        from .kernels.moe import expert_layout, layout_fits
 
+        one_kernel = layout_fits(n * k, w1.shape[0])
+    if one_kernel:
         offs, counts, m, _, token_of_row, row_of_pair, wg = expert_layout(idx, weight, first, w1.shape[0], align)
     else:
         pairs, rows, offs, counts, m = expert_rows(idx, first, w1.shape[0], all_local, align)
@@ -724,13 +726,6 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
                limit, wg, x.dtype, fused_elementwise)  # [M, I]
     y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
     return _Combine.apply(y, row_of_pair, token_of_row, k, fused_elementwise)  # [N, d] fp32; n may be 0 (EP)
-
-
-def _small_layout(pairs: int, w: torch.Tensor) -> bool:
-    """Whether kernels.moe.expert_layout takes `pairs` pairs over w's experts (its one program)."""
-    from .kernels.moe import layout_fits
-
-    return layout_fits(pairs, w.shape[0])
 
 
 class _AddCast(torch.autograd.Function):
