@@ -488,6 +488,38 @@ def test_jobs_submit_sh_is_miles_submit(tmp_path):
     assert "usage: miles submit" in p.stdout and "--no-wait" in p.stdout
 
 
+ORPHAN = """
+import os, sys, time
+if os.fork():  # the parent exits: the child is reparented, as a dying dashboard leaves its forkserver
+    os._exit(0)
+print(os.getpid(), flush=True)
+os.close(1)  # the caller reads to the end of the pipe
+time.sleep(120)
+"""
+
+
+def test_down_finds_an_orphan_of_the_cluster_by_its_environment(tmp_path):
+    """A process `ray start` launched (its mark in the environment) whose command line names
+    neither the cluster's temp dir nor its GCS, and whose parent has exited, is still the
+    cluster's: the dashboard's forkserver, restarted while the dashboard was stopping, was left
+    running this way by down.sh in CI. Another cluster's mark is not this one's."""
+    port, other = free_ports(2)
+    runs = {}
+    for gcs in (port, other):
+        p = subprocess.run([sys.executable, "-c", ORPHAN], env=bringup.marked(dict(os.environ), gcs),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=60)
+        runs[gcs] = int(p.stdout.split()[0])
+    try:
+        orphan = runs[port]
+        assert Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1] != str(os.getpid())
+        found = bringup.cluster_procs(str(tmp_path / "no-such-temp-dir"), port)
+        assert orphan in found and runs[other] not in found, found
+        assert bringup.stop_cluster(str(tmp_path / "no-such-temp-dir"), port, grace=1.0) == {orphan}
+        assert not bringup.alive({orphan}) and bringup.alive({runs[other]})
+    finally:
+        bringup.stop_pids(set(runs.values()), grace=0.0)
+
+
 def test_free_ports_are_distinct_and_avoid_the_ports_given_out():
     """Every port a cluster's `ray start` is given is picked in one free_ports call (or kept
     out by `avoid`): one free_port() at a time, the OS handed a head the same port for its GCS

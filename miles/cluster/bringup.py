@@ -171,11 +171,25 @@ def compare_versions(here: dict, there: dict, host: str) -> None:
 
 
 # --------------------------------------------------------------------------- the cluster's processes
+# Every process `ray start` launches inherits this variable (and nothing else sets it), so a
+# process of the cluster is found by it even when its command line names neither the temp dir
+# nor the GCS and its parent is gone: the dashboard's forkserver, restarted by a dashboard that
+# is stopping, is orphaned with neither.
+CLUSTER_MARK = "MILES_CLUSTER_GCS_PORT"
+
+
+def marked(env: dict[str, str], gcs_port: int) -> dict[str, str]:
+    """`env` for the `ray start` of the cluster whose GCS listens on `gcs_port`."""
+    return env | {CLUSTER_MARK: str(gcs_port)}
+
+
 def cluster_procs(tmp: str, gcs_port: int) -> dict[int, str]:
     """Live processes of the cluster on this machine (pid -> command line): those naming its
-    temp dir or its GCS address on their command line, and every descendant of those (actors,
-    job entrypoints)."""
-    procs = {}
+    temp dir or its GCS address on their command line or carrying its mark in their
+    environment, and every descendant of those (actors, job entrypoints)."""
+    procs, mark = {}, f"{CLUSTER_MARK}={gcs_port}\0".encode()
+    ours = set()
+    gcs = re.compile(rf"address=\S*:{gcs_port}\b")
     for p in os.listdir("/proc"):
         if not p.isdigit() or int(p) == os.getpid():
             continue
@@ -184,10 +198,17 @@ def cluster_procs(tmp: str, gcs_port: int) -> dict[int, str]:
             stat = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if stat[0] != "Z":  # zombies hold nothing; a container's init may never reap them
-            procs[int(p)] = (int(stat[1]), cmd)
-    gcs = re.compile(rf"address=\S*:{gcs_port}\b")
-    ours = {p for p, (_, cmd) in procs.items() if tmp in cmd or gcs.search(cmd)}
+        if stat[0] == "Z":  # zombies hold nothing; a container's init may never reap them
+            continue
+        procs[int(p)] = (int(stat[1]), cmd)
+        if tmp in cmd or gcs.search(cmd):
+            ours.add(int(p))
+            continue
+        try:
+            if mark in Path(f"/proc/{p}/environ").read_bytes():
+                ours.add(int(p))
+        except OSError:  # another user's process
+            continue
     while more := {p for p, (ppid, _) in procs.items() if ppid in ours} - ours:
         ours |= more
     return {p: procs[p][1] for p in ours}
@@ -337,7 +358,7 @@ def up(args) -> None:
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
     print(f"cluster/up.sh: starting the head on {node_ip}:{args.port} (token auth; job server on "
           f"{dash_host}:{args.dashboard_port})", flush=True)
-    run_logged(cmd, env, state.dir / "logs" / "head.log", "`ray start --head`")
+    run_logged(cmd, marked(env, args.port), state.dir / "logs" / "head.log", "`ray start --head`")
     dashboard = f"http://127.0.0.1:{args.dashboard_port}"
     wait_dashboard(dashboard, state.token.read_text())
     head = {"gcs": f"{node_ip}:{args.port}", "gcs_port": args.port, "dashboard": dashboard, "temp_dir": tmp,
@@ -381,7 +402,8 @@ def join(args, state: State) -> None:
            *own_ports(ip, (gcs_port,)), "--disable-usage-stats"]
     cmd += [f"--num-cpus={args.num_cpus}"] if args.num_cpus is not None else []
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
-    run_logged(cmd, ray_env(state, args.env), state.dir / "logs" / f"node-{ip}.log", f"`ray start` on {ip}")
+    env = marked(ray_env(state, args.env), gcs_port)
+    run_logged(cmd, env, state.dir / "logs" / f"node-{ip}.log", f"`ray start` on {ip}")
     print(f"cluster/up.sh: node {ip} joined the cluster at {args.join}")
 
 

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.cluster.bringup import State, own_ports, ray_bin, ray_env, stop_cluster, stop_pids
+from miles.cluster.bringup import State, marked, own_ports, ray_bin, ray_env, stop_cluster, stop_pids
 from miles.cluster.node import free_ports
 
 START_TIMEOUT = 120.0
@@ -76,7 +76,8 @@ def _start_head(tmp: str, env: dict[str, str], num_cpus: int | None):
     cmd += [f"--num-cpus={num_cpus}"] if num_cpus else []
     out = open(Path(tmp) / "head.log", "w")  # noqa: SIM115 (closed by the caller)
     # Its own process group: stopping the head signals every process it started.
-    head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(cmd, env=marked(env, gcs_port), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     return head, LocalCluster(f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}", env), gcs_port, out
 
 
