@@ -85,3 +85,57 @@ def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import(tmp_path):
     known = {m: tmp_path / f"{m}.py" for m in "abc"}
     graph = {m: imports(m, f, known) for m, f in known.items()}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def megatron_first(path: Path) -> list[str]:
+    """Module-level imports of megatron in `path` that come before its import of
+    miles.train.megatron_import (all of them when it has none)."""
+    seen, out = False, []
+    for n in ast.parse(path.read_text()).body:
+        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+            [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+        seen |= "miles.train.megatron_import" in names
+        out += [f"{path.name}:{n.lineno}" for m in names if m.split(".")[0] == "megatron" and not seen]
+    return out
+
+
+def test_every_module_importing_megatron_at_load_imports_it_through_megatron_import(tmp_path):
+    """A module that imports megatron.core at module level before miles.train.megatron_import
+    would import it with its ~40 fused functions compiled at import (Dynamo and Inductor
+    loaded, ~2 s of CPU in every actor). The check itself is checked on a planted module."""
+    found = {m: megatron_first(f) for m, f in modules().items()}
+    assert "miles.train.worker" in found and not found["miles.train.worker"]
+    assert [w for m in found.values() for w in m] == []
+    (tmp_path / "bad.py").write_text("import torch\nfrom megatron.core import parallel_state\n")
+    assert megatron_first(tmp_path / "bad.py") == ["bad.py:2"]
+
+
+FIRST_CALL = """
+import sys, torch
+import miles.train.worker  # megatron.core and the training worker
+from megatron.core import jit
+from megatron.core.fusions.fused_bias_swiglu import swiglu
+assert "torch._dynamo" not in sys.modules and "torch._inductor.compile_fx" not in sys.modules, "compiled at import"
+assert jit.jit_fuser is not torch.compile
+from miles.train.megatron_import import _compile_on_first_call
+double = _compile_on_first_call(torch.compile)(lambda x: 2 * x + 1, backend="eager")
+x = torch.randn(5, 3)
+assert torch.equal(double(x), 2 * x + 1)
+from torch._dynamo.utils import counters
+assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+y = torch.randn(4, 6)
+a, b = y.chunk(2, -1)
+assert torch.isfinite(y).all() and torch.allclose(swiglu.__wrapped__(y), torch.nn.functional.silu(a) * b)
+print("ok")
+"""
+
+
+def test_megatron_imports_with_its_fusions_compiled_on_first_call():
+    """Importing the training worker loads neither Dynamo nor Inductor (megatron's jit_fuser is
+    the first-call wrapper), and the wrapper does compile, with the options given, when first
+    called and returns what the function returns."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", FIRST_CALL], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

@@ -24,6 +24,8 @@ import queue
 import threading
 
 import torch
+
+import miles.train.megatron_import  # noqa: F401  # isort: skip (first: megatron.core imports through it)
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor

@@ -7,7 +7,8 @@ all-to-all token dispatcher's side stream for its device-to-host copies of the s
 `apply()` redirects exactly those calls to their CPU equivalents, only when CUDA is
 absent, and refuses any other Megatron-core version (its CUDA call sites move between
 releases, so an unchecked version could silently take a different path). On a GPU
-machine `apply()` does nothing. No other module patches anything.
+machine `apply()` does nothing. No other module patches anything (megatron_import swaps
+`torch.compile` only while megatron.core imports).
 """
 
 from __future__ import annotations

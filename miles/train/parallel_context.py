@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+import miles.train.megatron_import  # noqa: F401  # isort: skip (first: megatron.core imports through it)
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import miles.train.megatron_import  # noqa: F401  # isort: skip (first: megatron.core imports through it)
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.enums import ModelType
