@@ -235,7 +235,10 @@ class MegatronContext(ParallelContext):
                              "routing map holds one pair per token and expert): check the hash table")
         rows, per_expert, p = disp.dispatch_postprocess(rows, p)  # grouped by local expert
         local = self.local_experts(n_experts)
-        experts = torch.repeat_interleave(torch.arange(local.start, local.stop), per_expert.cpu()).to(idx.device)
+        # per_expert is on the host (the dispatcher's one wait brought it there); a blocking copy
+        # to the GPU would wait for its queue to drain once more a layer
+        experts = torch.repeat_interleave(torch.arange(local.start, local.stop), per_expert.cpu())
+        experts = experts.to(idx.device, non_blocking=True)
         # The dispatcher sends pairs expert by expert, tokens ascending (its permute selects
         # routing_map's columns in order): the stable sort of the flat pair ids by expert.
         pairs = torch.sort(idx.flatten(), stable=True).indices
