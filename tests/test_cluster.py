@@ -372,6 +372,11 @@ def test_a_second_cluster_on_the_machine_accepts_jobs(cluster):
     from miles.cluster.local import local_cluster
 
     with local_cluster(2, log=lambda _: None) as other:
+        # its processes carry its own mark, its temp dir (on the GCS's command line too)
+        port = other.gcs.rsplit(":", 1)[1]
+        (gcs,) = [p for p in ray_processes() if f"--gcs_server_port={port}\0" in Path(f"/proc/{p}/cmdline").read_text()]
+        env = dict(x.split("=", 1) for x in Path(f"/proc/{gcs}/environ").read_text().split("\0") if "=" in x)
+        assert env[bringup.CLUSTER_MARK] in Path(f"/proc/{gcs}/cmdline").read_text(), env.get(bringup.CLUSTER_MARK)
         jid = jobs.job_id("probe")
         jobs.submit(other.address, other.env, jid, ["python", "-c", "print('probe ran')"], ROOT, {})
         deadline = time.monotonic() + 60
@@ -390,6 +395,10 @@ def test_down_leaves_no_process_of_the_cluster(cluster):
     the machine": under `pytest -n 2` another worker's clusters come and go meanwhile.)"""
     ours = set(bringup.cluster_procs(bringup.temp_dir(cluster["port"]), cluster["port"]))
     assert len(ours) > 10  # two raylets, the GCS, the dashboard, agents, workers
+    # both nodes' `ray start` gave their processes the mark (down.sh finds orphans by it)
+    mark = f"{bringup.CLUSTER_MARK}={bringup.temp_dir(cluster['port'])}\0".encode()
+    raylets = {p for p in ours if "raylet/raylet" in Path(f"/proc/{p}/cmdline").read_text()}
+    assert len(raylets) == 2 and all(mark in Path(f"/proc/{p}/environ").read_bytes() for p in raylets), raylets
     token = cluster["state"] / "token"
     mine = family(ray_processes(token))  # this cluster's, found by environment and ancestry
     assert ours & ray_processes() <= mine, "a process of the cluster the check below would not see"
@@ -502,22 +511,23 @@ def test_down_finds_an_orphan_of_the_cluster_by_its_environment(tmp_path):
     """A process `ray start` launched (its mark in the environment) whose command line names
     neither the cluster's temp dir nor its GCS, and whose parent has exited, is still the
     cluster's: the dashboard's forkserver, restarted while the dashboard was stopping, was left
-    running this way by down.sh in CI. Another cluster's mark is not this one's."""
-    port, other = free_ports(2)
-    runs = {}
-    for gcs in (port, other):
-        p = subprocess.run([sys.executable, "-c", ORPHAN], env=bringup.marked(dict(os.environ), gcs),
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=60)
-        runs[gcs] = int(p.stdout.split()[0])
+    running this way by down.sh in CI. Another cluster's mark is not this one's, nor a variable
+    whose name or value merely ends with it."""
+    (port,) = free_ports(1)
+    tmp, other = str(tmp_path / "ours"), str(tmp_path / "other")
+    envs = [bringup.marked(dict(os.environ), tmp), bringup.marked(dict(os.environ), other),
+            dict(os.environ, X=f"{bringup.CLUSTER_MARK}={tmp}"), dict(os.environ, **{f"X{bringup.CLUSTER_MARK}": tmp})]
+    runs = [int(subprocess.run([sys.executable, "-c", ORPHAN], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, timeout=60).stdout.split()[0]) for env in envs]
     try:
-        orphan = runs[port]
+        orphan, *not_ours = runs
         assert Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1] != str(os.getpid())
-        found = bringup.cluster_procs(str(tmp_path / "no-such-temp-dir"), port)
-        assert orphan in found and runs[other] not in found, found
-        assert bringup.stop_cluster(str(tmp_path / "no-such-temp-dir"), port, grace=1.0) == {orphan}
-        assert not bringup.alive({orphan}) and bringup.alive({runs[other]})
+        found = bringup.cluster_procs(tmp, port)
+        assert orphan in found and not set(not_ours) & set(found), (runs, found)
+        assert bringup.stop_cluster(tmp, port, grace=1.0) == {orphan}
+        assert not bringup.alive({orphan}) and bringup.alive(set(not_ours)) == set(not_ours)
     finally:
-        bringup.stop_pids(set(runs.values()), grace=0.0)
+        bringup.stop_pids(set(runs), grace=0.0)
 
 
 def test_free_ports_are_distinct_and_avoid_the_ports_given_out():

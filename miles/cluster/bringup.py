@@ -174,20 +174,23 @@ def compare_versions(here: dict, there: dict, host: str) -> None:
 # Every process `ray start` launches inherits this variable (and nothing else sets it), so a
 # process of the cluster is found by it even when its command line names neither the temp dir
 # nor the GCS and its parent is gone: the dashboard's forkserver, restarted by a dashboard that
-# is stopping, is orphaned with neither.
-CLUSTER_MARK = "MILES_CLUSTER_GCS_PORT"
+# is stopping, is orphaned with neither. Its value is the cluster's temp dir (the head's; a
+# node's own dir starts with it): a local cluster's is a fresh directory, so clusters that
+# happen to share a port number are still told apart by it.
+CLUSTER_MARK = "MILES_CLUSTER_TEMP_DIR"
 
 
-def marked(env: dict[str, str], gcs_port: int) -> dict[str, str]:
-    """`env` for the `ray start` of the cluster whose GCS listens on `gcs_port`."""
-    return env | {CLUSTER_MARK: str(gcs_port)}
+def marked(env: dict[str, str], tmp: str) -> dict[str, str]:
+    """`env` for the `ray start` of the cluster whose temp dir is `tmp` (a mark inherited from
+    an enclosing cluster is replaced: the inner cluster's stop must find its own)."""
+    return env | {CLUSTER_MARK: tmp}
 
 
 def cluster_procs(tmp: str, gcs_port: int) -> dict[int, str]:
     """Live processes of the cluster on this machine (pid -> command line): those naming its
     temp dir or its GCS address on their command line or carrying its mark in their
     environment, and every descendant of those (actors, job entrypoints)."""
-    procs, mark = {}, f"{CLUSTER_MARK}={gcs_port}\0".encode()
+    procs, mark = {}, f"{CLUSTER_MARK}={tmp}\0".encode()
     ours = set()
     gcs = re.compile(rf"address=\S*:{gcs_port}\b")
     for p in os.listdir("/proc"):
@@ -205,7 +208,8 @@ def cluster_procs(tmp: str, gcs_port: int) -> dict[int, str]:
             ours.add(int(p))
             continue
         try:
-            if mark in Path(f"/proc/{p}/environ").read_bytes():
+            env = Path(f"/proc/{p}/environ").read_bytes()  # NAME=value\0 ...
+            if env.startswith(mark) or b"\0" + mark in env:
                 ours.add(int(p))
         except OSError:  # another user's process
             continue
@@ -358,7 +362,7 @@ def up(args) -> None:
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
     print(f"cluster/up.sh: starting the head on {node_ip}:{args.port} (token auth; job server on "
           f"{dash_host}:{args.dashboard_port})", flush=True)
-    run_logged(cmd, marked(env, args.port), state.dir / "logs" / "head.log", "`ray start --head`")
+    run_logged(cmd, marked(env, tmp), state.dir / "logs" / "head.log", "`ray start --head`")
     dashboard = f"http://127.0.0.1:{args.dashboard_port}"
     wait_dashboard(dashboard, state.token.read_text())
     head = {"gcs": f"{node_ip}:{args.port}", "gcs_port": args.port, "dashboard": dashboard, "temp_dir": tmp,
@@ -402,7 +406,7 @@ def join(args, state: State) -> None:
            *own_ports(ip, (gcs_port,)), "--disable-usage-stats"]
     cmd += [f"--num-cpus={args.num_cpus}"] if args.num_cpus is not None else []
     cmd += [f"--num-gpus={args.num_gpus}"] if args.num_gpus is not None else []
-    env = marked(ray_env(state, args.env), gcs_port)
+    env = marked(ray_env(state, args.env), temp_dir(gcs_port))  # the head's dir: down.sh --this-node looks for it
     run_logged(cmd, env, state.dir / "logs" / f"node-{ip}.log", f"`ray start` on {ip}")
     print(f"cluster/up.sh: node {ip} joined the cluster at {args.join}")
 

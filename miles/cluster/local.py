@@ -76,7 +76,7 @@ def _start_head(tmp: str, env: dict[str, str], num_cpus: int | None):
     cmd += [f"--num-cpus={num_cpus}"] if num_cpus else []
     out = open(Path(tmp) / "head.log", "w")  # noqa: SIM115 (closed by the caller)
     # Its own process group: stopping the head signals every process it started.
-    head = subprocess.Popen(cmd, env=marked(env, gcs_port), stdout=out, stderr=subprocess.STDOUT,
+    head = subprocess.Popen(cmd, env=marked(env, tmp), stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return head, LocalCluster(f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}", env), gcs_port, out
 
@@ -99,8 +99,9 @@ def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path) -> Non
 
 
 def _stop(head: subprocess.Popen, tmp: str, gcs_port: int) -> None:
-    """Every process of the cluster (its temp dir or GCS address on the command line, and their
-    descendants, as cluster/down.sh finds them): SIGTERM, a second to exit, then SIGKILL. A
+    """Every process of the cluster (its temp dir or GCS address on the command line, its mark
+    in the environment, and their descendants, as cluster/down.sh finds them): SIGTERM, a
+    second to exit, then SIGKILL. A
     throwaway cluster holds nothing worth a longer wait (Ray's GCS ignores SIGTERM for seconds)."""
     stop_pids({head.pid}, grace=1.0)
     stop_cluster(tmp, gcs_port, grace=1.0)

@@ -5,8 +5,10 @@ imports Dynamo and Inductor, ~2 s of CPU in every process that imports megatron.
 training actor, each test worker) though miles' model calls none of them on most layouts.
 While megatron.core imports, `torch.compile` here returns a wrapper that calls the real
 `torch.compile` on the function's first call: torch.compile itself compiles only on the first
-call, so what runs, and when it compiles, is unchanged. Every module that imports megatron.core
-imports this module first; it must be the first to import megatron.core in the process.
+call, so what runs, and when it compiles, is unchanged. megatron.core.jit.jit_fuser stays the
+wrapper for the process (modules imported later, and per-instance uses, get it too). Every
+module that imports megatron.core imports this module first; it must be the first to import
+megatron.core in the process.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import torch
 
 
 def _compile_on_first_call(real):
-    def compile(fn=None, **options):  # noqa: A001 (stands in for torch.compile)
-        if fn is None:  # @torch.compile(**options)
+    def compile(model=None, **options):  # noqa: A001 (torch.compile's signature)
+        if model is None:  # @torch.compile(**options)
             return lambda f: compile(f, **options)
         compiled = []
 
-        @functools.wraps(fn)
+        @functools.wraps(model)
         def call(*args, **kwargs):
             if not compiled:
-                compiled.append(real(fn, **options))
+                compiled.append(real(model, **options))
             return compiled[0](*args, **kwargs)
 
         return call

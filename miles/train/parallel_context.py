@@ -236,9 +236,11 @@ class MegatronContext(ParallelContext):
         rows, per_expert, p = disp.dispatch_postprocess(rows, p)  # grouped by local expert
         local = self.local_experts(n_experts)
         # per_expert is on the host (the dispatcher's one wait brought it there); a blocking copy
-        # to the GPU would wait for its queue to drain once more a layer
+        # to the GPU would wait for its queue to drain once more a layer, and one from pageable
+        # memory may still wait while the driver stages it: from pinned memory it does not
         experts = torch.repeat_interleave(torch.arange(local.start, local.stop), per_expert.cpu())
-        experts = experts.to(idx.device, non_blocking=True)
+        if idx.is_cuda:
+            experts = experts.pin_memory().to(idx.device, non_blocking=True)
         # The dispatcher sends pairs expert by expert, tokens ascending (its permute selects
         # routing_map's columns in order): the stable sort of the flat pair ids by expert.
         pairs = torch.sort(idx.flatten(), stable=True).indices
