@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_runs.sh tests     # tests/gpu: engine, sync, jobs (two GPUs: ~8 min); SFT weights kept
 #   bash benchmarks/gpu_runs.sh sync      # weight sync at 1b by CUDA IPC and NCCL, with the parts (two GPUs)
-#   bash benchmarks/gpu_runs.sh engine    # the FP8 kernel and engine tests; decode at 1b: bf16, FP8; its profile
+#   bash benchmarks/gpu_runs.sh engine    # the FP8, expert kernel and engine tests; decode at 1b: bf16, FP8; its profile
 #   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
 #   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
 #   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
@@ -37,7 +37,7 @@ sync)
     run fingerprint 60 python3 benchmarks/fingerprint.py
     ;;
 engine)
-    run fp8-tests 200 python3 -m pytest -q tests/test_kernels.py -k fp8 tests/gpu/test_engine_gpu.py -p no:cacheprovider
+    run fp8-tests 200 python3 -m pytest -q tests/test_kernels.py -k "fp8 or expert" tests/gpu/test_engine_gpu.py -p no:cacheprovider
     run decode-bf16 200 python3 benchmarks/rollout.py --configs 1b --batches 1 16 64
     run decode-fp8 200 python3 benchmarks/rollout.py --configs 1b --batches 1 16 64 --kv-quant fp8
     run decode-profile 150 python3 benchmarks/decode_profile.py
