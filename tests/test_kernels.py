@@ -1570,7 +1570,7 @@ def test_adamw_kernel_matches_float64_adamw_and_torchs_fused(seed, aligned, clip
     for i, (p, p2, (w0, g0, m0, v0), st) in enumerate(zip(params, params2, before, steps, strict=True)):
         group = mine.param_groups[0 if i < 3 else 1]
         lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-        gs = g0.double() / (3.7 if clip else 1.0)
+        gs = g0.double() / (float(scale) if clip else 1.0)  # the scale as given: 3.7 rounded to fp32
         m = b1 * m0 + (1 - b1) * gs
         v = b2 * v0 + (1 - b2) * gs * gs
         step = (lr / (1 - b1 ** (st + 1))) * m / (v.sqrt() / math.sqrt(1 - b2 ** (st + 1)) + eps)
