@@ -101,8 +101,8 @@ def _wait_ready(cluster: LocalCluster, head: subprocess.Popen, log: Path) -> Non
 def _stop(head: subprocess.Popen, tmp: str, gcs_port: int) -> None:
     """Every process of the cluster (its temp dir or GCS address on the command line, its mark
     in the environment, and their descendants, as cluster/down.sh finds them): SIGTERM, a
-    second to exit, then SIGKILL. A
-    throwaway cluster holds nothing worth a longer wait (Ray's GCS ignores SIGTERM for seconds)."""
+    second to exit, then SIGKILL. A throwaway cluster holds nothing worth a longer wait (Ray's
+    GCS ignores SIGTERM for seconds)."""
     stop_pids({head.pid}, grace=1.0)
     stop_cluster(tmp, gcs_port, grace=1.0)
     head.wait()
