@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_runs.sh tests     # tests/gpu: engine, sync, jobs (two GPUs: ~8 min); SFT weights kept
 #   bash benchmarks/gpu_runs.sh sync      # weight sync at 1b by CUDA IPC and NCCL, with the parts (two GPUs)
 #   bash benchmarks/gpu_runs.sh engine    # the FP8, expert kernel and engine tests; decode at 1b: bf16, FP8; its profile
+#   bash benchmarks/gpu_runs.sh chunked   # the engine's GPU tests (chunked prefill among them); a long prompt's stall, whole vs chunked
 #   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
 #   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
 #   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
@@ -42,6 +43,10 @@ engine)
     run decode-fp8 200 python3 benchmarks/rollout.py --configs 1b --batches 1 16 64 --kv-quant fp8
     run decode-profile 150 python3 benchmarks/decode_profile.py
     ;;
+chunked)
+    run chunked-tests 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider
+    run chunked-prefill 240 python3 benchmarks/chunked_prefill.py --config 1b --running 32 --long 3584 --chunks 512 2048
+    ;;
 replay)
     run replay 400 python3 benchmarks/replay.py --job jobs/dapo_gpu.yaml --hf "$keep/sft0/hf" --steps 4
     ;;
@@ -57,7 +62,7 @@ layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240
     ;;
 *)
-    sed -n 2,13p "$0"
+    sed -n 2,14p "$0"
     exit 2
     ;;
 esac

@@ -126,6 +126,75 @@ def test_decode_matches_full_forward(seed, prompt):
     assert cache.length.tolist() == [SEQ, SEQ]
 
 
+def chunk_plan(g: torch.Generator, total: int, first: int) -> list[int]:
+    """Random chunk sizes after a prefill of `first` tokens, summing to total - first: some
+    shorter than a CSA block, some longer than the window and an HCA block."""
+    sizes, left = [], total - first
+    while left:
+        sizes.append(min(left, int(torch.randint(1, 40, (1,), generator=g))))
+        left -= sizes[-1]
+    return sizes
+
+
+def test_chunked_prefill_matches_full_forward(seed):
+    """A prompt prefilled in chunks (`extend` over the cache: window keys from the ring and the
+    chunk, compressor blocks that straddle chunks with their CSA overlap, the indexer's top-k
+    over the cached and new entries) gives the full forward's logits after every chunk, and
+    decoding after it goes on as after a whole prefill, within 1e-5 (fp32). Rows of one call
+    sit at different positions with chunks of different lengths. (The kernel path, on a GPU:
+    tests/gpu/test_engine_gpu.py; in Triton's interpreter it took 80 s.)"""
+    check_chunked_prefill(tiny_model(seed).eval(), seed, atol=1e-5)
+
+
+def check_chunked_prefill(model: DeepSeekV4ForCausalLM, seed: int, atol: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=g).to(dev)
+    with torch.no_grad():
+        full = model(ids).logits
+    firsts = [int(torch.randint(1, 20, (1,), generator=g)) for _ in range(2)]
+    plans = [chunk_plan(g, SEQ - 4, f) for f in firsts]
+    cache, slots = model.new_cache(3, SEQ + 1, dev), [2, 0]
+    last = model.prefill([ids[b, :firsts[b]] for b in range(2)], cache, slots)
+    done = list(firsts)
+    while any(plans):
+        rows = [b for b in range(2) if plans[b]]
+        sizes = [plans[b].pop(0) for b in rows]
+        last = model.extend([ids[b, done[b]:done[b] + n] for b, n in zip(rows, sizes, strict=True)], cache,
+                            [slots[b] for b in rows])
+        for i, (b, n) in enumerate(zip(rows, sizes, strict=True)):
+            done[b] += n
+            assert_close(last[i], full[b, done[b] - 1], atol=atol, what=f"row {b} after its chunk ending at {done[b]}")
+    assert cache.length[slots].tolist() == [SEQ - 4] * 2
+    for t in range(SEQ - 4, SEQ):
+        step = model.decode(ids[:, t], cache, torch.tensor(slots, device=dev))
+        assert_close(step, full[:, t], atol=atol, what=f"decode position {t} after chunks")
+
+
+def test_chunked_prefill_records_the_choices_of_a_whole_prefill(seed):
+    """The experts (routing replay) and the indexer's entries (indexer replay) that chunks
+    record, token by token, are those a whole prefill records; a chunk past the cache's
+    length is refused."""
+    model = tiny_model(seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (SEQ,), generator=g)
+    cache = model.new_cache(2, SEQ + 1)
+    _, whole = model.prefill([ids], cache, [0], record=("routes", "picks"))
+    got = {"routes": [], "picks": []}
+    done = 0
+    for n in chunk_plan(g, SEQ, 0):
+        call = model.prefill if done == 0 else model.extend
+        _, out = call([ids[done:done + n]], cache, [1], record=("routes", "picks"))
+        for k in got:
+            got[k].append(out[k][0, :n])
+        done += n
+    for k in got:
+        assert whole[k].shape[:2] == (1, SEQ) and whole[k].numel() > 0, k
+        assert torch.equal(torch.cat(got[k]), whole[k][0]), f"{k} differ"
+    with pytest.raises(ValueError, match="end before"):
+        model.extend([ids[:2]], cache, [1])
+
+
 def test_decode_on_the_kernel_path_matches_full_forward(seed):
     """The GPU's decode step (the sparse-attention kernel over the cache pool, here in Triton's
     interpreter) with static shapes: every compressed entry of the slot's capacity scored and

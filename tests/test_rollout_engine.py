@@ -134,6 +134,66 @@ def test_samples_of_one_prompt_share_its_prefill(seed):
         engine.stop()
 
 
+def test_long_prompts_prefilled_in_chunks_between_decode_steps(seed):
+    """With a prefill budget of 7 tokens an iteration, prompts of up to 90 tokens go in over
+    many iterations (model.extend), a running request decodes a step between chunks, and every
+    request (samples sharing a prompt among them) gets the tokens, log-probs (1e-5) and replay
+    choices (routed experts, indexer entries) that it gets from a whole prefill. A prompt's
+    first request aborted mid-prefill hands its slot to the next request of that prompt, which
+    ends as it does alone; every slot comes back."""
+    g = torch.Generator().manual_seed(seed + 5)
+    long = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (90, 61)]
+    short = _prompts(seed, 1)[0][:5]
+    prompts = [short, long[0], long[1], long[1], long[0]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    whole = _engine(seed, max_running=8, return_routed_experts=True, return_indexer_picks=True)
+    chunked = _engine(seed, max_running=8, prefill_tokens=7, return_routed_experts=True, return_indexer_picks=True)
+    try:
+        want = _run(whole, prompts, greedy, together=True)
+        seen = []  # tokens the short request had at each chunk
+        extend = chunked.model.extend
+
+        def watch(*a, **k):
+            seen.append(sum(len(s.out) for s in chunked.running if s.prompt == short))
+            return extend(*a, **k)
+
+        chunked.model.extend = watch
+        col = Collector()
+        chunked.submit(short, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True), col, True, rid="s")
+        while not chunked.running:
+            time.sleep(0.001)
+        chunked.pause()  # admitted together: a request of a prompt being prefilled joins it
+        for i, p in enumerate(prompts[1:], 1):
+            chunked.submit(p, greedy, col, True, rid=str(i), return_routed_experts=True)
+        chunked.resume()
+        col.wait(5)
+        assert len(seen) >= 150 // 7 and max(seen) >= seen[0] + 20, f"no decode steps between chunks: {seen}"
+        for i in range(1, 5):
+            got, ref = col.results[str(i)], want[str(i)]
+            assert got["output_ids"] == ref["output_ids"], f"request {i}"
+            assert_close(_logprobs(got), _logprobs(ref), atol=1e-5, what=f"request {i} log-probs")
+            for key in ("routed_experts", "indexer_picks"):
+                assert got["meta_info"][key] == ref["meta_info"][key], f"request {i}: {key}"
+        assert chunked.counters["prefill_tokens"] == 5 + 90 + 61
+
+        first = []
+
+        def abort_first(*a, **k):
+            if not first:
+                first.append(chunked.abort("x0"))
+            return extend(*a, **k)
+
+        chunked.model.extend = abort_first
+        got = _run(chunked, [long[0]] * 3, greedy, prefix="x", together=True)
+        assert first == [1] and got["x0"]["meta_info"]["finish_reason"]["type"] == "abort"
+        for i in (1, 2):
+            assert got[f"x{i}"]["output_ids"] == want["1"]["output_ids"], f"sample {i} after the abort"
+        assert chunked.stats()["free_slots"] == 8
+    finally:
+        whole.stop()
+        chunked.stop()
+
+
 def test_requests_stopping_mid_batch_leave_the_others_and_the_counts_exact(seed):
     """The scheduler reads a step's tokens while the next step runs, so a request that stops
     runs one step more, whose token is dropped. Requests stopping at different steps, one of

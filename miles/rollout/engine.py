@@ -3,8 +3,11 @@
 One scheduler thread owns the model. Each iteration it admits waiting requests into free
 slots (distinct prompts prefilled together in one packed forward; requests with the same
 prompt share one prefill and copy its slot), then runs one decode step over every running
-sequence, each at its own position. Requests join and leave at every step. Weight updates
-are staged off to the side and swapped in between two steps (see `weights.py`).
+sequence, each at its own position. An iteration prefills at most `prefill_tokens` prompt
+tokens: a longer prompt is prefilled in chunks over as many iterations (`model.extend`), so
+the running sequences decode a step between chunks rather than wait for the whole prompt.
+Requests join and leave at every step. Weight updates are staged off to the side and swapped in
+between two steps (see `weights.py`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class Sequence:
     returns: frozenset[str] = frozenset()
     # by name: [P, L, k] / [P, C, K] for the prompt, then [1, L, k] / [1, C, K] a step
     choices: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # prefilling: the prompt tokens in the slot so far, the requests of the same prompt that copy
+    # the slot when it is whole, and the choices of the prompt's chunks so far (by name)
+    filled: int = 0
+    followers: list[Sequence] = field(default_factory=list)
+    prompt_choices: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,6 +99,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admitted: list[Sequence] = []  # out of waiting, being prefilled, not yet running
+        self._prefilling: list[Sequence] = []  # the first request of each prompt being prefilled (in chunks)
         self._pending: _Sampled | None = None  # the last decode step's tokens, launched, not yet read
         self.cv = threading.Condition()
         self.step_lock = threading.Lock()  # held for each scheduler iteration and each weight swap
@@ -129,7 +138,7 @@ class Engine:
             self._finish(seq, {"type": "length", "length": 0})
             return seq.rid
         with self.cv:
-            if not (self.waiting or self.running):
+            if not (self.waiting or self.running or self._prefilling):
                 self.last_progress = time.monotonic()
             self.waiting.append(seq)
             self.cv.notify_all()
@@ -197,13 +206,13 @@ class Engine:
                     self._pending = None
                     with self.cv:
                         failed = self._admitted + self.running + list(self.waiting)
-                        self._admitted, self.running, self.waiting = [], [], deque()
+                        self._admitted, self._prefilling, self.running, self.waiting = [], [], [], deque()
                     for s in failed:
                         self._release(s)
                         self._finish(s, {"type": "abort", "message": f"engine error: {e}"})
 
     def _idle(self) -> bool:
-        return self.paused or not (self.waiting or self.running)
+        return self.paused or not (self.waiting or self.running or self._prefilling)
 
     def _iteration(self) -> None:
         with self.cv:
@@ -214,49 +223,94 @@ class Engine:
             for s in [s for s in self.waiting if s.aborted]:
                 self.waiting.remove(s)
                 self._finish(s, {"type": "abort", "message": s.aborted})
-            admit, budget = [], self.prefill_tokens
-            while self.waiting and self.free and (not admit or budget >= len(self.waiting[0].prompt)):
+            self._drop_aborted_prefills()
+            work, budget = [], self.prefill_tokens  # (first request of a prompt, tokens from, to)
+            for s in self._prefilling:  # prompts part-way in: their next chunks first
+                if budget > 0:
+                    work.append((s, s.filled, s.filled + min(budget, len(s.prompt) - s.filled)))
+                    budget -= work[-1][2] - work[-1][1]
+            # a request whose prompt is being prefilled joins it (no budget): copies its slot when it is whole
+            firsts = {tuple(s.prompt): s for s in self._prefilling}
+            while self.waiting and self.free and (budget > 0 or tuple(self.waiting[0].prompt) in firsts):
                 s = self.waiting.popleft()
                 s.slot = self.free.pop()
-                budget -= len(s.prompt)
-                admit.append(s)
-            self._admitted = admit  # abort finds them (their abort takes effect at the next iteration)
-        if admit:
+                self._admitted.append(s)  # abort finds them (their abort takes effect at the next iteration)
+                first = firsts.get(tuple(s.prompt))
+                if first is not None:
+                    first.followers.append(s)
+                    continue
+                firsts[tuple(s.prompt)] = s
+                self._prefilling.append(s)
+                work.append((s, 0, min(budget, len(s.prompt))))
+                budget -= work[-1][2]
+        if work:
             self._drain()  # the running sequences' last tokens on the host: the next step takes them from there
-            self._prefill(admit)
+            self._prefill(work)
         if self.running:
             self._decode()
         self.counters["steps"] += 1
         self.last_progress = time.monotonic()
 
-    def _prefill(self, admit: list[Sequence]) -> None:
-        """Distinct prompts in one packed forward; requests with an equal prompt copy the slot
-        of the first one; each then samples its first token from the shared logits."""
-        groups: dict[tuple[int, ...], list[Sequence]] = {}
-        for s in admit:
-            groups.setdefault(tuple(s.prompt), []).append(s)
-        firsts = [g[0] for g in groups.values()]
-        prompts = [torch.tensor(s.prompt, dtype=torch.long) for s in firsts]  # on the host: one copy in prefill
-        wanted = frozenset().union(*(s.returns for s in admit))  # the choices only when someone asked
-        out = self.model.prefill(prompts, self.cache, [s.slot for s in firsts], record=wanted)
-        logits, choices = out if wanted else (out, {})  # [P, V]; [P, S, L, k], [P, S, C, K]
-        self.counters["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
-        rows = [i for i, g in enumerate(groups.values()) for _ in g]
-        copies = [(g[0].slot, s.slot) for g in groups.values() for s in g[1:]]
+    def _drop_aborted_prefills(self) -> None:
+        """Finish the aborted requests of prompts being prefilled; a prompt whose first request
+        was aborted goes on in the slot of the next one of its requests, if any is left."""
+        for s in list(self._prefilling):
+            group = [x for x in (s, *s.followers) if not x.aborted]
+            for x in (s, *s.followers):
+                if x.aborted:
+                    self._admitted = [y for y in self._admitted if y is not x]
+                    if x is s and group:  # the prefill so far lives in s's slot: hand it on
+                        group[0].slot, s.slot = s.slot, group[0].slot
+                    self._release(x)
+                    self._finish(x, {"type": "abort", "message": x.aborted})
+            i = self._prefilling.index(s)
+            if not group:
+                self._prefilling.pop(i)
+            elif group[0] is not s:
+                lead = group[0]
+                lead.filled, lead.prompt_choices, lead.followers = s.filled, s.prompt_choices, group[1:]
+                self._prefilling[i] = lead
+            else:
+                s.followers = group[1:]
+
+    def _prefill(self, work: list[tuple[Sequence, int, int]]) -> None:
+        """Prompt tokens [start, end) of each prompt: those starting at 0 in one packed forward,
+        the others continuing their slots in one `extend`. A prompt that is whole then has its
+        slot copied to the requests of the same prompt, and each samples its first token from
+        the shared logits."""
+        logits: dict[int, torch.Tensor] = {}  # by id of the first request: [V] after its chunk
+        for cont in (False, True):
+            part = [w for w in work if (w[1] > 0) == cont]
+            if not part:
+                continue
+            chunks = [torch.tensor(s.prompt[a:b], dtype=torch.long) for s, a, b in part]  # on the host
+            wanted = frozenset().union(*(x.returns for s, _, _ in part for x in (s, *s.followers)))
+            call = self.model.extend if cont else self.model.prefill
+            out = call(chunks, self.cache, [s.slot for s, _, _ in part], record=wanted)
+            rows, choices = out if wanted else (out, {})  # [P, V]; [P, T, L, k], [P, T, C, K]
+            self.counters["prefill_tokens"] += sum(b - a for _, a, b in part)
+            for i, (s, a, b) in enumerate(part):
+                s.filled = b
+                logits[id(s)] = rows[i]
+                for name, t in choices.items():
+                    s.prompt_choices.setdefault(name, []).append(t[i, :b - a].to(torch.int32).cpu().numpy())
+        whole = [s for s, _, b in work if b == len(s.prompt)]
+        if not whole:
+            return
+        copies = [(s.slot, x.slot) for s in whole for x in s.followers]
         if copies:
             self.cache.copy_slots([a for a, _ in copies], [b for _, b in copies])
-        for i, g in enumerate(groups.values()):
-            for name, t in choices.items():
-                if any(name in s.returns for s in g):
-                    prompt = t[i, :len(g[0].prompt)].to(torch.int32).cpu().numpy()  # [P, L, k] / [P, C, K]
-                    for s in g:
-                        if name in s.returns:
-                            s.choices[name] = [prompt]
-        seqs = [s for g in groups.values() for s in g]
+        seqs = [x for s in whole for x in (s, *s.followers)]
+        for s in whole:  # the choices the prompt's tokens made, [P, L, k] / [P, C, K]
+            for x in (s, *s.followers):
+                for name in x.returns:
+                    x.choices[name] = [np.concatenate(s.prompt_choices[name])]
+        done = {id(x) for x in seqs}
         with self.cv:
+            self._prefilling = [s for s in self._prefilling if id(s) not in done]
+            self._admitted = [x for x in self._admitted if id(x) not in done]
             self.running += seqs
-            self._admitted = []
-        self._read(self._sample(seqs, logits[rows]))
+        self._read(self._sample(seqs, torch.stack([logits[id(s)] for s in whole for _ in (s, *s.followers)])))
 
     def _decode(self) -> None:
         """One step of every running sequence, overlapped with the host's reading of the step

@@ -176,6 +176,85 @@ class FillPlan:
         return plan
 
 
+@dataclass
+class ChunkBlocks:
+    """One compression ratio's part of an ExtendPlan. Each row pools from a buffer [U, ...] of
+    token projections laid out from the block before the slot's current one: buffer index
+    u = position - (starts // r - 1) * r (the cached last complete block at u < r, the
+    current block's cached tokens from u = r, then the chunk). Buffer block k + 1 is block
+    g = starts // r + k; index tuples are flat [n] device tensors:
+      chunk: (row, token, u): where each chunk token goes;
+      entries: (row, k, slot, g): the blocks the chunk completes;
+      tail: (row, u, slot, u % r): the tokens after the last complete block (the new tail);
+      prev: (row, u, slot, u % r): the last complete block's tokens, where the chunk completed one."""
+
+    size: int  # U, a multiple of r
+    has_prev: torch.Tensor  # [B, U / r - 1] block g > 0
+    start: torch.Tensor  # [B, U / r - 1] the blocks' first positions g * r (their RoPE positions)
+    seen: torch.Tensor  # [B, T] the complete blocks a chunk token's query sees: (position + 1) // r
+    chunk: tuple[torch.Tensor, ...]
+    entries: tuple[torch.Tensor, ...]
+    tail: tuple[torch.Tensor, ...]
+    prev: tuple[torch.Tensor, ...]
+
+
+@dataclass
+class ExtendPlan:
+    """A chunk of tokens continuing each of B slots (chunked prefill), laid out on the host from
+    the slots' lengths and the chunks' (no wait for the device). Row b holds lens[b] tokens
+    (right-padded to T) at positions starts[b] + t of slot slots[b]. A query's keys are its
+    window, then the complete blocks' entries: the window from [ring W ; chunk T], the ring
+    holding the slot's last W positions (position p at p % W)."""
+
+    slots: torch.Tensor  # [B]
+    pos: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T]
+    window: torch.Tensor  # [B, T, W] each query's window keys in [ring ; chunk] (query p, j: key p - j), -1 none
+    ring: tuple[torch.Tensor, ...]  # (row, token, slot, p % W): the chunk tokens the ring keeps
+    blocks: dict[int, ChunkBlocks]
+    lens: list[int]
+
+    @classmethod
+    def of(cls, starts: list[int], lens: list[int], slots: list[int], window: int, ratios: Iterable[int],
+           device) -> ExtendPlan:
+        L, n = torch.tensor(starts)[:, None], torch.tensor(lens)[:, None]  # [B, 1]
+        b, t = len(lens), max(lens)
+        row, slot = torch.arange(b)[:, None], torch.tensor(slots)[:, None]
+        tok = torch.arange(t)[None]  # [1, T]
+        pos, valid = L + tok, tok < n  # [B, T]
+
+        def flat(keep: torch.Tensor, *grids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """[B, k] grids -> their kept entries as flat device tensors."""
+            grids = torch.broadcast_tensors(*grids, keep)
+            return tuple(g[grids[-1]].to(device, non_blocking=True) for g in grids[:-1])
+
+        def dev(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=True)
+
+        key = pos[..., None] - torch.arange(window)  # [B, T, W] key positions
+        at = torch.where(key < L[..., None], key % window, window + key - L[..., None])
+        win = torch.where((key >= 0) & (key < (L + n)[..., None]), at, -1)
+        keep = (tok >= n - window) & valid  # the last W tokens of the chunk
+        plan = cls(dev(torch.tensor(slots)), dev(pos), dev(valid), dev(win), flat(keep, row, tok, slot, pos % window),
+                   {}, lens)
+        for r in set(ratios):
+            g0, m = L // r, L % r  # [B, 1] the current block, its cached tokens
+            size = r * -(-(r + int((m + n).max())) // r)
+            k = torch.arange(size // r - 1)[None]  # [1, K]
+            g = g0 + k  # [B, K] block numbers
+            end = (L + n) // r  # [B, 1] complete blocks after the chunk
+            u = torch.arange(size)[None]  # [1, U]
+            p = u + (g0 - 1) * r  # [B, U] positions
+            last = (end - 1 - g0 + 1) * r  # buffer index of the last complete block's first token
+            plan.blocks[r] = ChunkBlocks(
+                size, dev(g >= 1), dev(g * r), dev((pos + 1) // r),
+                chunk=flat(valid, row, tok, r + m + tok),
+                entries=flat(g < end, row, k, slot, g),
+                tail=flat((p >= end * r) & (p < L + n) & (u >= r), row, u, slot, u % r),
+                prev=flat((end > g0) & (u >= last) & (u < last + r), row, u, slot, u % r))
+        return plan
+
+
 # =========================================================================== attention parts
 def token_rows(index: torch.Tensor, seq: int) -> torch.Tensor:
     """Token positions index [B, ...] of a [B, seq, .] tensor -> its rows in the [B*seq, .]
@@ -312,6 +391,28 @@ class Compressor(nn.Module):
         cc.entries.put((slots, g), entry, when=done)
         if cc.prev is not None:
             cc.prev[slots] = torch.where(done[:, None, None, None], cur, prev)
+
+    def extend(self, x: torch.Tensor, cc: CompressorCache, plan: ExtendPlan, rope_fn) -> None:
+        """Feed a chunk of tokens to each slot (x [B, T, d], `plan`): the blocks it completes
+        become entries, and the slot keeps the new partial block's (and CSA: the last complete
+        block's) projections."""
+        r, p = self.ratio, plan.blocks[self.ratio]
+        cz = torch.stack(self.project(x), 2)  # [B, T, 2, coff*D]: C, Z
+        buf = cz.new_zeros(cz.shape[0], p.size, *cz.shape[2:])  # [B, U, 2, coff*D]
+        buf[:, r:2 * r] = cc.tail[plan.slots].transpose(1, 2)  # the current block's cached tokens (and stale ones
+        if cc.prev is not None:  # past them, which the chunk overwrites or no complete block reads)
+            buf[:, :r] = cc.prev[plan.slots].transpose(1, 2)
+        row, tok, u = p.chunk
+        buf[row, u] = cz[row, tok]
+        blocks = buf.unflatten(1, (-1, r))  # [B, U / r, r, 2, coff*D]
+        cur, prev = blocks[:, 1:], blocks[:, :-1]
+        entries = self.pool(cur[..., 0, :], cur[..., 1, :], prev[..., 0, :], prev[..., 1, :], p.has_prev)
+        entries = rope_fn(entries, p.start)  # [B, K, D]
+        row, k, slot, g = p.entries
+        cc.entries.put((slot, g), entries[row, k])
+        for store, (row, u, slot, j) in ((cc.tail, p.tail), (cc.prev, p.prev)):
+            if store is not None:
+                store[slot, :, j] = buf[row, u]
 
 
 def block_facts(pos: torch.Tensor, r: int, cap: int) -> tuple[torch.Tensor, ...]:
@@ -588,6 +689,58 @@ class Attention(nn.Module):
                                         self.attn_sink, scale)
         return self._out(o, cos, sin)
 
+    def extend(self, x: torch.Tensor, lc: LayerCache, plan: ExtendPlan, ropes: dict[str, Rope],
+               picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """A chunk of tokens per row after the tokens its slot holds (chunked prefill): x [B, T, d]
+        -> [B, T, d], the full forward's outputs at those positions; the chunk's K = V, compressor
+        state and completed entries go to the cache. `picks`: as in `step`, [B, T, K]."""
+        rope, w = ropes[self.rope_kind], self.window
+        cos, sin = rope.at(plan.pos, "chunk")  # [B, T, rd/2]
+        c_q, q = self._q(x, cos, sin)  # [B, T, H, D]
+        kv = self._kv(x, cos, sin)  # [B, T, D]
+        ring = lc.keys.get((plan.slots, slice(0, w)))  # [B, W, D] (a copy: the chunk's tokens overwrite it below)
+        parts, idx = [ring, kv.to(ring.dtype)], [plan.window]  # idx [B, T, .] into [ring ; chunk ; entries]
+        if self.compressor is not None:
+            rope_e = self._rope_entries(rope)
+            self.compressor.extend(x, lc.comp, plan, rope_e)
+            entries = lc.keys.get((plan.slots, slice(w, None)))  # [B, G, D], the chunk's blocks in
+            g = entries.shape[1]
+            chosen = torch.arange(g, device=x.device) < plan.blocks[self.ratio].seen[..., None]  # [B, T, G]
+            bound = g
+            if self.indexer is not None:
+                self.indexer.compressor.extend(x, lc.idx, plan, rope_e)
+                qi, wi = self.indexer.queries(x, c_q, cos, sin)
+                ki = self.indexer.keys(lc.idx.entries.get((plan.slots,)))  # [B, G, dI]
+                scores = ops.indexer_scores(qi, ki, wi, fused=use_kernels(self.cfg, qi))  # [B, T, G]
+                chosen = ops.topk_select(scores, chosen, self.indexer.topk)
+                bound = min(self.indexer.topk, g)
+            at = ops.mask_to_index(chosen, bound)  # [B, T, <=K] entry g = block g
+            if picks is not None and self.pick_index is not None:
+                picks[self.pick_index] = F.pad(at, (0, self.indexer.topk - at.shape[-1]), value=-1)
+            parts.append(entries)
+            idx.append(torch.where(at >= 0, at + w + kv.shape[1], -1))
+        keys = torch.cat(parts, 1)  # [B, W + T + G, D]
+        b, t, h, d = q.shape
+        row = torch.arange(b, device=x.device)[:, None, None] * keys.shape[1]
+        idx = torch.cat(idx, -1)
+        idx = torch.where(idx >= 0, idx + row, -1).reshape(b * t, -1)  # [B*T, W + K] into [B*(W+T+G)] keys
+        o = self._core(q.reshape(b * t, h, d), keys.reshape(-1, d), idx).view(b, t, h, d)
+        row, tok, slot, at = plan.ring
+        lc.keys.put((slot, at), kv[row, tok])
+        return self._out(o, cos, sin)
+
+    def _core(self, q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Sparse attention o [N, H, D] of q [N, H, D] over the rows idx [N, K] of keys [M, D]
+        (-1: none): the kernel on the GPU path, the gather reference elsewhere."""
+        scale = self.head_dim ** -0.5
+        if not use_kernels(self.cfg, q):
+            return ops.sparse_attention_indexed(q, keys, idx, self.attn_sink, scale)[0]
+        from .kernels.sparse_attention import AttentionOptions, sparse_attention
+
+        c = self.cfg
+        return sparse_attention(q, keys, idx.to(torch.int32), self.attn_sink, scale,
+                                options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))[0]
+
 
 # =========================================================================== MoE
 class Expert(nn.Module):
@@ -819,6 +972,15 @@ class Block(nn.Module):
         u, post, comb, x = self._hc("ffn", x, fused)
         return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool), routes),
                            x, post, comb, fused=fused)
+
+    def extend(self, x: torch.Tensor, lc: LayerCache, plan: ExtendPlan, ropes: dict[str, Rope], ids: torch.Tensor,
+               routes: dict[int, torch.Tensor] | None = None,
+               picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        fused = use_kernels(self.cfg, x)
+        u, post, comb, x = self._hc("attn", x, fused)
+        x = ops.hc_post(self.attn.extend(self.attn_norm(u), lc, plan, ropes, picks), x, post, comb, fused=fused)
+        u, post, comb, x = self._hc("ffn", x, fused)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, plan.valid, routes), x, post, comb, fused=fused)
 
 
 def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype) -> None:
@@ -1197,6 +1359,47 @@ class DeepSeekV4ForCausalLM(nn.Module):
         cache.length[slots] = n.to(cache.length.device)
         logits = self.ctx.gather_vocab(out.logits)[:, 0]
         return (logits, {k: getattr(out, k) for k in record}) if record else logits
+
+    @torch.no_grad()
+    def extend(self, chunks: list[torch.Tensor], cache: KVCache, slots: list[int], record: Iterable[str] = ()):
+        """Chunked prefill: chunk b (1-D token ids, >= 1) continues slot slots[b] after the
+        tokens it holds (a prefill or earlier chunks); the rows run as one right-padded
+        forward over the cache. Returns, as `prefill`, the logits after each chunk's last token
+        [B, V] and with `record` the choices of each chunk token, [B, T, L, k] / [B, T, C, K].
+        Reads the slots' lengths from the device once."""
+        lens = [int(c.numel()) for c in chunks]
+        starts = cache.length[torch.tensor(slots, device=cache.length.device)].tolist()
+        if min(lens) < 1 or max(s + n for s, n in zip(starts, lens, strict=True)) >= cache.max_len:
+            raise ValueError(f"chunks of {lens} tokens after {starts} must be >= 1 tokens and end before "
+                             f"{cache.max_len} (the cache's length)")
+        dev, c = cache.length.device, self.config
+        ids = torch.zeros(len(lens), max(lens), dtype=torch.long)  # [B, T], built on the host
+        for b, chunk in enumerate(chunks):
+            ids[b, : lens[b]] = chunk.reshape(-1)
+        ids = ids.to(dev)
+        plan = ExtendPlan.of(starts, lens, slots, c.sliding_window,
+                             [layer.attn.ratio for layer in self.layers if layer.attn.ratio], dev)
+        ropes = {"swa": Rope(self.inv_freq_swa, None, None, memo={}),
+                 "compressed": Rope(self.inv_freq_compressed, None, None, memo={})}
+        record = frozenset(record)
+        routes = {} if "routes" in record else None
+        picks = {} if "picks" in record else None
+        x = self._streams(self.embed(ids))  # [B, T, n, d]
+        for layer, lc in zip(self.layers, cache.layers, strict=True):
+            x = layer.extend(x, lc, plan, ropes, ids, routes, picks)
+        cache.length[plan.slots] += torch.tensor(lens, device=dev)
+        x = x[torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev) - 1][:, None]  # [B, 1, n, d]
+        logits = self.ctx.gather_vocab(self._head(head_collapse(self, c, x)).logits())[:, 0]
+        if not record:
+            return logits
+        out = {}
+        if routes is not None:  # [B, T, L, k]
+            out["routes"] = torch.stack([routes[r] for r in sorted(routes)], 2) if routes else \
+                ids.new_zeros(*ids.shape, 0, c.num_experts_per_tok)
+        if picks is not None:  # [B, T, C, K]
+            out["picks"] = torch.stack([picks[i] for i in sorted(picks)], 2) if picks else \
+                ids.new_zeros(*ids.shape, 0, c.index_topk)
+        return logits, out
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, record: Iterable[str] = ()):

@@ -103,3 +103,32 @@ def test_graphs_captured_before_a_weight_update_decode_with_the_new_weights(seed
         assert a["output_ids"] == b["output_ids"], f"request {i}: the updated engine decodes with other weights"
         assert_close(_logprobs(a), _logprobs(b), atol=1e-5, what=f"request {i} log-probs")
         _against_full_forward(new_model, prompt, a, f"request {i} against the new weights' full forward")
+
+
+def test_chunked_prefill_on_the_kernels_matches_the_full_forward(seed):
+    """model.extend on the GPU path (the sparse-attention and indexer kernels over [ring ;
+    chunk ; entries]), fp32: the full forward's logits after every chunk and at the decode
+    steps after them (1e-4: the kernels and the reference sum in different orders)."""
+    from tests.test_model import check_chunked_prefill
+
+    check_chunked_prefill(tiny_model(seed).cuda().eval(), seed, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_quant", [None, "fp8"])
+def test_an_engine_prefilling_in_chunks_decodes_as_the_full_forward(seed, kv_quant):
+    """bf16 engine with a prefill budget of 16 tokens an iteration: prompts of up to 120
+    tokens go in over many iterations between the decode steps (graphs on) of the others, and
+    every request's log-probs are the full forward's (bounds as the decode test's)."""
+    model = randomize(tiny_model(seed, dtype=torch.bfloat16, kv_quant=kv_quant), seed).cuda().eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 320, (int(n),), generator=g).tolist() for n in torch.randint(1, 120, (8,), generator=g)]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    engine = Engine(model, max_running=8, max_len=160, prefill_tokens=16)
+    try:
+        got = _run(engine, prompts, params, stagger=0.01)
+        assert engine.decoder.graph_error is None, engine.decoder.graph_error
+    finally:
+        engine.stop()
+    for i, p in enumerate(prompts):
+        _against_full_forward(model, p, got[str(i)], f"request {i} ({len(p)} prompt tokens)",
+                              atol=0.1 if kv_quant else 5e-2)
