@@ -8,7 +8,9 @@ Per budget, in one process and on one model: --running greedy requests (64-token
 until steady, then one request of --long prompt tokens is submitted. Each decode step's start
 is timed (the engine's `_decode`, wrapped); the table gives the running batch's median step
 gap before the long prompt, its longest gap and the steps it took from the submit until the
-long prompt's first token, and that time (TTFT). Medians over --repeats.
+long prompt's first token, and that time (TTFT). Medians over --repeats. --profile: one
+chunk's forward, `extend` against a `prefill` of as many tokens (synchronised times, kernels
+and kernel time, and extend's host time by function).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=3584)
     ap.add_argument("--chunks", nargs="+", type=int, default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also profile one chunk of the first --chunks size")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     max_len = args.long + 128
@@ -102,6 +105,37 @@ def main() -> None:
         print(f"{name:<22} {med[0]:>12.2f} {med[1]:>15.2f} {med[2]:>14.0f} {med[3]:>9.1f}", flush=True)
     print("(step gap: between the running batch's decode steps before the long prompt; longest gap: the "
           "longest while it was prefilled; steps to TTFT: the batch's steps from its submit to its first token)")
+    if args.profile and dev.type == "cuda":
+        profile_chunk(model, long, args.chunks[0], max_len)
+
+
+def profile_chunk(model: DeepSeekV4ForCausalLM, long: list[int], t: int, max_len: int) -> None:
+    from benchmarks.decode_profile import host_table, kernel_table
+
+    cache = model.new_cache(2, max_len, "cuda")
+    ids = torch.tensor(long[:2 * t], device="cuda")
+
+    def prefill():
+        model.prefill([ids[:t]], cache, [0])
+
+    def extend():
+        cache.length[1] = t
+        model.extend([ids[t:]], cache, [1])
+
+    model.prefill([ids[:t]], cache, [1])
+    for name, fn in (("prefill", prefill), ("extend", extend)):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(f"\n== {name} of {t} tokens: {statistics.median(times):.2f} ms (median of 5, synchronised)")
+        print(kernel_table(fn, 20))
+    print("\n== extend's host time by function (cProfile)")
+    print(host_table(extend, 30))
 
 
 if __name__ == "__main__":

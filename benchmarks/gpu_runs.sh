@@ -45,7 +45,7 @@ engine)
     ;;
 chunked)
     run chunked-tests 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider
-    run chunked-prefill 240 python3 benchmarks/chunked_prefill.py --config 1b --running 32 --long 3584 --chunks 512 2048
+    run chunked-prefill 240 python3 benchmarks/chunked_prefill.py --config 1b --running 32 --long 3584 --chunks 512 2048 --profile
     ;;
 replay)
     run replay 400 python3 benchmarks/replay.py --job jobs/dapo_gpu.yaml --hf "$keep/sft0/hf" --steps 4

@@ -270,7 +270,7 @@ class RolloutConfig(Section):
     gpus_per_engine: NonNegFloat = 0.0  # 0 on CPU clusters; > 0 on GPUs (RL refuses 0 there; colocated: below 1)
     max_running: PosInt = 64  # sequences one engine decodes together
     max_len: PosInt = 4096  # prompt + generated tokens per sequence
-    prefill_tokens: PosInt = 8192  # prompt tokens per prefill forward
+    prefill_tokens: PosInt = 8192  # prompt tokens prefilled an iteration (longer prompts: in chunks)
     router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"  # sglang-router
     router_args: list[Str] = []  # more sglang-router flags, passed through unchanged
     concurrency: PosInt = 256  # requests in flight through the router

@@ -34,7 +34,7 @@ class EngineSpec:
     device: str = "auto"  # auto: cuda when visible
     max_running: int = 64  # slots: sequences decoded together
     max_len: int = 4096  # tokens per sequence (prompt + generated)
-    prefill_tokens: int = 8192  # prompt tokens per prefill forward
+    prefill_tokens: int = 8192  # prompt tokens prefilled an iteration (longer prompts: in chunks)
     tokenizer: str | None = None  # a tokenizer.json (text in and out, stop strings)
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
