@@ -60,6 +60,8 @@ def one_run(engine: Engine, running: list[list[int]], long: list[int], gen: int)
         t0 = time.perf_counter()
         engine.submit(long, SamplingParams(temperature=0, max_new_tokens=1), on_long)
         done.wait()
+        while starts[-1] < first["t"]:  # the step after the first token closes the last gap
+            time.sleep(0.001)
         before = [b - a for a, b in zip(starts[4:], starts[5:], strict=False) if b < t0]
         after = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > t0 and a < first["t"]]
         engine.abort()

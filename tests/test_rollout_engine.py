@@ -134,22 +134,41 @@ def test_samples_of_one_prompt_share_its_prefill(seed):
         engine.stop()
 
 
+def _submit_all(engine: Engine, reqs: list[tuple[str, list[int], set[str]]], col: Collector,
+                params: SamplingParams) -> None:
+    """reqs: (rid, prompt, the choices it asks: "routes", "picks"), queued together."""
+    engine.pause()
+    for rid, p, asks in reqs:
+        engine.submit(p, params, col, True, rid=rid, return_routed_experts="routes" in asks,
+                      return_indexer_picks="picks" in asks)
+    engine.resume()
+
+
+def _same(got: dict, ref: dict, what: str) -> None:
+    assert got["output_ids"] == ref["output_ids"], what
+    assert_close(_logprobs(got), _logprobs(ref), atol=1e-5, what=f"{what} log-probs")
+    for key in ("routed_experts", "indexer_picks"):
+        assert got["meta_info"].get(key) == ref["meta_info"].get(key), f"{what}: {key}"
+
+
 def test_long_prompts_prefilled_in_chunks_between_decode_steps(seed):
-    """With a prefill budget of 7 tokens an iteration, prompts of up to 90 tokens go in over
+    """With a prefill budget of 9 tokens an iteration, prompts of 90 and 61 tokens go in over
     many iterations (model.extend), a running request decodes a step between chunks, and every
-    request (samples sharing a prompt among them) gets the tokens, log-probs (1e-5) and replay
-    choices (routed experts, indexer entries) that it gets from a whole prefill. A prompt's
-    first request aborted mid-prefill hands its slot to the next request of that prompt, which
-    ends as it does alone; every slot comes back."""
+    request gets the tokens, log-probs (1e-5) and replay choices it asked for (routed experts,
+    indexer entries, each asked by some requests) that it gets from a whole prefill. Requests of
+    a prompt share its chunks, also one queued behind another prompt (each prompt prefilled once)."""
     g = torch.Generator().manual_seed(seed + 5)
     long = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (90, 61)]
     short = _prompts(seed, 1)[0][:5]
-    prompts = [short, long[0], long[1], long[1], long[0]]
+    reqs = [("1", long[0], {"routes"}), ("2", long[1], set()), ("3", long[1], {"routes", "picks"}),
+            ("4", long[0], {"picks"})]
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-    whole = _engine(seed, max_running=8, return_routed_experts=True, return_indexer_picks=True)
-    chunked = _engine(seed, max_running=8, prefill_tokens=7, return_routed_experts=True, return_indexer_picks=True)
+    whole = _engine(seed, max_running=8)
+    chunked = _engine(seed, max_running=8, prefill_tokens=9)
     try:
-        want = _run(whole, prompts, greedy, together=True)
+        want = Collector()
+        _submit_all(whole, reqs, want, greedy)
+        want.wait(4)
         seen = []  # tokens the short request had at each chunk
         extend = chunked.model.extend
 
@@ -162,36 +181,79 @@ def test_long_prompts_prefilled_in_chunks_between_decode_steps(seed):
         chunked.submit(short, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True), col, True, rid="s")
         while not chunked.running:
             time.sleep(0.001)
-        chunked.pause()  # admitted together: a request of a prompt being prefilled joins it
-        for i, p in enumerate(prompts[1:], 1):
-            chunked.submit(p, greedy, col, True, rid=str(i), return_routed_experts=True)
-        chunked.resume()
+        _submit_all(chunked, reqs, col, greedy)
         col.wait(5)
-        assert len(seen) >= 150 // 7 and max(seen) >= seen[0] + 20, f"no decode steps between chunks: {seen}"
-        for i in range(1, 5):
-            got, ref = col.results[str(i)], want[str(i)]
-            assert got["output_ids"] == ref["output_ids"], f"request {i}"
-            assert_close(_logprobs(got), _logprobs(ref), atol=1e-5, what=f"request {i} log-probs")
-            for key in ("routed_experts", "indexer_picks"):
-                assert got["meta_info"][key] == ref["meta_info"][key], f"request {i}: {key}"
-        assert chunked.counters["prefill_tokens"] == 5 + 90 + 61
-
-        first = []
-
-        def abort_first(*a, **k):
-            if not first:
-                first.append(chunked.abort("x0"))
-            return extend(*a, **k)
-
-        chunked.model.extend = abort_first
-        got = _run(chunked, [long[0]] * 3, greedy, prefix="x", together=True)
-        assert first == [1] and got["x0"]["meta_info"]["finish_reason"]["type"] == "abort"
-        for i in (1, 2):
-            assert got[f"x{i}"]["output_ids"] == want["1"]["output_ids"], f"sample {i} after the abort"
-        assert chunked.stats()["free_slots"] == 8
+        assert len(seen) >= 12 and max(seen) >= seen[0] + 12, f"no decode steps between chunks: {seen}"
+        for rid, _, asks in reqs:
+            _same(col.results[rid], want.results[rid], f"request {rid}")
+            assert {k for k in ("routed_experts", "indexer_picks") if k in col.results[rid]["meta_info"]} == \
+                {{"routes": "routed_experts", "picks": "indexer_picks"}[a] for a in asks}, rid
+        assert chunked.counters["prefill_tokens"] == 5 + 90 + 61, "a prompt was prefilled twice"
     finally:
         whole.stop()
         chunked.stop()
+
+
+def test_a_chunked_prefill_survives_aborts_weight_swaps_and_late_requests(seed):
+    """A prompt's first request aborted mid-prefill finishes at once and hands its slot to the
+    next request of the prompt, which ends as it does from a whole prefill; a request that asks
+    for the experts after the prompt's first chunks went in without them is prefilled on its own
+    (its experts cover every prompt token); weights swapped between two chunks restart the
+    prompt, which then decodes as an engine started from the new weights. Every slot comes back."""
+    g = torch.Generator().manual_seed(seed + 5)
+    prompt = torch.randint(2, VOCAB, (60,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    chunked = _engine(seed, max_running=6, prefill_tokens=8)
+    new = randomize(tiny_model(seed + 1), seed + 1).state_dict()
+    other = Engine(randomize(tiny_model(seed + 1), seed + 1).eval(), max_len=128, max_running=2)
+    whole = _engine(seed, max_running=4)
+    extend, calls = chunked.model.extend, []
+    try:
+        want, want_new = Collector(), Collector()
+        _submit_all(whole, [("a", prompt, set()), ("late", prompt, {"routes"})], want, greedy)
+        _submit_all(other, [("n", prompt, set())], want_new, greedy)
+        want.wait(2)
+        want_new.wait(1)
+
+        def hooked(*a, **k):
+            calls.append(sum(r.startswith("x0") for r in col.results))  # x0 finished before this chunk?
+            if len(calls) == 1:
+                chunked.abort("x0")
+            if len(calls) == 2:  # queued now: the prompt's first chunks recorded no experts
+                chunked.submit(prompt, greedy, col, True, rid="late", return_routed_experts=True)
+            return extend(*a, **k)
+
+        chunked.model.extend = hooked
+        col = Collector()
+        _submit_all(chunked, [(f"x{i}", prompt, set()) for i in range(3)], col, greedy)
+        col.wait(4)
+        assert col.results["x0"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 1 in calls[:3], f"the aborted first request waited for the prompt's prefill: {calls}"
+        for rid in ("x1", "x2"):
+            _same(col.results[rid], want.results["a"], f"{rid} after the abort")
+        _same(col.results["late"], want.results["late"], "the late request")
+
+        paused = threading.Event()
+
+        def pause_midway(*a, **k):
+            if not paused.is_set():  # no iteration after this one until resumed: the swap falls between chunks
+                chunked.pause()
+                paused.set()
+            return extend(*a, **k)
+
+        chunked.model.extend = pause_midway
+        col = Collector()
+        chunked.submit(prompt, greedy, col, True, rid="w0")
+        assert paused.wait(60)
+        chunked.run_exclusive(lambda: chunked.model.load_state_dict(new))
+        assert chunked.stats()["prefilling"] == 1, "the swap did not fall inside the prompt's prefill"
+        chunked.resume()
+        col.wait(1)
+        _same(col.results["w0"], want_new.results["n"], "the prompt prefilled across a weight swap")
+        assert chunked.stats()["free_slots"] == 6 and chunked.stats()["prefilling"] == 0
+    finally:
+        for e in (chunked, other, whole):
+            e.stop()
 
 
 def test_requests_stopping_mid_batch_leave_the_others_and_the_counts_exact(seed):

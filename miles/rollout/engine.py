@@ -88,6 +88,8 @@ class Engine:
         self.always = frozenset(n for n, on in (("routes", return_routed_experts), ("picks", return_indexer_picks))
                                 if on)
         self.device = next(model.parameters()).device
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.max_running, self.max_len, self.prefill_tokens = max_running, max_len, prefill_tokens
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -163,10 +165,17 @@ class Engine:
             self.cv.notify_all()
 
     def run_exclusive(self, fn: Callable[[], object]) -> object:
-        """Run fn with no decoding step in progress (the model's weights may change)."""
+        """Run fn with no decoding step in progress (the model's weights may change). Prompts
+        part-way through a chunked prefill start again after it (their cached chunks may come
+        from other weights, or their cache may have been released), so a prompt is prefilled
+        under one weight version."""
         with self.step_lock:
             self._drain()
-            return fn()
+            try:
+                return fn()
+            finally:
+                for s in self._prefilling:
+                    s.filled, s.prompt_choices = 0, {}
 
     @property
     def alive(self) -> bool:
@@ -175,7 +184,8 @@ class Engine:
 
     def stats(self) -> dict:
         with self.cv:
-            return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": len(self.free),
+            return {"waiting": len(self.waiting), "running": len(self.running), "prefilling": len(self._prefilling),
+                    "free_slots": len(self.free),
                     "weight_version": self.weight_version, "paused": self.paused, **self.counters}
 
     def stop(self) -> None:
@@ -229,20 +239,19 @@ class Engine:
                 if budget > 0:
                     work.append((s, s.filled, s.filled + min(budget, len(s.prompt) - s.filled)))
                     budget -= work[-1][2] - work[-1][1]
-            # a request whose prompt is being prefilled joins it (no budget): copies its slot when it is whole
             firsts = {tuple(s.prompt): s for s in self._prefilling}
-            while self.waiting and self.free and (budget > 0 or tuple(self.waiting[0].prompt) in firsts):
+            while self.waiting and self.free and budget > 0:
                 s = self.waiting.popleft()
                 s.slot = self.free.pop()
                 self._admitted.append(s)  # abort finds them (their abort takes effect at the next iteration)
-                first = firsts.get(tuple(s.prompt))
-                if first is not None:
-                    first.followers.append(s)
-                    continue
-                firsts[tuple(s.prompt)] = s
-                self._prefilling.append(s)
-                work.append((s, 0, min(budget, len(s.prompt))))
-                budget -= work[-1][2]
+                if not self._join(s, firsts):
+                    firsts.setdefault(tuple(s.prompt), s)
+                    self._prefilling.append(s)
+                    work.append((s, 0, min(budget, len(s.prompt))))
+                    budget -= work[-1][2]
+            for s in [s for s in self.waiting if tuple(s.prompt) in firsts]:  # joins cost no prefill: any
+                if self.free and self._join(s, firsts, admit=True):  # place in the queue
+                    self.waiting.remove(s)
         if work:
             self._drain()  # the running sequences' last tokens on the host: the next step takes them from there
             self._prefill(work)
@@ -250,6 +259,19 @@ class Engine:
             self._decode()
         self.counters["steps"] += 1
         self.last_progress = time.monotonic()
+
+    def _join(self, s: Sequence, firsts: dict[tuple[int, ...], Sequence], admit: bool = False) -> bool:
+        """Join s to the prompt of its own being prefilled, if any, as a request that copies the
+        slot when the prompt is whole: when the choices s wants were recorded from the prompt's
+        first token on (or nothing is prefilled yet). `admit`: s takes a free slot first."""
+        first = firsts.get(tuple(s.prompt))
+        if first is None or not (first.filled == 0 or s.returns <= first.prompt_choices.keys()):
+            return False
+        if admit:
+            s.slot = self.free.pop()
+            self._admitted.append(s)
+        first.followers.append(s)
+        return True
 
     def _drop_aborted_prefills(self) -> None:
         """Finish the aborted requests of prompts being prefilled; a prompt whose first request
@@ -284,7 +306,10 @@ class Engine:
             if not part:
                 continue
             chunks = [torch.tensor(s.prompt[a:b], dtype=torch.long) for s, a, b in part]  # on the host
-            wanted = frozenset().union(*(x.returns for s, _, _ in part for x in (s, *s.followers)))
+            # what any request of the prompt asks, and what its earlier chunks recorded (a request that
+            # asks it may join later: `_join`)
+            wanted = frozenset().union(*(x.returns for s, _, _ in part for x in (s, *s.followers)),
+                                       *(s.prompt_choices.keys() for s, _, _ in part))
             call = self.model.extend if cont else self.model.prefill
             out = call(chunks, self.cache, [s.slot for s, _, _ in part], record=wanted)
             rows, choices = out if wanted else (out, {})  # [P, V]; [P, T, L, k], [P, T, C, K]

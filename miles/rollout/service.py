@@ -100,7 +100,7 @@ class EngineService:
             return False, "scheduler thread died"
         st = e.stats()
         stuck = time.monotonic() - e.last_progress
-        if (st["waiting"] or st["running"]) and not st["paused"] and stuck > self.spec.hang_timeout:
+        if (st["waiting"] or st["running"] or st["prefilling"]) and not st["paused"] and stuck > self.spec.hang_timeout:
             return False, f"no decoding step for {stuck:.0f} s with work waiting"
         return True, "ok"
 
