@@ -127,9 +127,11 @@ def test_decode_matches_full_forward(seed, prompt):
 
 
 def chunk_plan(g: torch.Generator, total: int, first: int) -> list[int]:
-    """Random chunk sizes after a prefill of `first` tokens, summing to total - first: some
-    shorter than a CSA block, some longer than the window and an HCA block."""
-    sizes, left = [], total - first
+    """Chunk sizes after a prefill of `first` tokens (< 20), summing to total - first (> 45):
+    one token; up to the next HCA block boundary (16: a CSA one too); 3 tokens from there
+    (shorter than a CSA block); 20 (longer than the window and an HCA block); then random."""
+    sizes = [1, 16 - (first + 1) % 16, 3, 20]
+    left = total - first - sum(sizes)
     while left:
         sizes.append(min(left, int(torch.randint(1, 40, (1,), generator=g))))
         left -= sizes[-1]
@@ -182,9 +184,8 @@ def test_chunked_prefill_records_the_choices_of_a_whole_prefill(seed):
     _, whole = model.prefill([ids], cache, [0], record=("routes", "picks"))
     got = {"routes": [], "picks": []}
     done = 0
-    for n in chunk_plan(g, SEQ, 0):
-        call = model.prefill if done == 0 else model.extend
-        _, out = call([ids[done:done + n]], cache, [1], record=("routes", "picks"))
+    for n in chunk_plan(g, SEQ, 0):  # extend from an empty slot on
+        _, out = model.extend([ids[done:done + n]], cache, [1], record=("routes", "picks"))
         for k in got:
             got[k].append(out[k][0, :n])
         done += n
@@ -193,6 +194,20 @@ def test_chunked_prefill_records_the_choices_of_a_whole_prefill(seed):
         assert torch.equal(torch.cat(got[k]), whole[k][0]), f"{k} differ"
     with pytest.raises(ValueError, match="end before"):
         model.extend([ids[:2]], cache, [1])
+
+
+def test_chunked_prefill_in_a_cache_shorter_than_a_compression_block(seed):
+    """max_len 14, under the HCA ratio (16): that compressor keeps no entry; chunks still give
+    the full forward's logits (1e-5)."""
+    model = tiny_model(seed).eval()
+    ids = random_ids(seed, 1, 13)
+    with torch.no_grad():
+        full = model(ids).logits[0]
+    cache, done = model.new_cache(1, 14), 0
+    for n in (2, 5, 1, 5):
+        last = model.extend([ids[0, done:done + n]], cache, [0])
+        done += n
+        assert_close(last[0], full[done - 1], atol=1e-5, what=f"after the chunk ending at {done}")
 
 
 def test_decode_on_the_kernel_path_matches_full_forward(seed):
