@@ -108,7 +108,40 @@ def main() -> None:
     print("(step gap: between the running batch's decode steps before the long prompt; longest gap: the "
           "longest while it was prefilled; steps to TTFT: the batch's steps from its submit to its first token)")
     if args.profile and dev.type == "cuda":
+        iteration_parts(model, running, long, args.chunks[0], max_len, min(gen, max_len - 64))
         profile_chunk(model, long, args.chunks[0], max_len)
+
+
+def iteration_parts(model, running: list[list[int]], long: list[int], budget: int, max_len: int, gen: int) -> None:
+    """One run with chunks of `budget`, the engine's parts timed (the device synchronised around
+    each): where a chunk iteration's time goes."""
+    from benchmarks.decode_profile import timing
+
+    engine = Engine(model, max_running=len(running) + 1, max_len=max_len, prefill_tokens=budget)
+    extend = model.extend
+    try:
+        one_run(engine, running, long, gen)
+        spans: list[float] = []
+
+        def timed_extend(*a, **k):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = extend(*a, **k)
+            torch.cuda.synchronize()
+            spans.append(time.perf_counter() - t)
+            return out
+
+        model.extend = timed_extend
+        with timing(engine, ("_drain", "_prefill", "_decode"), torch.cuda.synchronize) as times:
+            one_run(engine, running, long, gen)
+    finally:
+        model.extend = extend
+        engine.stop()
+    print(f"\n== the engine's parts in a run with chunks of {budget} (synchronised): calls, ms each")
+    for name, ts in [*times.items(), ("model.extend", spans)]:
+        ms = sorted(t * 1e3 for t in ts)
+        print(f"{name:<14} {len(ms):>5}  median {statistics.median(ms):8.2f}  max {ms[-1]:8.2f}"
+              + (f"  all: {' '.join(f'{t * 1e3:.1f}' for t in ts)}" if len(ms) <= 12 else ""))
 
 
 def profile_chunk(model: DeepSeekV4ForCausalLM, long: list[int], t: int, max_len: int) -> None:
