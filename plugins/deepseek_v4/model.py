@@ -125,6 +125,13 @@ class KVCache:
         return out
 
 
+def kept(keep: torch.Tensor, *grids: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
+    """Index grids broadcast with `keep` [B, k] -> their kept entries as flat device tensors (the
+    cache-write plans: built on the host, no wait for the device)."""
+    grids = torch.broadcast_tensors(*grids, keep)
+    return tuple(g[grids[-1]].to(device, non_blocking=True) for g in grids[:-1])
+
+
 @dataclass
 class PrefillCapture:
     """What a prefill forward keeps: the token indices whose logits it returns, and per
@@ -159,9 +166,8 @@ class FillPlan:
         slot = torch.tensor(slots)[:, None]
 
         def pick(token: torch.Tensor, keep: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """[B, k] grids -> the kept (row, token, slot, *more) as flat device tensors."""
-            grids = torch.broadcast_tensors(row, token, slot, *more, keep)
-            return tuple(g[grids[-1]].to(device, non_blocking=True) for g in grids[:-1])
+            """[B, k] grids -> the kept (row, token, slot, *more)."""
+            return kept(keep, row, token, slot, *more, device=device)
 
         token = n - window + torch.arange(window)  # [B, W]
         plan = cls(pick(token, token >= 0), {}, {}, {})
@@ -224,9 +230,7 @@ class ExtendPlan:
         pos, valid = L + tok, tok < n  # [B, T]
 
         def flat(keep: torch.Tensor, *grids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """[B, k] grids -> their kept entries as flat device tensors."""
-            grids = torch.broadcast_tensors(*grids, keep)
-            return tuple(g[grids[-1]].to(device, non_blocking=True) for g in grids[:-1])
+            return kept(keep, *grids, device=device)
 
         def dev(x: torch.Tensor) -> torch.Tensor:
             return x.to(device, non_blocking=True)
@@ -256,6 +260,14 @@ class ExtendPlan:
 
 
 # =========================================================================== attention parts
+def padded(seqs: list[torch.Tensor], lens: list[int]) -> torch.Tensor:
+    """1-D token ids -> [B, max(lens)] right-padded with 0, built on the host."""
+    ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for b, t in enumerate(seqs):
+        ids[b, : lens[b]] = t.reshape(-1)
+    return ids
+
+
 def token_rows(index: torch.Tensor, seq: int) -> torch.Tensor:
     """Token positions index [B, ...] of a [B, seq, .] tensor -> its rows in the [B*seq, .]
     flattening [B*...], for `gather_tokens`."""
@@ -494,6 +506,12 @@ class Attention(nn.Module):
             return ops.fp8_kv_fake_quant(out, 2 * cos.shape[-1]) if self.cfg.kv_quant else out
         return fn
 
+    def _options(self):
+        from .kernels.sparse_attention import AttentionOptions
+
+        c = self.cfg
+        return AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks)
+
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         fused = use_fused(self.cfg, o)
         return self.wo_b(ops.unrope_out_proj(o, cos[:, :, None], sin[:, :, None], self.wo_a.weight, self.groups, fused))
@@ -594,13 +612,10 @@ class Attention(nn.Module):
                 at = torch.where(picks >= 0, picks, g).reshape(b * s, -1)  # empty slots -> a spare column
                 mass_c = mass.new_zeros(b * s, g + 1).scatter_add_(1, at, mass)[:, :g].view(b, s, g)
             return o.view(b, s, h, d), mass_c, lse.view(b, s, h)
-        from .kernels.sparse_attention import AttentionOptions
         from .kernels.sparse_attention import sparse_attention as kernel
 
-        c = self.cfg
         o, lse = kernel(q.reshape(b * s, h, d), keys.reshape(-1, d), idx.to(torch.int32), self.attn_sink, scale,
-                        deterministic=torch.are_deterministic_algorithms_enabled(),
-                        options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
+                        deterministic=torch.are_deterministic_algorithms_enabled(), options=self._options())
         mass_c = None
         if want_probs:  # recomputed from lse for the chosen compressed entries only
             from .kernels.indexer import attention_mass
@@ -675,14 +690,11 @@ class Attention(nn.Module):
             mask = torch.cat((mask, chosen), -1)  # [B, W + G]
         scale = self.head_dim ** -0.5
         if use_kernels(self.cfg, q):
-            from .kernels.sparse_attention import AttentionOptions
-
             pick = ops.mask_to_index(mask, keys)  # [B, K] into the slot's row of the pool
             idx = torch.where(pick >= 0, pick + slots[:, None] * lc.keys.shape[1], -1).to(torch.int32)
             b, _, h, d = q.shape
-            c = self.cfg
             o = lc.keys.attend(q.reshape(b, h, d), idx, self.attn_sink, scale,  # the pool in place (FP8: codes)
-                               AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))
+                               self._options())
             o = o.view(b, 1, h, d)
         else:
             o, _ = ops.sparse_attention(q, lc.keys.get((slots, slice(0, mask.shape[1]))), mask[:, None],
@@ -735,11 +747,9 @@ class Attention(nn.Module):
         scale = self.head_dim ** -0.5
         if not use_kernels(self.cfg, q):
             return ops.sparse_attention_indexed(q, keys, idx, self.attn_sink, scale)[0]
-        from .kernels.sparse_attention import AttentionOptions, sparse_attention
+        from .kernels.sparse_attention import sparse_attention
 
-        c = self.cfg
-        return sparse_attention(q, keys, idx.to(torch.int32), self.attn_sink, scale,
-                                options=AttentionOptions(c.sm90_kernels, c.sm90_kv_gradient, c.overlap_chunks))[0]
+        return sparse_attention(q, keys, idx.to(torch.int32), self.attn_sink, scale, options=self._options())[0]
 
 
 # =========================================================================== MoE
@@ -966,21 +976,23 @@ class Block(nn.Module):
     def step(self, x: torch.Tensor, lc: LayerCache, slots: torch.Tensor, pos: torch.Tensor,
              ropes: dict[str, Rope], ids: torch.Tensor, routes: dict[int, torch.Tensor] | None = None,
              picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        fused = use_kernels(self.cfg, x)
-        u, post, comb, x = self._hc("attn", x, fused)
-        x = ops.hc_post(self.attn.step(self.attn_norm(u), lc, slots, pos, ropes, picks), x, post, comb, fused=fused)
-        u, post, comb, x = self._hc("ffn", x, fused)
-        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, torch.ones_like(ids, dtype=torch.bool), routes),
-                           x, post, comb, fused=fused)
+        return self._incremental(x, lambda h: self.attn.step(h, lc, slots, pos, ropes, picks), ids,
+                                 torch.ones_like(ids, dtype=torch.bool), routes)
 
     def extend(self, x: torch.Tensor, lc: LayerCache, plan: ExtendPlan, ropes: dict[str, Rope], ids: torch.Tensor,
                routes: dict[int, torch.Tensor] | None = None,
                picks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        return self._incremental(x, lambda h: self.attn.extend(h, lc, plan, ropes, picks), ids, plan.valid, routes)
+
+    def _incremental(self, x: torch.Tensor, attend, ids: torch.Tensor, valid: torch.Tensor,
+                     routes: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """The block over the cache (decoding step, chunk): attend(normed x) -> the attention's
+        output, as the forward's but without a Fwd."""
         fused = use_kernels(self.cfg, x)
         u, post, comb, x = self._hc("attn", x, fused)
-        x = ops.hc_post(self.attn.extend(self.attn_norm(u), lc, plan, ropes, picks), x, post, comb, fused=fused)
+        x = ops.hc_post(attend(self.attn_norm(u)), x, post, comb, fused=fused)
         u, post, comb, x = self._hc("ffn", x, fused)
-        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, plan.valid, routes), x, post, comb, fused=fused)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), None, ids, valid, routes), x, post, comb, fused=fused)
 
 
 def add_head_collapse(mod: nn.Module, cfg: DeepSeekV4Config, dtype: torch.dtype) -> None:
@@ -1343,10 +1355,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         if min(lens) < 1 or max(lens) >= cache.max_len:
             raise ValueError(f"prompt lengths must be in [1, {cache.max_len - 1}], got {lens}")
         dev = cache.length.device
-        ids = torch.zeros(len(lens), max(lens), dtype=torch.long)  # [B, S], built on the host
-        for b, p in enumerate(prompts):
-            ids[b, : lens[b]] = p.reshape(-1)
-        ids, n = ids.to(dev), torch.tensor(lens, device=dev)
+        ids, n = padded(prompts, lens).to(dev), torch.tensor(lens, device=dev)
         mask = torch.arange(max(lens), device=dev) < n[:, None]
         capture = PrefillCapture(at=n - 1)
         record = frozenset(record)
@@ -1373,14 +1382,10 @@ class DeepSeekV4ForCausalLM(nn.Module):
             raise ValueError(f"chunks of {lens} tokens after {starts} must be >= 1 tokens and end before "
                              f"{cache.max_len} (the cache's length)")
         dev, c = cache.length.device, self.config
-        ids = torch.zeros(len(lens), max(lens), dtype=torch.long)  # [B, T], built on the host
-        for b, chunk in enumerate(chunks):
-            ids[b, : lens[b]] = chunk.reshape(-1)
-        ids = ids.to(dev)
+        ids = padded(chunks, lens).to(dev)
         plan = ExtendPlan.of(starts, lens, slots, c.sliding_window,
                              [layer.attn.ratio for layer in self.layers if layer.attn.ratio], dev)
-        ropes = {"swa": Rope(self.inv_freq_swa, None, None, memo={}),
-                 "compressed": Rope(self.inv_freq_compressed, None, None, memo={})}
+        ropes = self._memo_ropes()
         record = frozenset(record)
         routes = {} if "routes" in record else None
         picks = {} if "picks" in record else None
@@ -1390,16 +1395,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         cache.length[plan.slots] += torch.tensor(lens, device=dev)
         x = x[torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev) - 1][:, None]  # [B, 1, n, d]
         logits = self.ctx.gather_vocab(self._head(head_collapse(self, c, x)).logits())[:, 0]
-        if not record:
-            return logits
-        out = {}
-        if routes is not None:  # [B, T, L, k]
-            out["routes"] = torch.stack([routes[r] for r in sorted(routes)], 2) if routes else \
-                ids.new_zeros(*ids.shape, 0, c.num_experts_per_tok)
-        if picks is not None:  # [B, T, C, K]
-            out["picks"] = torch.stack([picks[i] for i in sorted(picks)], 2) if picks else \
-                ids.new_zeros(*ids.shape, 0, c.index_topk)
-        return logits, out
+        return (logits, self._choices(ids, routes, picks)) if record else logits
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, record: Iterable[str] = ()):
@@ -1412,8 +1408,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
         if not pos.is_cuda and int(pos.max()) >= cache.max_len:  # on a GPU the caller keeps count (no wait)
             raise ValueError(f"a slot is full ({cache.max_len} tokens)")
         ids = input_ids.reshape(-1, 1)
-        ropes = {"swa": Rope(self.inv_freq_swa, None, None, memo={}),
-                 "compressed": Rope(self.inv_freq_compressed, None, None, memo={})}
+        ropes = self._memo_ropes()
         x = self._streams(self.embed(ids))
         record = frozenset(record)
         routes = {} if "routes" in record else None
@@ -1424,15 +1419,22 @@ class DeepSeekV4ForCausalLM(nn.Module):
         logits = self.ctx.gather_vocab(self._head(head_collapse(self, self.config, x)).logits())[:, 0]
         if not record:
             return logits
-        b, c = ids.shape[0], self.config
-        out = {}
-        if routes is not None:  # [B, L, k] (L = 0: no learned router)
-            out["routes"] = torch.stack([routes[r][:, 0] for r in sorted(routes)], 1) if routes else \
-                ids.new_zeros(b, 0, c.num_experts_per_tok)
-        if picks is not None:  # [B, C, K]
-            out["picks"] = torch.stack([picks[i] for i in sorted(picks)], 1) if picks else \
-                ids.new_zeros(b, 0, c.index_topk)
-        return logits, out
+        return logits, {k: v[:, 0] for k, v in self._choices(ids, routes, picks).items()}  # [B, L, k], [B, C, K]
+
+    def _memo_ropes(self) -> dict[str, Rope]:
+        """Rotary tables computed where first asked and shared by the layers (`Rope.at` with a key)."""
+        return {"swa": Rope(self.inv_freq_swa, None, None, memo={}),
+                "compressed": Rope(self.inv_freq_compressed, None, None, memo={})}
+
+    def _choices(self, ids: torch.Tensor, routes: dict | None, picks: dict | None) -> dict[str, torch.Tensor]:
+        """The experts and indexer entries the cache paths recorded, by layer, stacked for ids
+        [B, T]: routes [B, T, L, k] (L = 0: no learned router), picks [B, T, C, K]."""
+        c, out = self.config, {}
+        for name, got, k in (("routes", routes, c.num_experts_per_tok), ("picks", picks, c.index_topk)):
+            if got is not None:
+                got = [got[i].view(*ids.shape, k) for i in sorted(got)]
+                out[name] = torch.stack(got, 2) if got else ids.new_zeros(*ids.shape, 0, k)
+        return out
 
     # ------------------------------------------------------------------ HF layout
     def save_pretrained(self, directory: str | Path, max_shard_bytes: int = 2 ** 30) -> None:
