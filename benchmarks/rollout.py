@@ -149,6 +149,14 @@ def generation_rows(name: str, args, dev: torch.device) -> list[tuple]:
     return rows
 
 
+PARTS = {  # the parts each sync path reports, as its info's keys
+    "shared": {"share_s": "ranks pack and fingerprint", "stage_s": "engines open, check and stage",
+               "swap_s": "swap", "release_s": "ranks release"},
+    "broadcast": {"plan_s": "plan", "open_s": "group and begin", "transfer_s": "pack, broadcast, fingerprint "
+                  "and stage", "check_s": "compare", "commit_s": "commit"},
+}
+
+
 def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
     """Each path from a one-rank TrainGroup to one engine actor. On GPUs the rank and the engine
     share a GPU (half each), as colocated jobs place them, except for the NCCL broadcast, which
@@ -160,14 +168,15 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
 
     from miles.cluster.train_group import TrainGroup
     from miles.rollout.manager import RolloutManager
-    from miles.rollout.sync import sync_broadcast, sync_disk, sync_object_store, sync_shared
+    from miles.rollout.sync import sync_disk, sync_object_store, sync_shared
 
     cfg = PRESETS[name](args.prompt + args.gen)
     dtype = "bfloat16" if gpu else "float32"
     bucket = args.bucket_mb << 20
     disk = tempfile.mkdtemp(prefix="miles-sync-")  # local disk here; a shared filesystem on clusters
     paths = {"object_store": lambda g, m, v: sync_object_store(g, m, bucket, v),
-             "broadcast": lambda g, m, v: sync_broadcast(g, m.engine_actors(), bucket, v, "nccl" if gpu else "gloo"),
+             # through the manager, as jobs sync: its group is opened once and kept
+             "broadcast": lambda g, m, v: m.update_by_broadcast(g, bucket, v, "nccl" if gpu else "gloo"),
              "disk": lambda g, m, v: sync_disk(g, m, disk, cfg, v),
              "shared": lambda g, m, v: sync_shared(g, m, bucket, v)}
     apart = gpu and torch.cuda.device_count() >= 2
@@ -190,12 +199,10 @@ def sync_rows(name: str, args, gpu: bool) -> list[tuple]:
                 gb = infos[0]["bytes"] / 1e9
                 rows.append((name, path if not gpu else f"{path} ({'GPU each' if share == 1 else 'one GPU'})",
                              gb, s, gb / s))
-                if path == "shared":  # where its time goes
-                    parts = {k: statistics.median(i[k] for i in infos) for k in ("share_s", "stage_s", "swap_s",
-                                                                                 "release_s")}
-                    print(f"  shared, {name}: ranks pack and fingerprint {parts['share_s']:.3f} s, engines open, "
-                          f"check and stage {parts['stage_s']:.3f} s, swap {parts['swap_s']:.3f} s, ranks release "
-                          f"{parts['release_s']:.3f} s", flush=True)
+                if path in PARTS:  # where its time goes
+                    print(f"  {path}, {name}: " + ", ".join(
+                        f"{what} {statistics.median(i[k] for i in infos):.3f} s" for k, what in PARTS[path].items()),
+                        flush=True)
             mgr.shutdown()
             group.shutdown()
         if gpu and not apart and "broadcast" in args.paths:

@@ -101,9 +101,13 @@ def _settle(refs: list, timeout_s: float = 10.0) -> None:
 def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, backend: str,
                    group: BroadcastGroup | None = None) -> dict:
     """One broadcast per bucket from the rank that owns it to every engine; `group` kept
-    across calls (RolloutManager keeps one), else a group for this call alone."""
+    across calls (RolloutManager keeps one), else a group for this call alone. Returns its
+    seconds and their parts: the plan, the group's set-up (~0 once kept), the buckets' way
+    (senders pack and fingerprint, the broadcasts, engines fingerprint and stage), the
+    digests' comparison and the engines' commit."""
     t0 = time.perf_counter()
     plans = trainer.call("weight_plan", bucket_bytes)
+    t_plan = time.perf_counter()
     senders = [r for r, p in enumerate(plans) if p]
     index = {r: i for i, r in enumerate(senders)}
     plan = [{"src": index[r], "spec": spec} for r in senders for spec in plans[r]]
@@ -115,6 +119,7 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
     try:
         group.ensure([trainer.workers[r] for r in senders], engines)
         ray.get([e.begin_update.remote() for e in engines])
+        t_open = time.perf_counter()
         try:
             send = [w.broadcast_weights.remote(plan, bucket_bytes, index.get(r)) for r, w in enumerate(trainer.workers)]
             recv = [e.receive_broadcast.remote(plan) for e in engines]
@@ -122,11 +127,13 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
             while pending:  # the first failure at once: the others wait in the group until its timeout
                 done, pending = ray.wait(pending, num_returns=1)
                 ray.get(done)
+            t_sent = time.perf_counter()
             sent = {k: v for part in ray.get(send) for k, v in part.items()}
             for j, got in enumerate(ray.get(recv)):
                 bad = sorted(k for k in sent if got.get(k) != sent[k])
                 if bad or set(got) != set(sent):
                     raise WeightSyncError(f"engine {j}: received tensors differ from the sent ones: {bad[:5]}")
+            t_check = time.perf_counter()
             res = ray.get([e.commit.remote(list(sent), version) for e in engines])
         except Exception:
             _settle([e.abort_update.remote() for e in engines])  # (a later update begins afresh anyway)
@@ -135,8 +142,10 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
     finally:
         if own or not ok:
             group.close()
-    return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines),
-            "path": "broadcast"}
+    t1 = time.perf_counter()
+    return {"seconds": t1 - t0, "bytes": res[0]["bytes"], "engines": len(engines), "path": "broadcast",
+            "plan_s": t_plan - t0, "open_s": t_open - t_plan, "transfer_s": t_sent - t_open,
+            "check_s": t_check - t_sent, "commit_s": t1 - t_check}
 
 
 MARKER = ".miles-weight-version"  # in each version directory: the run that wrote it
