@@ -3,6 +3,7 @@ of the trainer's tokens/s on one GPU).
 
     python3 benchmarks/sft_gpu.py [--seq 4096] [--batch 2] [--steps 10]
     .venv/bin/python benchmarks/sft_gpu.py --device cpu --preset tiny --seq 256 --steps 4   # the path, on CPU
+    python3 benchmarks/sft_gpu.py --profile 8   # also step 8 profiled in each, side by side
 
 Writes a JSONL of long conversations (random words, one conversation a packed row of about
 0.9 x --seq tokens), then
@@ -61,9 +62,10 @@ def write_conversations(path: Path, n: int, seq: int, seed: int) -> float:
     return statistics.mean(len(tokenize_conversation(m, tok)[0]) for m in rows[:8])
 
 
-def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[tuple[int, float]]:
+def trainer_alone(job, steps: int, warmup: int, run_dir: Path, profile: int = 0) -> list[tuple[int, float]]:
     """(tokens, seconds of train_step) of each step: one in-process worker on the job's own
-    micro-batches."""
+    micro-batches; step `profile` (0: none) under the worker's profiler, as the job's
+    log.profile runs it (<run_dir>/profile/rank0.json)."""
     if job.cluster.device == "cpu":  # as many threads as Ray gives the job's worker (its CPUs)
         torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
     w = TrainWorker(0, 1)
@@ -75,15 +77,20 @@ def trainer_alone(job, steps: int, warmup: int, run_dir: Path) -> list[tuple[int
     for step in range(1, steps + 1):
         samples = data.batch(step, job.train.global_batch_size)
         mbs = layout_batch(job, samples)[0]
+        if step == profile:
+            w.start_profile(str(run_dir / "profile"))
         t0 = time.perf_counter()
         w.train_step(mbs)  # returns its metrics as host numbers: the step has finished
         out.append((sum(len(s.tokens) - 1 for s in samples), time.perf_counter() - t0))
+        if step == profile:
+            w.stop_profile()
     data.close()
     w.shutdown()
     return out[warmup:]
 
 
-def trainer_in_actor(job, steps: int, warmup: int, run_dir: Path) -> tuple[list[tuple[int, float]], int]:
+def trainer_in_actor(job, steps: int, warmup: int, run_dir: Path, profile: int = 0
+                     ) -> tuple[list[tuple[int, float]], int]:
     """trainer_alone() inside a Ray actor with the job's worker resources; also the actor's
     torch CPU threads."""
     import ray
@@ -94,11 +101,45 @@ def trainer_in_actor(job, steps: int, warmup: int, run_dir: Path) -> tuple[list[
         @ray.remote(num_cpus=job.cluster.cpus_per_worker, num_gpus=1 if job.cluster.device == "gpu" else 0)
         def run():
             threads = torch.get_num_threads()  # as Ray starts it (trainer_alone sets a CPU job's)
-            return trainer_alone(job, steps, warmup, run_dir), threads
+            return trainer_alone(job, steps, warmup, run_dir, profile), threads
 
         return ray.get(run.remote())
     finally:
         ray.shutdown()
+
+
+def trace_summary(path: Path) -> dict[str, float]:
+    """One profiled step's Chrome trace in a few numbers: the GPU's kernel time and the span
+    from its first kernel to its last, the host's launches and the time it spent in CUDA's
+    runtime calls, and the host ops that took longest (by their own top-level time)."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    out = {"kernel ms": sum(e["dur"] for e in kernels) / 1e3,
+           "kernel span ms": (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
+           if kernels else 0.0,
+           "kernels": float(len(kernels)),
+           "launches": float(sum("Launch" in e["name"] for e in runtime)),
+           "runtime calls ms": sum(e["dur"] for e in runtime) / 1e3,
+           "synchronize ms": sum(e["dur"] for e in runtime if "Synchronize" in e["name"]) / 1e3}
+    host = [e for e in events if e.get("cat") == "cpu_op"]
+    out["host ops span ms"] = ((max(e["ts"] + e["dur"] for e in host) - min(e["ts"] for e in host)) / 1e3
+                               if host else 0.0)
+    ops: dict[str, float] = {}
+    for e in host:  # nested ops count in their parents too
+        ops[e["name"]] = ops.get(e["name"], 0.0) + e["dur"] / 1e3
+    out.update({f"  {k[:38]} ms": v for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]})
+    return out
+
+
+def print_profiles(traces: dict[str, Path]) -> None:
+    """The summaries of the same step profiled alone, in an actor and in the job, side by side."""
+    sums = {name: trace_summary(p) for name, p in traces.items() if p.exists()}
+    missing = [name for name, p in traces.items() if not p.exists()]
+    print(f"\none step under the profiler{' (no trace: ' + ', '.join(missing) + ')' if missing else ''}")
+    print(f"{'':44}" + "".join(f"{name:>14}" for name in sums))
+    for key in dict.fromkeys(k for d in sums.values() for k in d):
+        print(f"{key:44}" + "".join(f"{d[key]:14.1f}" if key in d else f"{'-':>14}" for d in sums.values()))
 
 
 def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -> list[dict]:
@@ -121,6 +162,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out (compiles, allocator)")
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     ap.add_argument("--preset", choices=["small_50m", "tiny"], default="small_50m")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more job overrides for all three runs (e.g. model.cuda_graphs=true)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEP",
+                    help="profile this step alone, in the actor and in the job (the job's log.profile) and compare")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sft_gpu-"))
     mean_len = write_conversations(tmp / "long.jsonl", 4 * a.batch * a.steps, a.seq, seed=0)
@@ -129,12 +174,14 @@ def main() -> None:
                  f"model.overrides.max_position_embeddings={max(a.seq, 4096)}", f"data.path={tmp / 'long.jsonl'}",
                  "data.eval_path=null", "data.eval_size=0", f"data.seq_len={a.seq}",
                  f"train.global_batch_size={a.batch}", "train.micro_batch_size=1", f"train.steps={a.steps}",
-                 "ckpt.save_hf=false", "log.wandb.mode=disabled", "log.interval=1"]
+                 "ckpt.save_hf=false", "log.wandb.mode=disabled", "log.interval=1", *a.set]
     job_file = str(ROOT / "jobs" / "sft_gpu.yaml")
     job = load_job(job_file, overrides)
     threads = torch.get_num_threads()
-    alone = trainer_alone(job, a.steps, a.warmup, tmp / "alone")
-    actor, actor_threads = trainer_in_actor(job, a.steps, a.warmup, tmp / "actor")
+    alone = trainer_alone(job, a.steps, a.warmup, tmp / "alone", a.profile)
+    actor, actor_threads = trainer_in_actor(job, a.steps, a.warmup, tmp / "actor", a.profile)
+    if a.profile:
+        overrides += ["log.profile.enabled=true", f"log.profile.start_step={a.profile}", "log.profile.ranks=[0]"]
     steps = whole_job(job_file, overrides, tmp / "job", a.warmup)
     med_alone = statistics.median(t / s for t, s in alone)
     med_actor = statistics.median(t / s for t, s in actor)
@@ -152,6 +199,10 @@ def main() -> None:
     print(f"  data and batching (driver)      {ms([r['data_time'] for r in steps]):8.1f}")
     print(f"  the Ray call around the step    {ms([r['train_time'] - r['worker_time'] for r in steps]):8.1f}")
     print(f"  the step inside the worker      {ms([r['worker_time'] for r in steps]):8.1f}")
+    if a.profile:
+        print_profiles({"alone": tmp / "alone" / "profile" / "rank0.json",
+                        "in an actor": tmp / "actor" / "profile" / "rank0.json",
+                        "the job": tmp / "job" / "profile" / f"steps{a.profile}-{a.profile}" / "rank0.json"})
 
 if __name__ == "__main__":
     main()
