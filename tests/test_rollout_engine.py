@@ -3,6 +3,7 @@ seeded sampling, shared prefill, stop conditions, abort, and its HTTP API under 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -459,6 +460,127 @@ def test_stop_strings_end_generation_and_are_trimmed(server):
         assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}, f"no_stop_trim={no_trim}"
         assert got["output_ids"] == out[:n], f"no_stop_trim={no_trim}: did not stop at token {n}"
         assert got["text"] == text, f"no_stop_trim={no_trim}: {got['text']!r} != {text!r}"
+
+
+def _sse(r: httpx.Response) -> list[dict | str]:
+    """The events of a server-sent stream: each `data:` payload as JSON ([DONE] as the string)."""
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text[:300]
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+        else:
+            assert line == "", line
+    return out
+
+
+def test_a_streamed_chat_adds_up_to_the_unstreamed_one(server):
+    """stream: true gives OpenAI's chunks (the role first, the finish reason last, the usage
+    when asked, then [DONE]) whose content joined is the unstreamed answer of the same greedy
+    request, also when a stop string cuts it (a tail held back until it is known not to begin
+    the stop)."""
+    from miles.data.chat import load_tokenizer
+    from miles.data.prompts import prompt_ids
+
+    svc, client = server
+    tok = svc.tokenizer
+    chat = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16, "temperature": 0}
+    whole = client.post("/v1/chat/completions", json=chat).json()
+    # the same completion's tokens: a stop string of 3 characters across two of them (its first
+    # character ends a token), first met there, so a stream must hold that character back
+    ids = prompt_ids(chat["messages"], load_tokenizer(svc.spec.tokenizer))
+    out = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 16}}).json()["output_ids"]
+    text = tok.decode(out)
+    assert text.strip() == whole["choices"][0]["message"]["content"]
+    heads = [tok.decode(out[:k]) for k in range(1, len(out))]
+    stop = next((text[len(h) - 1: len(h) + 2] for h in heads if text.startswith(h) and "\ufffd" not in h
+                 and len(text) >= len(h) + 2 and text.find(text[len(h) - 1: len(h) + 2]) == len(h) - 1), None)
+    assert stop, f"no stop string across two tokens of {out}: pick another prompt"
+    cut = client.post("/v1/chat/completions", json={**chat, "stop": [stop]}).json()
+    answer = whole["choices"][0]["message"]["content"]
+    assert cut["choices"][0]["message"]["content"] == answer[:answer.index(stop)].strip()
+    for body, unstreamed in ((chat, whole), ({**chat, "stop": [stop]}, cut)):
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}}) as r:
+            events = _sse(r)
+        assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events[:-1])
+        chunks, usage = events[:-2], events[-2]
+        reason = unstreamed["choices"][0]["finish_reason"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+        joined = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert joined.strip() == unstreamed["choices"][0]["message"]["content"], (joined, body.get("stop"))
+        assert len(chunks) >= 4 or body is not chat, "the answer came in one piece: not streamed"
+        assert usage["choices"] == [] and usage["usage"] == unstreamed["usage"], usage
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_stream_deltas_join_to_the_final_text_at_any_cut(seed, thinking):
+    """chat_stream.TextStream against random texts decoded a few bytes at a time (a partial
+    UTF-8 character shows as U+FFFD, as the decoder shows it): the deltas joined are the final
+    text, cut before its stop string, split at </think> into reasoning and answer in thinking
+    mode, whatever the cuts. The stop string and </think> are planted across cuts."""
+    import random
+
+    from miles.rollout.chat_stream import THINK_END, TextStream
+
+    rng = random.Random(seed)
+    alphabet = "ab </>kthiné日本😀\n"
+    for _ in range(200):
+        words = [rng.choice(alphabet) for _ in range(rng.randint(0, 40))]
+        if thinking and rng.random() < 0.7:
+            words.insert(rng.randint(0, len(words)), THINK_END)
+        body = "".join(words)
+        stop = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+        tail = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
+        full = body + (stop + tail if rng.random() < 0.6 else "")
+        stops = [stop] if rng.random() < 0.8 else []
+        final = full[:full.find(stop)] if stops and stop in full else full
+        raw = full.encode()
+        # the engine stops at the token completing the stop string: no text after it is decoded
+        end = len(full[:full.find(stop) + len(stop)].encode()) if stops and stop in full else len(raw)
+        cuts = sorted(rng.sample(range(1, end), min(end - 1, rng.randint(0, 12)))) if end > 1 else []
+        st, sent = TextStream(stops, thinking), {"reasoning_content": "", "content": ""}
+        for c in cuts + [end]:
+            for d in st.deltas(raw[:c].decode(errors="replace")):
+                for k, v in d.items():
+                    sent[k] += v
+        for d in st.deltas(final, final=True):
+            for k, v in d.items():
+                sent[k] += v
+        reasoning, mark, answer = final.partition(THINK_END) if thinking else ("", "", final)
+        want = {"reasoning_content": reasoning, "content": answer}
+        assert sent == want, (full, stops, cuts, sent, want)
+
+
+def test_a_client_leaving_a_stream_aborts_its_request(server):
+    """Closing a streamed chat mid-way aborts its request in the engine (no tokens generated
+    for nobody). The engine is paused once the first piece arrives, so the request is still
+    running when the client leaves."""
+    svc, client = server
+    engine = svc.engine
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "temperature": 0, "stream": True}
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            while '"content": ""' in (line := next(lines)) or not line.startswith("data: {"):
+                pass  # until a first piece of the answer: the request is decoding
+            engine.pause()
+            with engine.cv:
+                mine = [s for s in engine.running if s.on_token is not None]
+            assert len(mine) == 1 and mine[0].aborted is None
+        deadline = time.monotonic() + 30
+        while mine[0].aborted is None:
+            assert time.monotonic() < deadline, "the request was not aborted after its client left"
+            time.sleep(0.05)
+    finally:
+        engine.resume()
+    deadline = time.monotonic() + 30
+    while mine[0].finish is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert mine[0].finish["type"] == "abort" and len(mine[0].out) < 60, (mine[0].finish, len(mine[0].out))
 
 
 def test_flush_cache_leaves_generation_unchanged(server):

@@ -85,6 +85,15 @@ def test_miles_serve_answers_curl(tmp_path):
         choice = r.json()["choices"][0]
         assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
         assert choice["finish_reason"] in ("stop", "length") and r.json()["usage"]["completion_tokens"] >= 1
+        # the same chat streamed through the router: its deltas join to the same answer
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                          json={**chat, "stream": True}) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["delta"].get("content", "") for c in chunks).strip() == choice["message"]["content"]
+        assert chunks[-1]["finish_reason"] == choice["finish_reason"]
         bad = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                          json={"messages": [{"role": "wizard", "content": "x"}]})
         assert bad.status_code == 400 and "messages" in bad.text, bad.text

@@ -60,6 +60,7 @@ class Sequence:
     filled: int = 0
     followers: list[Sequence] = field(default_factory=list)
     prompt_choices: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    on_token: Callable[[int], None] | None = None  # each token as it is appended (streaming), on the scheduler's thread
 
 
 @dataclass
@@ -131,11 +132,13 @@ class Engine:
 
     def submit(self, prompt: list[int], params: SamplingParams, on_done: Callable[[dict], None],
                return_logprob: bool = False, rid: str | None = None, return_routed_experts: bool = False,
-               return_indexer_picks: bool = False) -> str:
+               return_indexer_picks: bool = False, on_token: Callable[[int], None] | None = None) -> str:
+        """Queue a request; on_done(its result) when it finishes, on_token(id) after each token
+        (both on the scheduler's thread: hand the work to another; an exception is logged)."""
         self.check(prompt, params)
         asked = {n for n, on in (("routes", return_routed_experts), ("picks", return_indexer_picks)) if on}
         seq = Sequence(rid or uuid.uuid4().hex, list(prompt), params, return_logprob, on_done,
-                       params.generator(), returns=self.always | asked)
+                       params.generator(), returns=self.always | asked, on_token=on_token)
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return seq.rid
@@ -402,6 +405,11 @@ class Engine:
                 continue
             s.out.append(t)
             s.logprobs.append(lp)
+            if s.on_token is not None:
+                try:
+                    s.on_token(t)
+                except Exception:
+                    log.exception("request %s: token callback failed", s.rid)
             reason = self._stopped(s)
             if reason is not None:
                 with self.cv:

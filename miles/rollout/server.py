@@ -11,11 +11,12 @@ import json
 import socket
 import threading
 import time
+import uuid
 from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from miles.rollout.engine import RequestError
@@ -82,7 +83,8 @@ class GenerateRequest(BaseModel):
 
 class ChatRequest(BaseModel):
     """POST /v1/chat/completions (OpenAI's shape, as SGLang serves it): the messages rendered with
-    DeepSeek-V4's chat encoding and the engine's tokenizer; one choice, no streaming."""
+    DeepSeek-V4's chat encoding and the engine's tokenizer; one choice, streamed as server-sent
+    events with `stream: true`."""
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields that change nothing here
     messages: list[dict]
@@ -94,7 +96,8 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     n: Literal[1] = 1
-    stream: Literal[False] = False
+    stream: StrictBool = False
+    stream_options: dict = {}  # {"include_usage": true}: a last chunk with the token counts
     chat_template_kwargs: dict = {}  # {"thinking": true}: DeepSeek-V4's thinking mode
 
     def params(self) -> SamplingParams:
@@ -214,6 +217,8 @@ def build_app(svc: EngineService) -> FastAPI:
         params = req.params()
         engine.check(ids, params)
         loop = asyncio.get_running_loop()
+        if req.stream:
+            return _chat_stream(engine, loop, req, ids, params, thinking)
         fut = loop.create_future()
         engine.submit(ids, params, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
         r = await fut
@@ -293,6 +298,58 @@ def build_app(svc: EngineService) -> FastAPI:
         return {"success": True}
 
     return app
+
+
+def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: SamplingParams,
+                 thinking: bool) -> StreamingResponse:
+    """A chat completion as OpenAI's server-sent events: a chunk per settled piece of text
+    (chat_stream.TextStream), the finish reason, the usage if asked, then [DONE]. A client
+    that goes away aborts its request."""
+    from miles.rollout.chat_stream import TextStream
+
+    events: asyncio.Queue = asyncio.Queue()  # ("token", id) as decoded, then ("done", result)
+    rid = uuid.uuid4().hex
+    def post(event: tuple) -> None:  # from the scheduler's thread; the server may have stopped since
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    engine.submit(ids, params, lambda r: post(("done", r)), rid=rid, on_token=lambda t: post(("token", t)))
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or "miles"}
+
+    def chunk(delta: dict, finish: str | None = None, **more) -> str:
+        return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                                      **more}) + "\n\n"
+
+    async def stream():
+        done = False
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            text, out = TextStream(params.stops, thinking), []
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    out.append(value)
+                    for d in text.deltas(engine.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)):
+                        yield chunk(d)
+                    continue
+                done, reason = True, value["meta_info"]["finish_reason"]
+                if reason.get("message", "").startswith("engine"):
+                    yield "data: " + json.dumps({"error": {"message": reason["message"], "code": 500}}) + "\n\n"
+                else:
+                    for d in text.deltas(value["text"], final=True):
+                        yield chunk(d)
+                    yield chunk({}, reason.get("type", "stop"))
+                    if req.stream_options.get("include_usage"):
+                        n = value["meta_info"]["completion_tokens"]
+                        yield "data: " + json.dumps({**head, "choices": [], "usage": {
+                            "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not done:  # the client left (or the stream broke): stop generating for it
+                engine.abort(rid)
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 def _version(v) -> int | None:

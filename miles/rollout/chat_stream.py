@@ -1,0 +1,52 @@
+"""The text of a streamed chat completion, sent as it is decoded: each delta is what the text
+so far adds to what was sent, held back where it could still change, so that the deltas
+joined are the text the same request returns unstreamed.
+
+Held back until the next token settles it: a last character still incomplete (the decoder
+shows U+FFFD for the bytes of a partial UTF-8 character), a tail that could begin a stop
+string (the finished text is cut before the stop string), and, in thinking mode, a tail
+that could begin `</think>` (DeepSeek-V4's end of reasoning: the text before it streams as
+`reasoning_content`, after it as `content`).
+"""
+
+from __future__ import annotations
+
+THINK_END = "</think>"
+
+
+class TextStream:
+    def __init__(self, stops: list[str] | tuple[str, ...] = (), thinking: bool = False):
+        self.stops = [s for s in stops if s]
+        self.thinking = thinking
+        self.sent = ""  # the text the deltas so far add up to
+
+    def deltas(self, text: str, final: bool = False) -> list[dict[str, str]]:
+        """OpenAI delta objects ({"reasoning_content": ...} and/or {"content": ...}) for the
+        completion's text so far; `final`: the finished text (already cut at its stop)."""
+        if not final:
+            text = self._settled(text)
+        if not text.startswith(self.sent) or len(text) == len(self.sent):
+            return []  # nothing new (a decoder never takes back text it settled)
+        old, new = self._split(self.sent), self._split(text)
+        self.sent = text
+        return [{key: b[len(a):]} for key, a, b in zip(("reasoning_content", "content"), old, new, strict=True)
+                if len(b) > len(a)]
+
+    def _settled(self, text: str) -> str:
+        text = text.rstrip("\ufffd")
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        if cut >= 0:  # the engine finishes here: the final text is cut before the stop string
+            text = text[:cut]
+        while True:  # cutting one tail can leave another (a stop's first character after "</think")
+            tails = self.stops + ([THINK_END] if self.thinking and THINK_END not in text else [])
+            hold = max((k for t in tails for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
+            if not hold:
+                return text
+            text = text[:len(text) - hold]
+
+    def _split(self, text: str) -> tuple[str, str]:
+        """(reasoning, answer) of a text so far."""
+        if not self.thinking:
+            return "", text
+        reasoning, _, answer = text.partition(THINK_END)
+        return reasoning, answer
