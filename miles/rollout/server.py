@@ -97,7 +97,7 @@ class ChatRequest(BaseModel):
     seed: StrictInt | None = None
     n: Literal[1] = 1
     stream: StrictBool = False
-    stream_options: dict = {}  # {"include_usage": true}: a last chunk with the token counts
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the token counts
     chat_template_kwargs: dict = {}  # {"thinking": true}: DeepSeek-V4's thinking mode
 
     def params(self) -> SamplingParams:
@@ -309,16 +309,19 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
 
     events: asyncio.Queue = asyncio.Queue()  # ("token", id) as decoded, then ("done", result)
     rid = uuid.uuid4().hex
-    def post(event: tuple) -> None:  # from the scheduler's thread; the server may have stopped since
-        if not loop.is_closed():
+
+    def post(event: tuple) -> None:  # from the scheduler's thread
+        try:
             loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the server's loop has closed: nobody is listening
+            pass
 
     engine.submit(ids, params, lambda r: post(("done", r)), rid=rid, on_token=lambda t: post(("token", t)))
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or "miles"}
 
-    def chunk(delta: dict, finish: str | None = None, **more) -> str:
-        return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                                      **more}) + "\n\n"
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) \
+            + "\n\n"
 
     async def stream():
         done = False
@@ -339,7 +342,7 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
                     for d in text.deltas(value["text"], final=True):
                         yield chunk(d)
                     yield chunk({}, reason.get("type", "stop"))
-                    if req.stream_options.get("include_usage"):
+                    if (req.stream_options or {}).get("include_usage"):
                         n = value["meta_info"]["completion_tokens"]
                         yield "data: " + json.dumps({**head, "choices": [], "usage": {
                             "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}) + "\n\n"
