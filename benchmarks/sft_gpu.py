@@ -81,12 +81,13 @@ def trainer_alone(job, steps: int, warmup: int, run_dir: Path, profile: int = 0)
             w.start_profile(str(run_dir / "profile"))
         t0 = time.perf_counter()
         w.train_step(mbs)  # returns its metrics as host numbers: the step has finished
-        out.append((sum(len(s.tokens) - 1 for s in samples), time.perf_counter() - t0))
         if step == profile:
             w.stop_profile()
+        if step > warmup and step != profile:  # the profiled step is not timed with the others
+            out.append((sum(len(s.tokens) - 1 for s in samples), time.perf_counter() - t0))
     data.close()
     w.shutdown()
-    return out[warmup:]
+    return out
 
 
 def trainer_in_actor(job, steps: int, warmup: int, run_dir: Path, profile: int = 0
@@ -128,7 +129,7 @@ def trace_summary(path: Path) -> dict[str, float]:
     ops: dict[str, float] = {}
     for e in host:  # nested ops count in their parents too
         ops[e["name"]] = ops.get(e["name"], 0.0) + e["dur"] / 1e3
-    out.update({f"  {k[:38]} ms": v for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]})
+    out.update({f"  {k[-38:]} ms": v for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]})  # names end apart
     return out
 
 
@@ -142,7 +143,7 @@ def print_profiles(traces: dict[str, Path]) -> None:
         print(f"{key:44}" + "".join(f"{d[key]:14.1f}" if key in d else f"{'-':>14}" for d in sums.values()))
 
 
-def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -> list[dict]:
+def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int, profile: int = 0) -> list[dict]:
     """Each step's perf/ metrics of `miles sft`: tokens, step_time (data, batching, the Ray call
     and the step), data_time, train_time (the Ray call) and worker_time (the step inside the
     worker)."""
@@ -151,7 +152,8 @@ def whole_job(job_file: str, overrides: list[str], run_dir: Path, warmup: int) -
     if done.returncode != 0:
         raise SystemExit(f"miles sft failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k[5:]: v for k, v in r.items() if k.startswith("perf/")} for r in rows if "perf/step_time" in r][warmup:]
+    return [{k[5:]: v for k, v in r.items() if k.startswith("perf/")} for r in rows
+            if "perf/step_time" in r and r["step"] > warmup and r["step"] != profile]
 
 
 def main() -> None:
@@ -167,6 +169,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="STEP",
                     help="profile this step alone, in the actor and in the job (the job's log.profile) and compare")
     a = ap.parse_args()
+    if not 0 <= a.profile <= a.steps:
+        ap.error(f"--profile {a.profile}: give a step in 1..{a.steps} (0: none)")
     tmp = Path(tempfile.mkdtemp(prefix="sft_gpu-"))
     mean_len = write_conversations(tmp / "long.jsonl", 4 * a.batch * a.steps, a.seq, seed=0)
     dtype = "bfloat16" if a.device == "gpu" else "float32"
@@ -182,7 +186,7 @@ def main() -> None:
     actor, actor_threads = trainer_in_actor(job, a.steps, a.warmup, tmp / "actor", a.profile)
     if a.profile:
         overrides += ["log.profile.enabled=true", f"log.profile.start_step={a.profile}", "log.profile.ranks=[0]"]
-    steps = whole_job(job_file, overrides, tmp / "job", a.warmup)
+    steps = whole_job(job_file, overrides, tmp / "job", a.warmup, a.profile)
     med_alone = statistics.median(t / s for t, s in alone)
     med_actor = statistics.median(t / s for t, s in actor)
     med_job = statistics.median(r["tokens"] / r["step_time"] for r in steps)

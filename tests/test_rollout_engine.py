@@ -464,7 +464,7 @@ def test_stop_strings_end_generation_and_are_trimmed(server):
 
 def _sse(r: httpx.Response) -> list[dict | str]:
     """The events of a server-sent stream: each `data:` payload as JSON ([DONE] as the string)."""
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text[:300]
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()[:300]
     out = []
     for line in r.iter_lines():
         if line.startswith("data: "):
@@ -500,19 +500,46 @@ def test_a_streamed_chat_adds_up_to_the_unstreamed_one(server):
     cut = client.post("/v1/chat/completions", json={**chat, "stop": [stop]}).json()
     answer = whole["choices"][0]["message"]["content"]
     assert cut["choices"][0]["message"]["content"] == answer[:answer.index(stop)].strip()
-    for body, unstreamed in ((chat, whole), ({**chat, "stop": [stop]}, cut)):
-        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
-                                                                  "stream_options": {"include_usage": True}}) as r:
-            events = _sse(r)
-        assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events[:-1])
-        chunks, usage = events[:-2], events[-2]
-        reason = unstreamed["choices"][0]["finish_reason"]
-        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
-        joined = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-        assert joined.strip() == unstreamed["choices"][0]["message"]["content"], (joined, body.get("stop"))
-        assert len(chunks) >= 4 or body is not chat, "the answer came in one piece: not streamed"
-        assert usage["choices"] == [] and usage["usage"] == unstreamed["usage"], usage
+    _stream_matches(client, chat, whole, pieces=3)
+    _stream_matches(client, {**chat, "stop": [stop]}, cut)
+
+
+def _stream_matches(client: httpx.Client, body: dict, unstreamed: dict, pieces: int = 1) -> None:
+    """`body` streamed gives OpenAI's chunks (the role first, the finish reason last, the usage
+    when asked, then [DONE]) whose content and reasoning joined are `unstreamed`'s (the same
+    request's answer), in at least `pieces` chunks of text."""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}) as r:
+        events = _sse(r)
+    assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events[:-1])
+    chunks, usage = events[:-2], events[-2]
+    reason = unstreamed["choices"][0]["finish_reason"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+    for part in ("content", "reasoning_content"):
+        joined = "".join(c["choices"][0]["delta"].get(part, "") for c in chunks)
+        assert joined.strip() == unstreamed["choices"][0]["message"].get(part, ""), (part, joined, body)
+    assert len(chunks) - 2 >= pieces, f"{len(chunks) - 2} pieces of text: not streamed"
+    assert usage["choices"] == [] and usage["usage"] == unstreamed["usage"], usage
+
+
+def test_a_streamed_thinking_answer_splits_as_the_unstreamed_one():
+    """Thinking mode: the text before </think> is reasoning_content, streamed or not, also
+    when the answer ends before any </think> (the unstreamed answer gave it as content)."""
+    svc = EngineService(EngineSpec(config=DeepSeekV4Config.tiny(vocab_size=512).to_dict(), seed=3, max_running=2,
+                                   max_len=512, tokenizer=tokenizer_path("tiny")))
+    http = HttpServer(build_app(svc))
+    try:
+        client = httpx.Client(base_url=http.url, timeout=60)
+        think = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16, "temperature": 0,
+                 "chat_template_kwargs": {"thinking": True}}
+        reasoned = client.post("/v1/chat/completions", json=think).json()
+        message = reasoned["choices"][0]["message"]
+        assert message["content"] == "" and message["reasoning_content"], message  # 16 tokens: no </think>
+        _stream_matches(client, think, reasoned, pieces=3)
+    finally:
+        http.stop()
+        svc.stop()
 
 
 @pytest.mark.parametrize("thinking", [False, True])
@@ -552,6 +579,28 @@ def test_stream_deltas_join_to_the_final_text_at_any_cut(seed, thinking):
         reasoning, mark, answer = final.partition(THINK_END) if thinking else ("", "", final)
         want = {"reasoning_content": reasoning, "content": answer}
         assert sent == want, (full, stops, cuts, sent, want)
+
+
+@pytest.mark.parametrize("which", ["tiny", "deepseek_v4"])
+def test_the_stream_decodes_each_token_once_and_as_the_whole(seed, which):
+    """server.Detokenizer (a stream's text, decoding only the tokens after the last whole
+    character) gives at every token the text the whole decode gives, for random ids of the
+    bundled tokenizer and of DeepSeek-V4's: the tokenizers join at whole characters."""
+    from tokenizers import Tokenizer
+
+    from miles.data.chat import v4_tokenizer_file
+    from miles.data.sft import tokenizer_path
+    from miles.rollout.server import Detokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path("tiny") if which == "tiny" else v4_tokenizer_file()))
+    g = torch.Generator().manual_seed(seed)
+    for skip in (True, False):
+        ids = torch.randint(0, tok.get_vocab_size(), (300,), generator=g).tolist()
+        d = Detokenizer(tok, skip)
+        for k, t in enumerate(ids, 1):
+            d.add(t)
+            assert d.text() == tok.decode(ids[:k], skip_special_tokens=skip), (which, skip, ids[:k])
+        assert d.base > 200, "the decode went back to the start: nothing saved"
 
 
 def test_a_client_leaving_a_stream_aborts_its_request(server):

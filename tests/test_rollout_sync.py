@@ -82,17 +82,22 @@ def _local_logprobs(group: TrainGroup, reqs: list[dict], results: list[dict], di
 
 def _agree(group, reqs, results, what: str, spread_dir=None) -> float:
     """Each sampled token's log-prob from the engine equals the trainer's to 1e-5. With
-    `spread_dir`, a token's bound also takes 4x the gap between the trainer and a second fp32
-    evaluation of its weights (_local_logprobs): after training, a token whose last hidden
-    state nearly cancels is 10-20x more sensitive to rounding than the rest (seen: one token
-    at 1.0e-5, the other 47 at 4.8e-7; the two trainer evaluations differed there by 7.7e-6)."""
+    `spread_dir` (after training) both are held to a third evaluation, the weights the trainer
+    exports in a single-process model here (_local_logprobs): the engine to 1e-5 (the same
+    model code, incremental against whole), the trainer to 5e-5. After training, a token whose
+    last hidden state nearly cancels is 10-20x more rounding-sensitive than the rest (seen:
+    engine 1.0e-5 off the TP=2 trainer on one token, the other 47 at 4.8e-7; that token's
+    engine 2.3e-6 and trainer 7.7e-6 off the third evaluation), so a flat 1e-5 between two
+    differently reduced fp32 forwards fails on some seeds."""
     worst = 0.0
-    trainer = _trainer_logprobs(group, reqs, results)
-    spread = (_local_logprobs(group, reqs, results, spread_dir) if spread_dir is not None
-              else [torch.zeros(len(b), dtype=torch.float64) for b in trainer])
-    for i, (a, b, c) in enumerate(zip(_engine_logprobs(results), trainer, spread, strict=True)):
-        gap = (b.double() - c).abs() if spread_dir is not None else c
-        assert_close(a, b.float(), atol=1e-5 + 4 * gap, what=f"{what}: sample {i}")
+    engine, trainer = _engine_logprobs(results), _trainer_logprobs(group, reqs, results)
+    local = _local_logprobs(group, reqs, results, spread_dir) if spread_dir is not None else None
+    for i, (a, b) in enumerate(zip(engine, trainer, strict=True)):
+        if local is None:
+            assert_close(a, b.float(), atol=1e-5, what=f"{what}: sample {i}")
+        else:
+            assert_close(a, local[i], atol=1e-5, what=f"{what}: sample {i}, engine against the trainer's export")
+            assert_close(b, local[i], atol=5e-5, what=f"{what}: sample {i}, trainer against its export")
         worst = max(worst, (a - b).abs().max().item())
     return worst
 
@@ -121,8 +126,8 @@ def test_engine_logprobs_follow_the_trainer_through_every_sync_path(cluster, see
                            (5, "kept broadcast"), (6, "kept broadcast")):
             tp2.train_step(replica_micro_batches(src.batch(step, 4), 1, 2))
             stale = mgr.generate(_requests(seed, step))  # old weights, new trainer
-            with pytest.raises(AssertionError):
-                _agree(tp2, _requests(seed, step), stale, "stale engine")
+            with pytest.raises(AssertionError, match="engine against the trainer's export"):
+                _agree(tp2, _requests(seed, step), stale, "stale engine", spread_dir=spread)
             if path == "object_store":
                 info = sync_object_store(tp2, mgr, BUCKET, version=step)
             elif path == "broadcast":

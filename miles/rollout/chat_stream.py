@@ -11,6 +11,10 @@ that could begin `</think>` (DeepSeek-V4's end of reasoning: the text before it 
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 THINK_END = "</think>"
 
 
@@ -25,8 +29,13 @@ class TextStream:
         completion's text so far; `final`: the finished text (already cut at its stop)."""
         if not final:
             text = self._settled(text)
-        if not text.startswith(self.sent) or len(text) == len(self.sent):
-            return []  # nothing new (a decoder never takes back text it settled)
+        if not text.startswith(self.sent):  # a decoder never takes back text it settled
+            if final:
+                log.warning("a streamed answer's final text does not continue what was sent (%r... then %r...): "
+                            "the rest is not sent", self.sent[-40:], text[len(self.sent) - 40:len(self.sent)])
+            return []
+        if len(text) == len(self.sent):
+            return []
         old, new = self._split(self.sent), self._split(text)
         self.sent = text
         return [{key: b[len(a):]} for key, a, b in zip(("reasoning_content", "content"), old, new, strict=True)

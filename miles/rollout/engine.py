@@ -409,7 +409,8 @@ class Engine:
                 try:
                     s.on_token(t)
                 except Exception:
-                    log.exception("request %s: token callback failed", s.rid)
+                    log.exception("request %s: token callback failed; no more tokens are passed to it", s.rid)
+                    s.on_token = None
             reason = self._stopped(s)
             if reason is not None:
                 with self.cv:

@@ -51,7 +51,8 @@ class SamplingParams(BaseModel):
 
     @property
     def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        """The stop strings; an empty one stops nothing (it would match before any text)."""
+        return [x for x in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if x]
 
     def generator(self) -> torch.Generator | None:
         """The request's own random stream on the host (None for greedy requests): one uniform

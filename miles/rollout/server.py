@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
+from miles.rollout.chat_stream import THINK_END, TextStream
 from miles.rollout.engine import RequestError
 from miles.rollout.sampling import SamplingParams
 from miles.rollout.service import EngineService
@@ -101,8 +102,9 @@ class ChatRequest(BaseModel):
     chat_template_kwargs: dict = {}  # {"thinking": true}: DeepSeek-V4's thinking mode
 
     def params(self) -> SamplingParams:
+        n = next((x for x in (self.max_completion_tokens, self.max_tokens) if x is not None), 128)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
-                              max_new_tokens=self.max_completion_tokens or self.max_tokens or 128)
+                              max_new_tokens=n)
 
 
 def _bad(msg: str, code: int = 400) -> JSONResponse:
@@ -226,8 +228,8 @@ def build_app(svc: EngineService) -> FastAPI:
         if reason.get("message", "").startswith("engine"):
             return _bad(reason["message"], 500)
         text, reasoning = r["text"], None
-        if thinking and "</think>" in text:  # DeepSeek-V4: the reasoning, then the answer
-            reasoning, text = text.split("</think>", 1)
+        if thinking:  # DeepSeek-V4: the reasoning, then the answer (none if it ended before </think>)
+            reasoning, _, text = r["text"].partition(THINK_END)
         message = {"role": "assistant", "content": text.strip()}
         if reasoning is not None:
             message["reasoning_content"] = reasoning.strip()
@@ -303,12 +305,11 @@ def build_app(svc: EngineService) -> FastAPI:
 def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: SamplingParams,
                  thinking: bool) -> StreamingResponse:
     """A chat completion as OpenAI's server-sent events: a chunk per settled piece of text
-    (chat_stream.TextStream), the finish reason, the usage if asked, then [DONE]. A client
-    that goes away aborts its request."""
-    from miles.rollout.chat_stream import TextStream
-
+    (chat_stream.TextStream), the finish reason, the usage if asked, then [DONE]. The request
+    starts with the response and a client that goes away aborts it."""
     events: asyncio.Queue = asyncio.Queue()  # ("token", id) as decoded, then ("done", result)
-    rid = uuid.uuid4().hex
+    rid = "chatcmpl-" + uuid.uuid4().hex
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or "miles"}
 
     def post(event: tuple) -> None:  # from the scheduler's thread
         try:
@@ -316,23 +317,25 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
         except RuntimeError:  # the server's loop has closed: nobody is listening
             pass
 
-    engine.submit(ids, params, lambda r: post(("done", r)), rid=rid, on_token=lambda t: post(("token", t)))
-    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or "miles"}
-
     def chunk(delta: dict, finish: str | None = None) -> str:
         return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) \
             + "\n\n"
 
     async def stream():
         done = False
+        engine.submit(ids, params, lambda r: post(("done", r)), rid=rid, on_token=lambda t: post(("token", t)))
         try:
             yield chunk({"role": "assistant", "content": ""})
-            text, out = TextStream(params.stops, thinking), []
+            text, out = TextStream(params.stops, thinking), Detokenizer(engine.tokenizer, params.skip_special_tokens)
             while True:
                 kind, value = await events.get()
+                while kind == "token":  # every token queued so far, then one decode
+                    out.add(value)
+                    if events.empty():
+                        break
+                    kind, value = events.get_nowait()
                 if kind == "token":
-                    out.append(value)
-                    for d in text.deltas(engine.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)):
+                    for d in text.deltas(out.text()):
                         yield chunk(d)
                     continue
                 done, reason = True, value["meta_info"]["finish_reason"]
@@ -352,7 +355,29 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
             if not done:  # the client left (or the stream broke): stop generating for it
                 engine.abort(rid)
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Detokenizer:
+    """A completion's text as its tokens arrive, decoding only the tokens after the last point
+    where the text so far ended on a whole character (byte-level decoding joins there), so a
+    long stream decodes each token about once instead of the whole answer at every token."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tok, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.base, self.base_text = 0, ""  # tokens [0, base) decode to base_text, a whole-character text
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+
+    def text(self) -> str:
+        tail = self.tok.decode(self.ids[self.base:], skip_special_tokens=self.skip)
+        if not tail.endswith("\ufffd"):
+            self.base, self.base_text = len(self.ids), self.base_text + tail
+            return self.base_text
+        return self.base_text + tail
 
 
 def _version(v) -> int | None:

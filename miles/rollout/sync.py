@@ -135,6 +135,7 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
                     raise WeightSyncError(f"engine {j}: received tensors differ from the sent ones: {bad[:5]}")
             t_check = time.perf_counter()
             res = ray.get([e.commit.remote(list(sent), version) for e in engines])
+            t1 = time.perf_counter()
         except Exception:
             _settle([e.abort_update.remote() for e in engines])  # (a later update begins afresh anyway)
             raise
@@ -142,10 +143,9 @@ def sync_broadcast(trainer, engines: list, bucket_bytes: int, version: int, back
     finally:
         if own or not ok:
             group.close()
-    t1 = time.perf_counter()
-    return {"seconds": t1 - t0, "bytes": res[0]["bytes"], "engines": len(engines), "path": "broadcast",
-            "plan_s": t_plan - t0, "open_s": t_open - t_plan, "transfer_s": t_sent - t_open,
-            "check_s": t_check - t_sent, "commit_s": t1 - t_check}
+    return {"seconds": time.perf_counter() - t0, "bytes": res[0]["bytes"], "engines": len(engines),
+            "path": "broadcast", "plan_s": t_plan - t0, "open_s": t_open - t_plan, "transfer_s": t_sent - t_open,
+            "check_s": t_check - t_sent, "commit_s": t1 - t_check}  # closing a group of this call's own: in seconds
 
 
 MARKER = ".miles-weight-version"  # in each version directory: the run that wrote it
