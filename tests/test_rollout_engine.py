@@ -552,6 +552,10 @@ def test_stream_deltas_join_to_the_final_text_at_any_cut(seed, thinking):
 
     from miles.rollout.chat_stream import THINK_END, TextStream
 
+    # what may still change is held back, and nothing more
+    assert TextStream(["ab"]).deltas("aaaa") == [{"content": "aaa"}]
+    assert TextStream([], thinking=True).deltas("x <<</th") == [{"reasoning_content": "x <<"}]
+    assert TextStream([">n"], thinking=True).deltas("b</think>") == [{"reasoning_content": "b"}]
     rng = random.Random(seed)
     alphabet = "ab </>kthiné日本😀\n"
     for _ in range(200):

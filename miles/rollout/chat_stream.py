@@ -46,12 +46,15 @@ class TextStream:
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)
         if cut >= 0:  # the engine finishes here: the final text is cut before the stop string
             text = text[:cut]
-        while True:  # cutting one tail can leave another (a stop's first character after "</think")
-            tails = self.stops + ([THINK_END] if self.thinking and THINK_END not in text else [])
-            hold = max((k for t in tails for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
-            if not hold:
-                return text
-            text = text[:len(text) - hold]
+        # the stops' tail first, then </think>'s on what is left: holding a stop's first
+        # characters can cut a "</think>" short ("b</think>" with the stop ">n" leaves
+        # "b</think", reasoning until the next token says). What a cut leaves needs no second
+        # look for stops: the text after it is known, and a stop through it would have been
+        # the longer tail.
+        text = text[:len(text) - _tail(text, self.stops)]
+        if self.thinking and THINK_END not in text:
+            text = text[:len(text) - _tail(text, [THINK_END])]
+        return text
 
     def _split(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) of a text so far."""
@@ -59,3 +62,8 @@ class TextStream:
             return "", text
         reasoning, _, answer = text.partition(THINK_END)
         return reasoning, answer
+
+
+def _tail(text: str, marks: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `marks` (0: none)."""
+    return max((k for m in marks for k in range(1, len(m)) if text.endswith(m[:k])), default=0)

@@ -425,7 +425,7 @@ class Engine:
                 return {"type": "stop", "matched": t}
             if p.stops:
                 text = self.tokenizer.decode(s.out[-32:], skip_special_tokens=False)
-                hit = next((x for x in p.stops if x in text), None)
+                hit = min((x for x in p.stops if x in text), key=text.find, default=None)  # the first in the text
                 if hit is not None:
                     return {"type": "stop", "matched": hit}
         if n >= p.max_new_tokens:
