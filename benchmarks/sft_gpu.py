@@ -112,7 +112,7 @@ def trainer_in_actor(job, steps: int, warmup: int, run_dir: Path, profile: int =
 def trace_summary(path: Path) -> dict[str, float]:
     """One profiled step's Chrome trace in a few numbers: the GPU's kernel time and the span
     from its first kernel to its last, the host's launches and the time it spent in CUDA's
-    runtime calls, and the host ops that took longest (by their own top-level time)."""
+    runtime calls, and the host ops that took longest (an op's time includes the ops inside it)."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]

@@ -20,7 +20,7 @@ THINK_END = "</think>"
 
 class TextStream:
     def __init__(self, stops: list[str] | tuple[str, ...] = (), thinking: bool = False):
-        self.stops = [s for s in stops if s]
+        self.stops = list(stops)  # SamplingParams.stops: none empty
         self.thinking = thinking
         self.sent = ""  # the text the deltas so far add up to
 
@@ -57,13 +57,19 @@ class TextStream:
         return text
 
     def _split(self, text: str) -> tuple[str, str]:
-        """(reasoning, answer) of a text so far."""
-        if not self.thinking:
-            return "", text
-        reasoning, _, answer = text.partition(THINK_END)
-        return reasoning, answer
+        reasoning, answer = split_reasoning(text, self.thinking)
+        return reasoning or "", answer
 
 
 def _tail(text: str, marks: list[str]) -> int:
     """The length of the longest end of `text` that begins one of `marks` (0: none)."""
     return max((k for m in marks for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    """(reasoning, answer) of a completion's text: in thinking mode the text before </think>
+    and after it (all reasoning while no </think> has come); else (None, the text)."""
+    if not thinking:
+        return None, text
+    reasoning, _, answer = text.partition(THINK_END)
+    return reasoning, answer

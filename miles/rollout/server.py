@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from miles.rollout.chat_stream import THINK_END, TextStream
+from miles.rollout.chat_stream import TextStream, split_reasoning
 from miles.rollout.engine import RequestError
 from miles.rollout.sampling import SamplingParams
 from miles.rollout.service import EngineService
@@ -198,7 +198,7 @@ def build_app(svc: EngineService) -> FastAPI:
                 lambda: f.done() or f.set_result(r)), lp, rid, return_routed_experts=routes,
                 return_indexer_picks=picks)
         results = await asyncio.gather(*futs)
-        failed = [r for r in results if r["meta_info"]["finish_reason"].get("message", "").startswith("engine")]
+        failed = [r for r in results if _engine_failed(r)]
         if failed:
             return _bad(failed[0]["meta_info"]["finish_reason"]["message"], 500)
         return results if batched else results[0]
@@ -225,11 +225,9 @@ def build_app(svc: EngineService) -> FastAPI:
         engine.submit(ids, params, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
         r = await fut
         reason = r["meta_info"]["finish_reason"]
-        if reason.get("message", "").startswith("engine"):
+        if _engine_failed(r):
             return _bad(reason["message"], 500)
-        text, reasoning = r["text"], None
-        if thinking:  # DeepSeek-V4: the reasoning, then the answer (none if it ended before </think>)
-            reasoning, _, text = r["text"].partition(THINK_END)
+        reasoning, text = split_reasoning(r["text"], thinking)  # DeepSeek-V4: the reasoning, then the answer
         message = {"role": "assistant", "content": text.strip()}
         if reasoning is not None:
             message["reasoning_content"] = reasoning.strip()
@@ -318,8 +316,7 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
             pass
 
     def chunk(delta: dict, finish: str | None = None) -> str:
-        return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) \
-            + "\n\n"
+        return _event({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     async def stream():
         done = False
@@ -339,17 +336,17 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
                         yield chunk(d)
                     continue
                 done, reason = True, value["meta_info"]["finish_reason"]
-                if reason.get("message", "").startswith("engine"):
-                    yield "data: " + json.dumps({"error": {"message": reason["message"], "code": 500}}) + "\n\n"
+                if _engine_failed(value):
+                    yield _event({"error": {"message": reason["message"], "code": 500}})
                 else:
                     for d in text.deltas(value["text"], final=True):
                         yield chunk(d)
                     yield chunk({}, reason.get("type", "stop"))
                     if (req.stream_options or {}).get("include_usage"):
                         n = value["meta_info"]["completion_tokens"]
-                        yield "data: " + json.dumps({**head, "choices": [], "usage": {
-                            "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}) + "\n\n"
-                yield "data: [DONE]\n\n"
+                        yield _event({**head, "choices": [], "usage": {
+                            "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}})
+                yield _event("[DONE]")
                 return
         finally:
             if not done:  # the client left (or the stream broke): stop generating for it
@@ -357,6 +354,16 @@ def _chat_stream(engine, loop, req: ChatRequest, ids: list[int], params: Samplin
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _event(data: dict | str) -> str:
+    """One server-sent event: `data: <JSON>` (or a bare string such as [DONE]) and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _engine_failed(result: dict) -> bool:
+    """Whether a request ended because the engine failed (not by its own stop, length or abort)."""
+    return result["meta_info"]["finish_reason"].get("message", "").startswith("engine")
 
 
 class Detokenizer:
