@@ -15,12 +15,15 @@ steps: autotuning, the allocator); the memory column is the largest of the ranks
 from __future__ import annotations
 
 import argparse
+import collections
 import faulthandler
 import os
 import re
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -93,9 +96,39 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
             sync()
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         if rank == 0:
-            print(f"[{layout}] one step on rank 0, by {key}:\n"
-                  + prof.key_averages().table(sort_by=key, row_limit=18), flush=True)
+            ops = prof.key_averages()
+            print(f"[{layout}] one step on rank 0, by {key}:\n" + ops.table(sort_by=key, row_limit=18), flush=True)
+            if cuda:  # where the host waits (synchronizations, blocking copies) shows in its own time
+                print(f"[{layout}] rank 0, the host's calls by their own time:\n"
+                      + ops.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        if cuda:  # and one more step with torch's sync debug mode: each wait's line of code
+            sites = _sync_sites(lambda: (w.train_step(mbs), sync()))
+            if rank == 0:
+                print(f"[{layout}] rank 0's waits for the GPU in one step ({sum(sites.values())}), by line:\n"
+                      + "\n".join(f"  {n:4d}  {site}" for site, n in sites.most_common(12)), flush=True)
     out[(layout, rank)] = (statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+
+
+def _sync_sites(step) -> collections.Counter:
+    """How often each line of ours or Megatron's made the host wait for the GPU (an item(),
+    a copy to the host, an op whose output size lives on the GPU) during step()."""
+    sites: collections.Counter = collections.Counter()
+
+    def count(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack()[:-1] if re.search(r"/(miles|plugins|megatron)/", f.filename)]
+        where = ours[-1] if ours else None
+        sites[f"{where.filename.split('/')[-2]}/{where.filename.split('/')[-1]}:{where.lineno} {where.line}"
+              if where else f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = count
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
 
 
 def main() -> None:

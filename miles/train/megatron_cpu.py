@@ -2,8 +2,7 @@
 
 Megatron-core (pinned below) hard-codes CUDA in places that are not about GPUs at all:
 buffers allocated on `torch.cuda.current_device()`, `torch.cuda.synchronize()` around
-communication, the model-parallel RNG tracker built on `torch.cuda.get_rng_state`, the
-all-to-all token dispatcher's side stream for its device-to-host copies of the split sizes.
+communication, the model-parallel RNG tracker built on `torch.cuda.get_rng_state`.
 `apply()` redirects exactly those calls to their CPU equivalents, only when CUDA is
 absent, and refuses any other Megatron-core version (its CUDA call sites move between
 releases, so an unchecked version could silently take a different path). On a GPU
@@ -12,8 +11,6 @@ machine `apply()` does nothing. No other module patches anything (megatron_impor
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -47,35 +44,6 @@ def _serve_on_cpu(fn):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return fn(*args, **kwargs)
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-class _HostStream:
-    """What a CUDA stream or event is asked for where all work runs on the host: there is
-    never anything to wait for."""
-
-    def __init__(self, *_args, **_kwargs):
-        pass
-
-    def wait_stream(self, _other) -> None:
-        return None
-
-    def record_event(self, *_args) -> _HostStream:
-        return self
-
-    def synchronize(self) -> None:
-        return None
-
-
-def _host_splits(fn):
-    """Megatron's all-to-all dispatcher copies its split sizes device-to-host with
-    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts CUDA tensors only; host
-    tensors stay tensors, which `all_to_all_single` refuses as split sizes. Convert those too."""
-    def wrapper(tensor, as_numpy: bool = False, record_stream: bool = False):
-        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
-            return tensor.numpy()
-        return fn(tensor, as_numpy=as_numpy, record_stream=record_stream)
     wrapper.__wrapped__ = fn
     return wrapper
 
@@ -117,13 +85,5 @@ def apply() -> bool:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # MoEAlltoAllTokenDispatcher makes a side stream for its device-to-host copies and waits
-    # on an event of it; its split sizes must reach all_to_all_single as numbers.
-    torch.cuda.Stream = _HostStream
-    torch.cuda.current_stream = lambda *a, **k: _HostStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    from megatron.core.transformer.moe import token_dispatcher
-
-    token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(token_dispatcher.maybe_move_tensor_to_cpu)
     _applied = True
     return True

@@ -8,24 +8,24 @@ model code is the same as in one process; only where its modules come from and h
 travel changes.
 
 TP and CP use all-gather and all-reduce (a reduce-scatter is written as all-reduce +
-slice). EP goes through Megatron-core's MoEAlltoAllTokenDispatcher: all-to-all of uneven
-splits, which gloo runs on CPU (the CPU bridge gives the dispatcher a host stream and its
-split sizes as numbers) and nccl on GPU. Three parts of it are ours, each for a reason:
-- routing: our gate gives expert ids and weights [N, k]; the dispatcher takes a
-  routing_map [N, E] (bool) and probs [N, E], built here by a scatter. A bool map cannot
-  hold one token routed twice to the same expert (a loaded hash table could), so that is
-  refused with a clear error instead of losing a pair.
+slice). EP moves each routed (token, slot) pair to its expert's rank and back by
+Megatron-core's differentiable all-to-all of uneven splits (gloo on CPU, nccl on GPU); the
+exchange around it is ours, for three reasons:
+- waits: the GPU's queue drains once an exchange, to bring the split sizes (one all-gather
+  of every rank's per-expert counts) to the host, where all_to_all_single takes them.
+  Megatron's MoEAlltoAllTokenDispatcher without Transformer Engine's fused permute waits
+  three times (that copy, and two masked_selects whose sizes the host must learn): on two
+  H200s its EP=2 step spent 36 host waits against the one GPU run's 9.
+- routing: our gate gives expert ids and weights [N, k], each slot its own pair, so a token
+  may take one expert in two slots (a loaded hash table can), as in one process; a bool
+  routing map [N, E] cannot hold that.
 - tensor parallelism: Megatron's expert-TP path assumes sequence parallelism (each TP rank
-  holds other tokens): after the all-to-all it all-gathers over the expert-TP group and
-  reduce-scatters the outputs. Our TP ranks hold the same tokens, so that would run every
-  token TP times. The dispatcher gets no expert-TP group; each TP rank dispatches over its
-  EP group (ranks of its own TP rank) to its own width-slice of the experts, and the
+  holds other tokens). Our TP ranks hold the same tokens, so each TP rank exchanges over its
+  EP group (ranks of its own TP rank) for its own width-slice of the experts, and the
   model's reduce_from_tp sums the slices, as for every other TP-split layer.
-- the final sum: the dispatcher's combine_postprocess adds a token's expert outputs by
-  scatter_add in expert order and in the rows' dtype. One process sums a token's k slots
-  in slot order in fp32 (ops.routed_experts). The returned rows are put back per
-  (token, slot) and summed exactly that way; the routing weight is applied before w2 in
-  fp32 by the same routed_experts, on the rows that arrived.
+The returned rows are put back per (token, slot) and a token's k slots summed in slot order
+in fp32, as one process sums them (ops.routed_experts); the routing weight is applied
+before w2 in fp32 by the same routed_experts, on the rows that arrived.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import miles.train.megatron_import  # noqa: F401  # isort: skip (first: megatron
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.mappings import all_to_all
 from torch import nn
 
 from miles.train import megatron_gpu
@@ -100,10 +101,13 @@ class _GatherSeq(torch.autograd.Function):
 class _Route(NamedTuple):
     """What ep_combine needs of one ep_dispatch."""
 
-    dispatcher: object  # the MoEAlltoAllTokenDispatcher that holds this exchange's splits
-    pairs: torch.Tensor  # [N*k] flat pair ids (token * k + slot) in the dispatcher's send order
+    pairs: torch.Tensor  # [N*k] flat pair ids (token * k + slot) in send order
     tokens: int
     k: int
+    send: list[int]  # pairs sent to each EP rank (and returned from it by the combine)
+    recv: list[int]  # rows that arrived from each EP rank
+    by_expert: list[int]  # the arrived rows' chunk sizes as the experts take them: (expert, source rank)
+    to_sources: list[int]  # those chunks in arrival order (source rank, expert)
     rows: torch.Tensor  # the rows that arrived and their weights (kept in the backward graph)
     weights: torch.Tensor
 
@@ -124,7 +128,6 @@ class MegatronContext(ParallelContext):
         self.mp = ModelParallelConfig(tensor_model_parallel_size=self.tp_size, use_cpu_initialization=True,
                                       perform_initialization=False, params_dtype=params_dtype,
                                       gradient_accumulation_fusion=True)
-        self._dispatchers: dict[tuple[int, int], object] = {}
 
     @staticmethod
     def _split(module: nn.Module, dim: int) -> nn.Module:
@@ -197,54 +200,38 @@ class MegatronContext(ParallelContext):
         own = cp_chunk(seq, self.cp_size, self.cp_rank).to(t.device)
         return _GatherSeq.apply(t, ps.get_context_parallel_group(), order, own)
 
-    def _dispatcher(self, n_experts: int, k: int):
-        """One all-to-all dispatcher per routing shape (every MoE layer of a model shares it:
-        it holds one exchange's splits from ep_dispatch to ep_combine, and a layer's dispatch
-        and combine run back to back)."""
-        key = (n_experts, k)
-        if key not in self._dispatchers:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-            from megatron.core.transformer import TransformerConfig
-            from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-            # The dispatcher reads the routing fields only (experts, top-k, no fused permute,
-            # no capacity or padding); the sizes are placeholders TransformerConfig requires.
-            cfg = TransformerConfig(num_layers=1, hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
-                                    num_moe_experts=n_experts, moe_router_topk=k, add_bias_linear=False,
-                                    moe_token_dispatcher_type="alltoall", moe_permute_fusion=False,
-                                    expert_model_parallel_size=self.ep_size, use_cpu_initialization=True)
-            groups = ProcessGroupCollection()
-            groups.ep = groups.tp_ep = ps.get_expert_model_parallel_group()
-            groups.expt_tp = None  # TP ranks hold the same tokens: see the module docstring
-            local = self.local_experts(n_experts)
-            self._dispatchers[key] = MoEAlltoAllTokenDispatcher(len(local), list(local), cfg, groups)
-        return self._dispatchers[key]
-
     def ep_dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int):
         if self.ep_size == 1:
             return x, idx, w, None
         n, k = idx.shape
-        disp = self._dispatcher(n_experts, k)
-        routing_map = torch.zeros(n, n_experts, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
-        probs = w.new_zeros(n, n_experts).scatter(1, idx, w)  # differentiable in w
-        rows, p = disp.token_dispatch(*disp.dispatch_preprocess(x, routing_map, probs))
-        # The pairs the map holds, from the split sizes the dispatcher brought to the host for its
-        # all-to-all (counting them on the device would make the host wait once more a layer).
-        if int(disp.input_splits.sum()) != idx.numel():
-            raise ValueError("expert parallelism needs the k experts of a token to be distinct (Megatron's "
-                             "routing map holds one pair per token and expert): check the hash table")
-        rows, per_expert, p = disp.dispatch_postprocess(rows, p)  # grouped by local expert
+        ep, group = self.ep_size, ps.get_expert_model_parallel_group()
         local = self.local_experts(n_experts)
-        # per_expert is on the host (the dispatcher's one wait brought it there); a blocking copy
-        # to the GPU would wait for its queue to drain once more a layer, and one from pageable
-        # memory may still wait while the driver stages it: from pinned memory it does not
-        experts = torch.repeat_interleave(torch.arange(local.start, local.stop), per_expert.cpu())
-        if idx.is_cuda:
-            experts = experts.pin_memory().to(idx.device, non_blocking=True)
-        # The dispatcher sends pairs expert by expert, tokens ascending (its permute selects
-        # routing_map's columns in order): the stable sort of the flat pair ids by expert.
-        pairs = torch.sort(idx.flatten(), stable=True).indices
-        return rows, experts[:, None], p[:, None], _Route(disp, pairs, n, k, rows, p)
+        per = len(local)
+        # The pairs in send order: by expert, so by destination rank (experts lie in blocks
+        # of `per` a rank), tokens ascending within an expert.
+        flat = idx.flatten()  # [N*k], pair id = token * k + slot
+        pairs = torch.sort(flat, stable=True).indices  # [N*k]
+        counts = torch.bincount(flat, minlength=n_experts)  # [E] pairs this rank sends each expert
+        every = counts.new_empty(ep * n_experts)
+        dist.all_gather_into_tensor(every, counts, group=group)  # [ep*E]: every rank's counts
+        mine = every.view(ep, n_experts)[:, local.start:local.stop]  # [ep, per]: to each local expert
+        # The exchange's one wait: all_to_all_single takes its split sizes on the host.
+        host = every.view(ep, n_experts).cpu()
+        send = host[self.ep_rank].view(ep, per).sum(1).tolist()
+        arrive = host[:, local.start:local.stop]  # [ep, per]
+        recv = arrive.sum(1).tolist()
+        rows = all_to_all(group, x.index_select(0, pairs // k), recv, send)  # [R, d]: by source, then expert
+        p = all_to_all(group, w.flatten().index_select(0, pairs), recv, send)  # [R]
+        # Regrouped by local expert (the layout routed_experts takes): chunk (source s, expert
+        # e) of the arrival order is chunk s*per+e; the experts take them as (e, s).
+        by_source = arrive.flatten().tolist()
+        order = [s * per + e for e in range(per) for s in range(ep)]
+        rows, p = (torch.cat([chunks[i] for i in order]) for chunks in (rows.split(by_source), p.split(by_source)))
+        experts = torch.repeat_interleave(torch.arange(local.start, local.stop, device=idx.device), mine.sum(0),
+                                          output_size=rows.shape[0])  # [R], no wait: the size is known
+        back = [e * ep + s for s in range(ep) for e in range(per)]  # chunk s*per+e of the arrival order
+        route = _Route(pairs, n, k, send, recv, arrive.T.flatten().tolist(), back, rows, p)
+        return rows, experts[:, None], p[:, None], route
 
     def ep_combine(self, out: torch.Tensor, route) -> torch.Tensor:
         if route is None:
@@ -254,8 +241,9 @@ class MegatronContext(ParallelContext):
         if torch.is_grad_enabled():
             out = out + (route.rows[:0].sum() + route.weights[:0].sum()).float()
         # A row is one pair's output (routed_experts' fp32 sum over one slot of a value of the
-        # model's dtype): it travels in that dtype without loss.
-        disp = route.dispatcher
-        back = disp.token_combine(disp.combine_preprocess(out.to(route.rows.dtype)))  # [N*k, d]
+        # model's dtype): it travels in that dtype without loss, back in the order it came.
+        chunks = out.to(route.rows.dtype).split(route.by_expert)
+        back = torch.cat([chunks[i] for i in route.to_sources])
+        back = all_to_all(ps.get_expert_model_parallel_group(), back, route.send, route.recv)  # [N*k, d]
         per_pair = back.new_zeros(back.shape).index_copy(0, route.pairs, back)
         return per_pair.view(route.tokens, route.k, back.shape[1]).sum(1, dtype=torch.float32)
