@@ -210,8 +210,11 @@ class MegatronContext(ParallelContext):
         # The pairs in send order: by expert, so by destination rank (experts lie in blocks
         # of `per` a rank), tokens ascending within an expert.
         flat = idx.flatten()  # [N*k], pair id = token * k + slot
-        pairs = torch.sort(flat, stable=True).indices  # [N*k]
-        counts = torch.bincount(flat, minlength=n_experts)  # [E] pairs this rank sends each expert
+        experts_sent, pairs = torch.sort(flat, stable=True)  # [N*k] each
+        # [E] pairs this rank sends each expert, from the sorted ids (bincount would wait for
+        # the GPU to learn its output's size)
+        bounds = torch.arange(n_experts + 1, device=idx.device, dtype=experts_sent.dtype)
+        counts = torch.searchsorted(experts_sent, bounds).diff()
         every = counts.new_empty(ep * n_experts)
         dist.all_gather_into_tensor(every, counts, group=group)  # [ep*E]: every rank's counts
         mine = every.view(ep, n_experts)[:, local.start:local.stop]  # [ep, per]: to each local expert
