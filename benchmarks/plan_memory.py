@@ -14,8 +14,8 @@ largest peak:
   copy); routed experts over EP;
 - gradients: Megatron DDP's fp32 buffer (grad_reduce_in_fp32), 4 B per parameter;
 - optimizer: the DistributedOptimizer's fp32 main copy (of bf16 parameters; fp32 ones are
-  their own) and Adam's two fp32 moments, sharded over DP x CP (dense parameters) or the
-  expert-data-parallel group (routed experts);
+  their own) and Adam's two moments (fp32, or bf16 with train.optim.moments), sharded over
+  DP x CP (dense parameters) or the expert-data-parallel group (routed experts);
 - activations: what one micro-batch's forward keeps for its backward, the sum of a ledger
   of the tensors each module saves (kernel path: bf16 model, config.kernels on CUDA), times
   the micro-batches a 1F1B stage holds in flight (pp - stage); with model.recompute, each
@@ -120,6 +120,7 @@ class Layout:
     balance_loss: bool = False
     recompute: bool = False  # model.recompute: each block keeps its input only, runs again in the backward
     fused_elementwise: bool = True  # model.fused_elementwise: RMSNorm, RoPE, SwiGLU as the fused kernels
+    moments: str = "float32"  # train.optim.moments: AdamW's two moments in fp32 or bf16
     name: str = ""
 
     @property
@@ -170,7 +171,8 @@ def job_layout(path: str | Path) -> Layout:
                   global_batch=train["global_batch_size"], loss=algo.get("loss", "lm"),
                   mtp_loss=algo.get("mtp_loss_coef", 0.3) > 0, indexer_loss=algo.get("indexer_loss_coef", 0.01) > 0,
                   balance_loss=algo.get("balance_loss_coef", 0.0) > 0,
-                  recompute=bool(job.get("model", {}).get("recompute", False)), name=Path(path).stem)
+                  recompute=bool(job.get("model", {}).get("recompute", False)),
+                  moments=train.get("optim", {}).get("moments", "float32"), name=Path(path).stem)
 
 
 def constructible(lay: Layout, cfg: DeepSeekV4Config) -> Layout:
@@ -281,10 +283,11 @@ class States:
 def state_bytes(p: Params, lay: Layout) -> States:
     """bf16 parameters (fp32 where the model keeps fp32), one fp32 gradient each (the DDP
     buffer), and the DistributedOptimizer's share: 4 B main copy (bf16 parameters only) + 8 B
-    Adam moments per element, divided by the group the element is sharded over."""
+    Adam moments per element (4 B in bf16), divided by the group the element is sharded over."""
     edp = max(lay.expert_dp, 1)  # an unbuildable layout: nothing to shard the experts over
-    opt = ((F32 + 2 * F32) * p.dense_bf16 + 2 * F32 * p.dense_f32) / lay.dense_dp
-    opt += (F32 + 2 * F32) * p.expert_bf16 / edp
+    m = 2 * (BF16 if lay.moments == "bfloat16" else F32)  # the two moments of an element
+    opt = ((F32 + m) * p.dense_bf16 + m * p.dense_f32) / lay.dense_dp
+    opt += (F32 + m) * p.expert_bf16 / edp
     return States(p.nbytes, F32 * p.count, int(opt))
 
 
@@ -774,12 +777,15 @@ def job_files() -> list[Path]:
     return sorted(Path(p) for p in glob.glob(str(ROOT / "jobs" / "*dsv4*.yaml")))
 
 
-def rows(include_constructible: bool = True) -> list[tuple[str, DeepSeekV4Config, Layout]]:
+def rows(include_constructible: bool = True, moments: str | None = None) -> list[tuple[str, DeepSeekV4Config, Layout]]:
+    """The calibration point, then V4-Flash and V4-Pro at each job file's layout (moments: in
+    place of the job files' train.optim.moments)."""
     out = [("~1B (calibration)", config_1b(CALIBRATION.seq), CALIBRATION)]
     for name, make in (("V4-Flash", v4_flash), ("V4-Pro", v4_pro)):
         cfg = make()
         for path in job_files():
             lay = job_layout(path)
+            lay = replace(lay, moments=moments) if moments else lay
             out.append((name, cfg, lay))
             if include_constructible and lay.problems(cfg):
                 out.append((name, cfg, constructible(lay, cfg)))
@@ -903,6 +909,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", action="store_true", help="print every pipeline stage, not only the worst")
     ap.add_argument("--modules", action="store_true", help="print the worst stage's saved tensors by module")
     ap.add_argument("--markdown", action="store_true", help="print the worst stages as a markdown table only")
+    ap.add_argument("--moments", choices=["float32", "bfloat16"],
+                    help="AdamW's moments for every job file (default: each file's train.optim.moments)")
     a = ap.parse_args(argv)
     if a.measure:
         measure()
@@ -910,7 +918,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.measure_point is not None:
         measure_point(a.measure_point)
         return
-    entries = rows()
+    entries = rows(moments=a.moments)
     if a.markdown:
         print(format_markdown(entries))
         return

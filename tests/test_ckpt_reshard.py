@@ -26,12 +26,12 @@ CFG = DeepSeekV4Config.tiny()
 GPU = torch.cuda.device_count() >= 2  # a GPU a rank (nccl, pinned host copies) where there are GPUs, else gloo
 
 
-def _group(seed: int, **par):
+def _group(seed: int, moments: str = "float32", **par):
     from miles.cluster.train_group import TrainGroup
 
     g = TrainGroup(2 if par else 1, resources={"CPU": 1, "GPU": 1} if GPU else None, **par)
     g.call("build_model", CFG.to_dict(), seed, deterministic=True)
-    g.call("setup_training", lr=3e-3, min_lr=3e-4, total_steps=10, weight_decay=0.01, beta2=0.95)
+    g.call("setup_training", lr=3e-3, min_lr=3e-4, total_steps=10, weight_decay=0.01, beta2=0.95, moments=moments)
     return g
 
 
@@ -115,6 +115,37 @@ def test_reshard_round_trip_keeps_every_byte_and_the_optimizer(ray_cluster, tmp_
     print(f"update gap after resharding {gap(delta_tp1):.2e}; without the moments {gap(delta_fresh):.2e}")
     assert gap(delta_tp1) < 1e-3, f"TP=1 step after resharding differs from TP=2's by {gap(delta_tp1):.2e}"
     assert gap(delta_fresh) > 1e-2, "the check cannot tell a lost optimizer state"
+
+
+def test_bf16_moments_resume_bit_for_bit(ray_cluster, tmp_path, seed):
+    """train.optim.moments: bfloat16 through a checkpoint: the step after a load is the step
+    the saving run took next, bit for bit (the moments were kept, in bf16, not made again in
+    fp32); a run keeping fp32 moments takes another step (the check can tell them apart)."""
+    src = SyntheticSource(32, CFG.vocab_size, seed)
+
+    def after_save(moments: str, name: str) -> tuple[dict, dict]:
+        g = _group(seed, moments)
+        for s in (1, 2):
+            _step(g, src, s, 1)
+        _save(g, tmp_path / name)
+        before = _full(g)
+        _step(g, src, 3, 1)
+        delta = {k: v.double() - before[k].double() for k, v in _full(g).items()}
+        g.shutdown()
+        return before, delta
+
+    before, delta = after_save("bfloat16", "bf16")
+    _, delta_fp32 = after_save("float32", "fp32")
+    g = _group(seed + 1, "bfloat16")  # other init: everything comes from the checkpoint
+    g.call("load_checkpoint", str(tmp_path / "bf16"), same_layout=True)
+    _same_bytes(_full(g), before, "bf16 moments: the saved weights")
+    _step(g, src, 3, 1)
+    resumed = {k: v.double() - before[k].double() for k, v in _full(g).items()}
+    g.shutdown()
+    for d in (delta, delta_fp32, resumed):
+        assert all(torch.isfinite(v).all() for v in d.values())
+    assert all(torch.equal(resumed[k], delta[k]) for k in delta), "the resumed step differs"
+    assert not all(torch.equal(delta_fp32[k], delta[k]) for k in delta), "fp32 and bf16 moments took one step"
 
 
 def test_workers_read_only_their_slices_of_an_hf_checkpoint(ray_cluster, tmp_path, seed):

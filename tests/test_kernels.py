@@ -1496,13 +1496,13 @@ def test_graphed_training_steps_equal_eager_steps_bitwise(seed, monkeypatch):
         assert a == b, step
 
 
-def _adamw_case(seed: int, aligned: bool, steps: list[int]):
+def _adamw_case(seed: int, aligned: bool, steps: list[int], moments: str = "float32"):
     """An AdamW over tensors of sizes around the kernel's block and a program's span (one
     element to 3 programs and a part block) in two groups (decay and lr differ), with random
-    moments and step counts, gradients of scales from 1e-3 to 1e3, and bf16 copies (NaN first)
-    for all but one tensor. Weights, gradients, moments and copies are each views into one
-    buffer on the device, 16-byte aligned or 4 bytes off, with 4 elements of a sentinel
-    between them. Returns (optimizer, params, outs, gaps): gaps, (buffer, mask, sentinel)."""
+    moments (kept in `moments`) and step counts, gradients of scales from 1e-3 to 1e3, and bf16
+    copies (NaN first) for all but one tensor. Weights, gradients, moments and copies are each
+    views into one buffer on the device, 16-byte aligned or 4 bytes off (2 for bf16), with a
+    sentinel between them. Returns (optimizer, params, outs, gaps): gaps, (buffer, mask, sentinel)."""
     from miles.train import adamw
 
     g = torch.Generator().manual_seed(seed)
@@ -1531,12 +1531,14 @@ def _adamw_case(seed: int, aligned: bool, steps: list[int]):
 
     params = [torch.nn.Parameter(v) for v in views(randn(), torch.float32)]
     grads = views([v * 10 ** (torch.rand((), generator=g) * 6 - 3) for v in randn()], torch.float32)
-    exp_avgs = views([v * 0.1 for v in randn()], torch.float32)
-    exp_avg_sqs = views([v ** 2 * 0.01 for v in randn()], torch.float32)
+    kept = adamw.MOMENTS[moments]
+    exp_avgs = views([v * 0.1 for v in randn()], kept)
+    exp_avg_sqs = views([v ** 2 * 0.01 for v in randn()], kept)
     outs = views([torch.full((n,), float("nan")) for n in sizes], torch.bfloat16)
     outs[2] = None
     opt = torch.optim.AdamW([{"params": params[:3], "weight_decay": 0.1, "lr": 3e-3},
                              {"params": params[3:], "weight_decay": 0.0, "lr": 1e-2}], betas=(0.9, 0.95), eps=1e-8)
+    adamw.set_moments(opt, moments)
     for p, gr, m, v, st in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
         p.grad = gr
         opt.state[p] = {"step": torch.tensor(float(st), device=DEV), "exp_avg": m, "exp_avg_sq": v}
@@ -1546,19 +1548,22 @@ def _adamw_case(seed: int, aligned: bool, steps: list[int]):
 
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("clip", [False, True])
-def test_adamw_kernel_matches_float64_adamw_and_torchs_fused(seed, aligned, clip):
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_adamw_kernel_matches_float64_adamw_and_torchs_fused(seed, aligned, clip, moments):
     """One step of miles.train.adamw's kernel (which also writes the bf16 weights) against
     float64 AdamW from the same state and against torch's fused AdamW (impl="torch"): the
     weights and moments within fp32 rounding of float64, the moments within twice that of
     torch's (on an H100 most of torch's differ from the kernel's float64-rounded ones in the
     last bit: torch's CUDA AdamW rounds in fp32 along the way); the bf16 copies exactly the fp32
     weights rounded to nearest even (NaN first: every element written); the step counts
-    advanced; the gradients left as they were; nothing written outside the tensors."""
+    advanced; the gradients left as they were; nothing written outside the tensors. bf16
+    moments: the weights as with fp32 ones (the step reads the moments before they are
+    rounded), the moments kept in bf16 within half a bf16 step more."""
     from miles.train import adamw
 
     steps = [1, 2, 7, 100, 3, 1000]
-    mine, params, outs, gaps = _adamw_case(seed, aligned, steps)
-    theirs, params2, outs2, _ = _adamw_case(seed, aligned, steps)
+    mine, params, outs, gaps = _adamw_case(seed, aligned, steps, moments)
+    theirs, params2, outs2, _ = _adamw_case(seed, aligned, steps, moments)
     scale = torch.tensor(3.7, device=DEV) if clip else None
     before = [(p.detach().double(), p.grad.clone(), mine.state[p]["exp_avg"].double(),
                mine.state[p]["exp_avg_sq"].double()) for p in params]
@@ -1583,9 +1588,11 @@ def test_adamw_kernel_matches_float64_adamw_and_torchs_fused(seed, aligned, clip
         # divisions): 1, 5, 1 with a margin. The moments: half an ulp, and the clipped
         # gradient's rounding. (torch's fp32 weights on CUDA land up to ~2.4 of these bounds
         # from float64, measured on an H100: its step's arithmetic differs in the last bits.)
+        half = torch.finfo(torch.bfloat16).eps / 2 if moments == "bfloat16" else 0.0  # the kept moments' rounding
         checks = (("weights", p.detach(), w, eps32 * (w0.abs() + 5 * step.abs() + w.abs())),
-                  ("exp_avg", mine.state[p]["exp_avg"], m, eps32 * (m.abs() + gs.abs())),
-                  ("exp_avg_sq", mine.state[p]["exp_avg_sq"], v, eps32 * (v.abs() + gs * gs)))
+                  ("exp_avg", mine.state[p]["exp_avg"], m, eps32 * (m.abs() + gs.abs()) + half * m.abs()),
+                  ("exp_avg_sq", mine.state[p]["exp_avg_sq"], v, eps32 * (v.abs() + gs * gs) + half * v.abs()))
+        assert all(mine.state[p][n].dtype == adamw.MOMENTS[moments] for n in ("exp_avg", "exp_avg_sq")), what
         for name, got, want, bound in checks:
             assert_finite(got, what=what)
             err = (got.double() - want).abs()

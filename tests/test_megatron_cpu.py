@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import assert_close
+from conftest import assert_close, assert_finite
 
 megatron_core = pytest.importorskip("megatron.core")
 
@@ -274,6 +274,52 @@ def _pp_worker(rank: int, port: int, seed: int, out: str) -> None:
 CLIP_IN_ADAM = 0.05  # below every step's gradient norm: each step clips
 
 
+def _moments_worker(rank: int, port: int, seed: int, out: str) -> None:
+    """DP=2 with bf16 weights, 3 steps of megatron_gpu.step three times from the same start:
+    fp32 moments by the AdamW kernel, bf16 moments by the kernel, and bf16 moments by
+    Megatron's own step (its clip and copy; AdamW by adamw.update's torch path). Records each run's main
+    shards and moments after step 1 and step 3."""
+    _init(rank, port)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    from miles.train import adamw, megatron_gpu
+
+    res = {}
+    for name, moments, fused in (("fp32", "float32", True), ("bf16", "bfloat16", True),
+                                 ("bf16_megatron", "bfloat16", False)):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).to(torch.bfloat16)
+        cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                                bf16=True, params_dtype=torch.bfloat16)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                         grad_reduce_in_fp32=True), model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1,
+                                                     clip_grad=CLIP_IN_ADAM, bf16=True, params_dtype=torch.bfloat16,
+                                                     use_distributed_optimizer=True), [ddp])
+        subs = getattr(opt, "chained_optimizers", [opt])
+        for o in subs:
+            adamw.set_moments(o.optimizer, moments)
+            for group in o.optimizer.param_groups:
+                group["fused"], group["foreach"] = fused, not fused
+        data = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16)
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            ddp(data[step, rank * 4:(rank + 1) * 4]).float().pow(2).mean().backward()
+            ddp.finish_grad_sync()
+            assert megatron_gpu.step(opt)[0]
+            if step in (0, 2):
+                mains = [p for o in subs for g in o.shard_fp32_from_float16_groups for p in g]
+                st = [o.optimizer.state[p] for o in subs for g in o.shard_fp32_from_float16_groups for p in g]
+                res[f"{name}{step + 1}"] = [p.detach().clone() for p in mains]
+                res[f"{name}{step + 1}_m"] = [s["exp_avg"].clone() for s in st]
+                res[f"{name}{step + 1}_v"] = [s["exp_avg_sq"].clone() for s in st]
+    torch.save(res, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
 def _spawn(worker, tmp_path, seed, *extra) -> list[dict]:
     # The workers are the CPU processes under test (the bridge stays off where CUDA exists):
     # on a GPU machine they see none, and run the Triton kernels (the AdamW) in the interpreter
@@ -420,6 +466,31 @@ def test_the_adamw_kernel_writes_the_bf16_weights_megatron_would_copy(tmp_path, 
             assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7, what=f"rank {rank} bf16 weights")
             moved += int((got != start).sum())
         assert moved > 0
+
+
+def test_bf16_moments_round_what_fp32_moments_keep_on_both_step_paths(tmp_path, seed):
+    """train.optim.moments: bfloat16 under Megatron's DistributedOptimizer (DP=2, bf16
+    weights): the first step's weights are fp32 moments' bit for bit (a step reads its moments
+    before they are rounded) and its kept moments are theirs rounded to bf16; later steps
+    start from the rounded moments, so the runs part; Megatron's own step (its clip and copy,
+    torch's AdamW swapped for adamw.update's torch path, which widens the bf16 moments around
+    torch's fused AdamW) equals the kernel's."""
+    r = _spawn(_moments_worker, tmp_path, seed)
+    for rank in range(2):
+        got = r[rank]
+        assert got["fp321"], f"rank {rank}: no main shard"
+        for a, b in zip(got["bf161"], got["fp321"], strict=True):
+            assert_finite(a, b, what=f"rank {rank} step 1")
+            assert torch.equal(a, b), f"rank {rank}: step 1 weights differ with bf16 moments"
+        for n in ("_m", "_v"):
+            for a, b in zip(got["bf161" + n], got["fp321" + n], strict=True):
+                assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+                assert torch.equal(a, b.to(torch.bfloat16)), f"rank {rank}: kept moments{n} are not fp32's rounded"
+        assert any(not torch.equal(a, b) for a, b in zip(got["bf163"], got["fp323"], strict=True)), \
+            f"rank {rank}: step 3 the same with bf16 and fp32 moments (were they rounded?)"
+        for a, b in zip(got["bf16_megatron3"], got["bf163"], strict=True):
+            assert_close(a, b, atol=1e-6, what=f"rank {rank}: Megatron's step with bf16 moments")
+        assert all(t.dtype == torch.bfloat16 for t in got["bf16_megatron3_m"] + got["bf16_megatron3_v"])
 
 
 def test_pipeline_1f1b_matches_single_process(tmp_path, seed):

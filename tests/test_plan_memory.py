@@ -149,17 +149,21 @@ def test_real_configs_per_rank_at_the_job_layout(name):
 
 def test_states_follow_the_documented_bytes(seed):
     """bf16 param 2 B + fp32 grad 4 B + (fp32 main 4 B + Adam 8 B) / DP x CP; fp32 params 4 + 4
-    + 8 / DP x CP; routed experts' optimizer over the expert-data-parallel group."""
+    + 8 / DP x CP; routed experts' optimizer over the expert-data-parallel group; Adam's 8 B
+    are 4 with train.optim.moments: bfloat16."""
     rng = random.Random(seed)
     for _ in range(20):
         p = pm.Params(rng.randrange(1, 10 ** 10), rng.randrange(1, 10 ** 7), rng.randrange(0, 10 ** 11))
         tp, dp, cp = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]), rng.choice([1, 2])
         ep = rng.choice([e for e in (1, 2, 4, 8) if (dp * cp) % e == 0])
-        lay = pm.Layout(tp=tp, pp=rng.choice([1, 4]), ep=ep, cp=cp, dp=dp)
+        moments = rng.choice(["float32", "bfloat16"])
+        lay = pm.Layout(tp=tp, pp=rng.choice([1, 4]), ep=ep, cp=cp, dp=dp, moments=moments)
         st = pm.state_bytes(p, lay)
         edp = dp * cp // ep
         assert lay.expert_dp == edp and not lay.problems(DeepSeekV4Config.tiny())
-        want_opt = 12 * p.dense_bf16 / (dp * cp) + 8 * p.dense_f32 / (dp * cp) + 12 * p.expert_bf16 / edp
+        adam = 8 if moments == "float32" else 4
+        want_opt = ((4 + adam) * p.dense_bf16 / (dp * cp) + adam * p.dense_f32 / (dp * cp)
+                    + (4 + adam) * p.expert_bf16 / edp)
         for got, want in ((st.params, 2 * (p.dense_bf16 + p.expert_bf16) + 4 * p.dense_f32),
                           (st.grads, 4 * p.count), (st.optimizer, want_opt)):
             assert math.isfinite(got) and math.isfinite(want)

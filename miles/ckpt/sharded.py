@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from miles.ckpt import safe_metadata
+from miles.train import adamw
 
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -93,8 +94,9 @@ def _prime(optimizer) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+                    dtype = adamw.moments_dtype(inner)
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, dtype=dtype),
+                                      "exp_avg_sq": torch.zeros_like(p, dtype=dtype)}
 
 
 def _load_optimizer(optimizer, state: dict) -> None:

@@ -15,6 +15,11 @@ and most of its moments differ from these in the last bit: tests/test_kernels.py
 are separate allocations, so each program reads their addresses from its row of a table, built
 once per set of tensors.
 
+Moments kept in bf16 (`set_moments`, a job's train.optim.moments; DeepSeek-V3's recipe): each
+step widens them to fp32, computes as above, updates the weight from the fp32 moments and
+keeps them rounded to nearest even in bf16 (22 bytes an element). The oracle does the same
+around torch's fused AdamW.
+
 `update` runs the kernel where Triton can run (CUDA, or its interpreter under
 TRITON_INTERPRET=1), else `impl="torch"`: torch's fused AdamW, then the copies (the oracle).
 """
@@ -37,6 +42,22 @@ def triton_runs(device: torch.device) -> bool:
     from plugins.deepseek_v4 import kernels
 
     return kernels.available() and (device.type == "cuda") != kernels.INTERPRET
+
+
+MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def set_moments(opt: torch.optim.AdamW, dtype: str) -> None:
+    """Keep opt's moments in `dtype` ("float32" or "bfloat16"): those made from now on, and
+    those there now or loaded later, converted at their next step (widening is exact)."""
+    if dtype not in MOMENTS:
+        raise ValueError(f"miles.train.adamw: moments must be one of {sorted(MOMENTS)}, not {dtype!r}")
+    opt.defaults["moments"] = dtype
+
+
+def moments_dtype(opt: torch.optim.Optimizer) -> torch.dtype:
+    """The dtype opt keeps its moments in (set_moments; fp32 unless set)."""
+    return MOMENTS[opt.defaults.get("moments", "float32")]
 
 
 def _check(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None]) -> list[list[torch.Tensor]]:
@@ -65,12 +86,13 @@ def _check(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None]) -> list
 
 
 def _state(opt: torch.optim.AdamW, p: torch.Tensor) -> dict:
-    """p's AdamW state as torch's fused AdamW keeps it (created on the first step, as torch does)."""
-    st = opt.state[p]
+    """p's AdamW state as torch's fused AdamW keeps it (created on the first step, as torch
+    does), its moments in moments_dtype(opt)."""
+    st, dtype = opt.state[p], moments_dtype(opt)
     if not st:
         st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     missing = {"step", "exp_avg", "exp_avg_sq"} - set(st)
     if missing:
         raise ValueError(f"miles.train.adamw: the AdamW state of a weight {list(p.shape)} lacks {sorted(missing)}")
@@ -78,9 +100,11 @@ def _state(opt: torch.optim.AdamW, p: torch.Tensor) -> dict:
         st["step"] = torch.as_tensor(st["step"]).to(p.device, torch.float32)  # the kernel reads it as fp32
     for name in ("exp_avg", "exp_avg_sq"):
         t = st[name]
-        if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
+        if t.dtype in MOMENTS.values() and t.dtype != dtype:  # made or loaded in the other dtype
+            st[name] = t = t.to(dtype)
+        if t.dtype != dtype or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
             raise ValueError(f"miles.train.adamw: {name} of a weight {list(p.shape)} is {t.dtype} {list(t.shape)} "
-                             f"on {t.device}; it must be contiguous fp32 like the weight")
+                             f"on {t.device}; it must be contiguous {dtype} with the weight's shape and device")
     return st
 
 
@@ -108,11 +132,15 @@ def update(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None], grad_sc
                 continue
             g, sts = opt.param_groups[gi], [opt.state[p] for p in ps]
             beta1, beta2 = g["betas"]
+            kept = [st[name] for st in sts for name in ("exp_avg", "exp_avg_sq")]
+            wide = [t.float() for t in kept]  # the fp32 moments themselves, or fp32 copies of bf16 ones
             torch._fused_adamw_(ps, [p.grad.clone() if grad_scale is not None else p.grad for p in ps],
-                                [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], [],
-                                [st["step"] for st in sts], lr=g["lr"], beta1=beta1, beta2=beta2,
-                                weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=False, maximize=False,
-                                grad_scale=grad_scale, found_inf=None)
+                                wide[0::2], wide[1::2], [], [st["step"] for st in sts], lr=g["lr"], beta1=beta1,
+                                beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=False,
+                                maximize=False, grad_scale=grad_scale, found_inf=None)
+            for t, w in zip(kept, wide, strict=True):
+                if t is not w:
+                    t.copy_(w)  # rounded to nearest even
             for p in ps:
                 if outs.get(id(p)) is not None:
                     outs[id(p)].copy_(p)
@@ -125,7 +153,7 @@ def update(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None], grad_sc
 
     hyper = to_device(hyper, device)  # pinned: the host does not wait for the GPU here
     scale = grad_scale if grad_scale is not None else hyper  # any pointer; unread without HAS_SCALE
-    _launch(blocks, hyper, scale, grad_scale is not None, aligned)
+    _launch(blocks, hyper, scale, grad_scale is not None, aligned, moments_dtype(opt) == torch.bfloat16)
 
 
 def _table(opt, flat, states, outs, device) -> tuple[torch.Tensor, bool]:
@@ -154,8 +182,8 @@ def _table(opt, flat, states, outs, device) -> tuple[torch.Tensor, bool]:
     return cached[1:]
 
 
-def _launch(blocks, hyper, scale, has_scale: bool, aligned: bool) -> None:
+def _launch(blocks, hyper, scale, has_scale: bool, aligned: bool, bf16_moments: bool) -> None:
     from miles.train.adamw_kernel import adamw_kernel
 
-    adamw_kernel[(blocks.shape[0],)](blocks, hyper, scale, HAS_SCALE=has_scale, ALIGNED=aligned, BLOCK=BLOCK,
-                                     ITERS=ITERS, num_warps=WARPS)
+    adamw_kernel[(blocks.shape[0],)](blocks, hyper, scale, HAS_SCALE=has_scale, ALIGNED=aligned,
+                                     BF16_MOMENTS=bf16_moments, BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)

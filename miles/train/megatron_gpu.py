@@ -226,6 +226,28 @@ def _update_writes_weights(subs, copies, scale):
                 setattr(obj, name, before)
 
 
+@contextlib.contextmanager
+def _bf16_moments_by_update(subs):
+    """Megatron's own step with each torch AdamW that keeps bf16 moments stepped by
+    adamw.update (torch's AdamW takes moments of its weights' dtype only); the rest as it is."""
+    from miles.train import adamw
+
+    inner = [o.optimizer for o in subs if isinstance(getattr(o, "optimizer", None), torch.optim.AdamW)
+             and adamw.moments_dtype(o.optimizer) != torch.float32]
+    saved = [vars(o).get("step") for o in inner]  # an instance attribute already there
+    impl = "auto" if torch.cuda.is_available() else "torch"  # not Triton's interpreter on CPU (tests set it)
+    for o in inner:
+        o.step = functools.partial(adamw.update, o, {}, impl=impl)
+    try:
+        yield
+    finally:
+        for o, before in zip(inner, saved, strict=True):
+            if before is None:
+                del o.step  # the class's method again
+            else:
+                o.step = before
+
+
 def step(opt) -> tuple[bool, torch.Tensor | float | None]:
     """Megatron's optimizer step (main gradients prepared, their global norm, clipping, AdamW,
     weights copied back, parameters all-gathered) with nothing read to the host and the
@@ -245,7 +267,8 @@ def step(opt) -> tuple[bool, torch.Tensor | float | None]:
     subs = getattr(opt, "chained_optimizers", [opt])
     copies = [model_copies(o) for o in subs] if _fused_adams(opt) is not None else [None]
     if any(cp is None for cp in copies):
-        ok, norm, _ = opt.step()
+        with _bf16_moments_by_update(subs):
+            ok, norm, _ = opt.step()
         return ok, (opt.get_grad_norm() if ok and opt.config.clip_grad == 0 else norm)
     if opt.prepare_grads():  # inf/NaN found by a loss scaler (fp16): Megatron skips the step
         return False, None

@@ -38,7 +38,7 @@ from miles.cluster.node import node_address
 from miles.memory import device_memory, offload, restore, to_device, unique_storages
 from miles.observe.alignment import grad_checksums
 from miles.observe.profiler import Profile
-from miles.train import inspect, losses
+from miles.train import adamw, inspect, losses
 from miles.train.batching import MicroBatch
 from miles.train.parallel_context import MegatronContext
 from miles.train.weight_sender import WeightSender
@@ -212,7 +212,7 @@ class TrainWorker:
 
     def setup_training(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine",
                        weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                       clip_grad: float = 1.0, total_steps: int = 1000) -> None:
+                       clip_grad: float = 1.0, total_steps: int = 1000, moments: str = "float32") -> None:
         """Megatron DDP + DistributedOptimizer (AdamW, sharded state) + LR schedule: step k
         (1-indexed) trains at lr(k), rising linearly to `lr` at k = warmup_steps, then decaying
         (cosine, linear or constant) to `min_lr` at k = total_steps. Gradients are summed over
@@ -229,6 +229,9 @@ class TrainWorker:
             optimizer="adam", adam_eps=eps, adam_beta1=beta1, adam_beta2=beta2, lr=lr, min_lr=min_lr,
             weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
             use_distributed_optimizer=True), [self.ddp])
+        for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+            if isinstance(getattr(o, "optimizer", None), torch.optim.AdamW):
+                adamw.set_moments(o.optimizer, moments)
         self._fuse_adam()
         if warmup_steps >= total_steps:  # Megatron's scheduler asserts it; say it plainly
             raise ValueError(f"warmup_steps={warmup_steps} must be below the run's {total_steps} steps")
