@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
 #   bash benchmarks/gpu_runs.sh layouts2  # the same on two GPUs: one GPU, EP=2, TP=2, each profiled
 #   bash benchmarks/gpu_runs.sh head      # flash_slice: the heads' backward options, and 4 micro-batches a step
+#   bash benchmarks/gpu_runs.sh moments   # flash_slice: AdamW's moments in bf16, alone and with the head's options
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
 set -uo pipefail
@@ -59,6 +60,9 @@ head)
     run head-ab 330 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --head-backward
     run flash-4mb 200 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 4 --steps 4
     ;;
+moments)
+    run moments-ab 330 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --moments
+    ;;
 layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240
     ;;
@@ -66,7 +70,7 @@ layouts2)
     run layouts2 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep2 tp2 --profile --stall-after 200
     ;;
 *)
-    sed -n 2,15p "$0"
+    sed -n 2,16p "$0"
     exit 2
     ;;
 esac

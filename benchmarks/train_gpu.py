@@ -530,6 +530,25 @@ def head_backward_arms(model):
             ("CUDA graphs, head logits kept, dz in 1 term", both)]
 
 
+def moments_arms(w):
+    """AdamW's moments kept in fp32 (default) against bf16 (train.optim.moments), alone and with
+    both head options (head_backward_arms' last): the recipe's speed options together."""
+    from miles.train import adamw
+
+    def bf16(on: bool) -> None:
+        for o in getattr(w.opt, "chained_optimizers", [w.opt]):
+            adamw.set_moments(o.optimizer, "bfloat16" if on else "float32")  # converted at the next step
+
+    head_both = head_backward_arms(w.model)[-1][1]
+
+    def all_three(on: bool) -> None:
+        bf16(on)
+        head_both(on)
+
+    return [("CUDA graphs, fp32 moments (default)", lambda on: None), ("CUDA graphs, bf16 moments", bf16),
+            ("CUDA graphs, head options + bf16 moments", all_three)]
+
+
 def indexer_arms():
     """The lightning indexer's scores through torch (chunked fp32 bmm's) against the kernels."""
     from plugins.deepseek_v4 import ops
@@ -960,6 +979,8 @@ def main() -> None:
     ap.add_argument("--head-split", action="store_true", help="with --ab: only the head backward split-bf16 vs TF32")
     ap.add_argument("--head-backward", action="store_true",
                     help="with --ab: the head's logits kept vs recomputed, dz in one bf16 term vs two")
+    ap.add_argument("--moments", action="store_true",
+                    help="with --ab: AdamW's moments in bf16 vs fp32, and with the head's options")
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
@@ -1021,6 +1042,7 @@ def main() -> None:
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
                "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
                "head_backward": ("head backward options", head_backward_arms),
+               "moments": ("AdamW moments", moments_arms),
                "add_cast": ("MoE output sum", add_cast_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
@@ -1033,7 +1055,8 @@ def main() -> None:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            graphed_ab(w, mbs, a.steps, tokens, title, arms(w.model) if flag in ("accum", "head_backward") else arms())
+            made = arms(w) if flag == "moments" else arms(w.model) if flag in ("accum", "head_backward") else arms()
+            graphed_ab(w, mbs, a.steps, tokens, title, made)
         return
     if a.ab:
         build("triton")
