@@ -532,7 +532,9 @@ def head_backward_arms(model):
 
 def moments_arms(w):
     """AdamW's moments kept in fp32 (default) against bf16 (train.optim.moments), alone and with
-    both head options (head_backward_arms' last): the recipe's speed options together."""
+    both head options (head_backward_arms' last): the recipe's speed options together. A switch
+    converts the moments at its arm's first step (in its timing: one step of 4 in the median's
+    reach); the arms share one run's moments, so this measures time, not training."""
     from miles.train import adamw
 
     def bf16(on: bool) -> None:

@@ -118,9 +118,10 @@ def test_reshard_round_trip_keeps_every_byte_and_the_optimizer(ray_cluster, tmp_
 
 
 def test_bf16_moments_resume_bit_for_bit(ray_cluster, tmp_path, seed):
-    """train.optim.moments: bfloat16 through a checkpoint: the step after a load is the step
-    the saving run took next, bit for bit (the moments were kept, in bf16, not made again in
-    fp32); a run keeping fp32 moments takes another step (the check can tell them apart)."""
+    """train.optim.moments: bfloat16 through a checkpoint: the loaded moments are bf16 before
+    any step (their memory is the plan's from the load on), and the step after the load is the
+    step the saving run took next, bit for bit; a run keeping fp32 moments takes another step
+    (the check can tell them apart)."""
     src = SyntheticSource(32, CFG.vocab_size, seed)
 
     def after_save(moments: str, name: str) -> tuple[dict, dict]:
@@ -138,6 +139,8 @@ def test_bf16_moments_resume_bit_for_bit(ray_cluster, tmp_path, seed):
     _, delta_fp32 = after_save("float32", "fp32")
     g = _group(seed + 1, "bfloat16")  # other init: everything comes from the checkpoint
     g.call("load_checkpoint", str(tmp_path / "bf16"), same_layout=True)
+    # kept in bf16 from the load on (torch's load_state_dict makes them fp32), not at the next step
+    assert g.call("inspect", "moment_dtypes") == [["torch.bfloat16"]]
     _same_bytes(_full(g), before, "bf16 moments: the saved weights")
     _step(g, src, 3, 1)
     resumed = {k: v.double() - before[k].double() for k, v in _full(g).items()}

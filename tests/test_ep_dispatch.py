@@ -94,6 +94,8 @@ def _worker(rank: int, port: int, seed: int, routing: str, out: str) -> None:
     res = {"y": y.detach(), "dx": x.grad, "dw": w.grad, "dw1": w1.grad, "dw3": w3.grad, "dw2": w2.grad,
            "rows_in": torch.tensor(xs.shape[0]), "experts_in": idxs.flatten(),
            "calls": calls, "dispatch_calls": forward_calls, "forward_calls": n_forward}
+    with pytest.raises(ValueError, match="outside"):  # on every rank, before any all-to-all: no hang
+        ctx.ep_dispatch(x, torch.full_like(idx, E), w, E)
     torch.save(res, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
@@ -101,8 +103,9 @@ def _worker(rank: int, port: int, seed: int, routing: str, out: str) -> None:
 @pytest.mark.parametrize("routing", ["random", "idle", "repeated"])
 def test_ep_all_to_all_moves_routed_pairs_and_matches_one_process(tmp_path, seed, routing):
     """Guards pairs sent to the wrong rank, pairs sent to every rank (the old all-gather), the
-    routing weight lost or applied twice, a token's slots summed in the wrong place, and the
-    backward collectives diverging when a rank's experts get no pair."""
+    routing weight lost or applied twice, a token's slots summed in the wrong place, the
+    backward collectives diverging when a rank's experts get no pair, and an expert id out of
+    range lost without a word."""
     mp.spawn(_worker, args=(_port(), seed, routing, str(tmp_path)), nprocs=2)
     r = [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in range(2)]
     inp = _inputs(seed, routing)

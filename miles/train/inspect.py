@@ -116,6 +116,12 @@ def optimizer_shards(worker) -> dict[str, dict]:
     return out
 
 
+def moment_dtypes(worker) -> list[str]:
+    """The dtypes this rank's optimizer keeps Adam's moments in (train.optim.moments), one a
+    kind present: ['torch.float32'] or ['torch.bfloat16']; [] before any step or load."""
+    return sorted({str(st[k].dtype) for *_, st in _owned(worker) for k in ("exp_avg", "exp_avg_sq") if k in st})
+
+
 def model_state(worker) -> dict[str, torch.Tensor]:
     """Parameters and router biases (TP-local), on the host. Megatron's linears add `None`
     entries for absent biases and `_extra_state`, which are not model tensors."""

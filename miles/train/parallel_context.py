@@ -221,6 +221,9 @@ class MegatronContext(ParallelContext):
         # The exchange's one wait: all_to_all_single takes its split sizes on the host.
         host = every.view(ep, n_experts).cpu()
         send = host[self.ep_rank].view(ep, per).sum(1).tolist()
+        if sum(send) != flat.numel():  # counted from the sorted ids: one outside [0, E) is missing
+            raise ValueError(f"EP rank {self.ep_rank}: {flat.numel() - sum(send)} routed expert ids lie outside "
+                             f"[0, {n_experts})")
         arrive = host[:, local.start:local.stop]  # [ep, per]
         recv = arrive.sum(1).tolist()
         rows = all_to_all(group, x.index_select(0, pairs // k), recv, send)  # [R, d]: by source, then expert

@@ -232,6 +232,9 @@ class TrainWorker:
         for o in getattr(self.opt, "chained_optimizers", [self.opt]):
             if isinstance(getattr(o, "optimizer", None), torch.optim.AdamW):
                 adamw.set_moments(o.optimizer, moments)
+            elif getattr(o, "optimizer", None) is not None and moments != "float32":
+                raise ValueError(f"train.optim.moments={moments}: Megatron built a {type(o.optimizer).__name__}, "
+                                 f"not torch's AdamW, whose moments miles keeps in bf16")
         self._fuse_adam()
         if warmup_steps >= total_steps:  # Megatron's scheduler asserts it; say it plainly
             raise ValueError(f"warmup_steps={warmup_steps} must be below the run's {total_steps} steps")
