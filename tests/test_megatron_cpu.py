@@ -141,18 +141,12 @@ def _dp_worker(rank: int, port: int, seed: int, out: str, clip_in_adam: bool = F
     dist.destroy_process_group()
 
 
-def _bf16_worker(rank: int, port: int, seed: int, out: str, mine: bool) -> None:
-    """DP=2 with bf16 weights (fp32 main shards), weight decay on the weights and not on the
-    biases (two parameter groups), a clip below every norm, 3 steps: megatron_gpu.step (the
-    AdamW kernel writes the bf16 weights) when `mine`, else Megatron's own step. After each of
-    mine, Megatron's own copy of the main shards into the parameter buffer and its all-gather
-    run again: what they change is what the kernel failed to write."""
-    _init(rank, port)
+def _bf16_dp_model(seed: int):
+    """A two-layer bf16 model (weights with biases: two parameter groups) under Megatron DDP and
+    its DistributedOptimizer (fp32 main shards, weight decay, a clip below every norm here)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-
-    from miles.train import megatron_gpu
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).to(torch.bfloat16)
@@ -163,6 +157,19 @@ def _bf16_worker(rank: int, port: int, seed: int, out: str, mine: bool) -> None:
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=CLIP_IN_ADAM,
                                                  bf16=True, params_dtype=torch.bfloat16,
                                                  use_distributed_optimizer=True), [ddp])
+    return model, ddp, opt
+
+
+def _bf16_worker(rank: int, port: int, seed: int, out: str, mine: bool) -> None:
+    """DP=2 with bf16 weights (fp32 main shards), weight decay on the weights and not on the
+    biases (two parameter groups), a clip below every norm, 3 steps: megatron_gpu.step (the
+    AdamW kernel writes the bf16 weights) when `mine`, else Megatron's own step. After each of
+    mine, Megatron's own copy of the main shards into the parameter buffer and its all-gather
+    run again: what they change is what the kernel failed to write."""
+    _init(rank, port)
+    from miles.train import megatron_gpu
+
+    model, ddp, opt = _bf16_dp_model(seed)
     subs = getattr(opt, "chained_optimizers", [opt])
     if mine:
         for o in subs:
@@ -280,24 +287,12 @@ def _moments_worker(rank: int, port: int, seed: int, out: str) -> None:
     Megatron's own step (its clip and copy; AdamW by adamw.update's torch path). Records each run's main
     shards and moments after step 1 and step 3."""
     _init(rank, port)
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
     from miles.train import adamw, megatron_gpu
 
     res = {}
     for name, moments, fused in (("fp32", "float32", True), ("bf16", "bfloat16", True),
                                  ("bf16_megatron", "bfloat16", False)):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).to(torch.bfloat16)
-        cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
-                                bf16=True, params_dtype=torch.bfloat16)
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                         grad_reduce_in_fp32=True), model)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1,
-                                                     clip_grad=CLIP_IN_ADAM, bf16=True, params_dtype=torch.bfloat16,
-                                                     use_distributed_optimizer=True), [ddp])
+        _model, ddp, opt = _bf16_dp_model(seed)
         subs = getattr(opt, "chained_optimizers", [opt])
         for o in subs:
             adamw.set_moments(o.optimizer, moments)

@@ -115,11 +115,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
         inner = sub.optimizer.state
         # torch's load_state_dict makes each moment its weight's dtype (fp32): bf16 moments
         # (train.optim.moments) are made bf16 again before the checkpoint's values land in them
-        dtype = adamw.moments_dtype(sub.optimizer)
-        for s in inner.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in s and s[k].dtype != dtype:
-                    s[k] = s[k].to(dtype)
+        adamw.conform_moments(sub.optimizer)
         steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
         sub.load_parameter_state_from_fully_reshardable(param_state)
         for p, step in steps.items():  # one tensor each: Adam increments them in place

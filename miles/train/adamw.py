@@ -49,7 +49,7 @@ MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def set_moments(opt: torch.optim.AdamW, dtype: str) -> None:
     """Keep opt's moments in `dtype` ("float32" or "bfloat16"): those made from now on, and
-    those there now or loaded later, converted at their next step (widening is exact)."""
+    those there now or loaded later, converted at their next step or load (widening is exact)."""
     if dtype not in MOMENTS:
         raise ValueError(f"miles.train.adamw: moments must be one of {sorted(MOMENTS)}, not {dtype!r}")
     opt.defaults["moments"] = dtype
@@ -58,6 +58,21 @@ def set_moments(opt: torch.optim.AdamW, dtype: str) -> None:
 def moments_dtype(opt: torch.optim.Optimizer) -> torch.dtype:
     """The dtype opt keeps its moments in (set_moments; fp32 unless set)."""
     return MOMENTS[opt.defaults.get("moments", "float32")]
+
+
+def conform_moments(opt: torch.optim.Optimizer) -> None:
+    """Every moment opt holds in moments_dtype(opt): those made or loaded in the other dtype
+    (torch's load_state_dict makes them the weights' dtype) converted now."""
+    dtype = moments_dtype(opt)
+    for st in opt.state.values():
+        _conform(st, dtype)
+
+
+def _conform(st: dict, dtype: torch.dtype) -> None:
+    for name in ("exp_avg", "exp_avg_sq"):
+        t = st.get(name)
+        if t is not None and t.dtype in MOMENTS.values() and t.dtype != dtype:
+            st[name] = t.to(dtype)
 
 
 def _check(opt: torch.optim.AdamW, outs: dict[int, torch.Tensor | None]) -> list[list[torch.Tensor]]:
@@ -98,10 +113,9 @@ def _state(opt: torch.optim.AdamW, p: torch.Tensor) -> dict:
         raise ValueError(f"miles.train.adamw: the AdamW state of a weight {list(p.shape)} lacks {sorted(missing)}")
     if not torch.is_tensor(st["step"]) or st["step"].dtype != torch.float32 or st["step"].device != p.device:
         st["step"] = torch.as_tensor(st["step"]).to(p.device, torch.float32)  # the kernel reads it as fp32
+    _conform(st, dtype)
     for name in ("exp_avg", "exp_avg_sq"):
         t = st[name]
-        if t.dtype in MOMENTS.values() and t.dtype != dtype:  # made or loaded in the other dtype
-            st[name] = t = t.to(dtype)
         if t.dtype != dtype or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
             raise ValueError(f"miles.train.adamw: {name} of a weight {list(p.shape)} is {t.dtype} {list(t.shape)} "
                              f"on {t.device}; it must be contiguous {dtype} with the weight's shape and device")

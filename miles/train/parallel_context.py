@@ -105,11 +105,17 @@ class _Route(NamedTuple):
     tokens: int
     k: int
     send: list[int]  # pairs sent to each EP rank (and returned from it by the combine)
-    recv: list[int]  # rows that arrived from each EP rank
-    by_expert: list[int]  # the arrived rows' chunk sizes as the experts take them: (expert, source rank)
-    to_sources: list[int]  # those chunks in arrival order (source rank, expert)
+    arrived: torch.Tensor  # [ep, per] (host) rows that arrived from each EP rank for each local expert
     rows: torch.Tensor  # the rows that arrived and their weights (kept in the backward graph)
     weights: torch.Tensor
+
+
+def _swap_chunks(t: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """t's rows in chunks of sizes [a, b] (host; chunk (i, j) is the i*b+j-th) -> the same
+    chunks in (j, i) order."""
+    a, b = sizes.shape
+    chunks = t.split(sizes.flatten().tolist())
+    return torch.cat([chunks[i * b + j] for j in range(b) for i in range(a)])
 
 
 class MegatronContext(ParallelContext):
@@ -228,16 +234,11 @@ class MegatronContext(ParallelContext):
         recv = arrive.sum(1).tolist()
         rows = all_to_all(group, x.index_select(0, pairs // k), recv, send)  # [R, d]: by source, then expert
         p = all_to_all(group, w.flatten().index_select(0, pairs), recv, send)  # [R]
-        # Regrouped by local expert (the layout routed_experts takes): chunk (source s, expert
-        # e) of the arrival order is chunk s*per+e; the experts take them as (e, s).
-        by_source = arrive.flatten().tolist()
-        order = [s * per + e for e in range(per) for s in range(ep)]
-        rows, p = (torch.cat([chunks[i] for i in order]) for chunks in (rows.split(by_source), p.split(by_source)))
+        # regrouped by local expert, then source (the layout routed_experts takes)
+        rows, p = _swap_chunks(rows, arrive), _swap_chunks(p, arrive)
         experts = torch.repeat_interleave(torch.arange(local.start, local.stop, device=idx.device), mine.sum(0),
                                           output_size=rows.shape[0])  # [R], no wait: the size is known
-        back = [e * ep + s for s in range(ep) for e in range(per)]  # chunk s*per+e of the arrival order
-        route = _Route(pairs, n, k, send, recv, arrive.T.flatten().tolist(), back, rows, p)
-        return rows, experts[:, None], p[:, None], route
+        return rows, experts[:, None], p[:, None], _Route(pairs, n, k, send, arrive, rows, p)
 
     def ep_combine(self, out: torch.Tensor, route) -> torch.Tensor:
         if route is None:
@@ -248,8 +249,8 @@ class MegatronContext(ParallelContext):
             out = out + (route.rows[:0].sum() + route.weights[:0].sum()).float()
         # A row is one pair's output (routed_experts' fp32 sum over one slot of a value of the
         # model's dtype): it travels in that dtype without loss, back in the order it came.
-        chunks = out.to(route.rows.dtype).split(route.by_expert)
-        back = torch.cat([chunks[i] for i in route.to_sources])
-        back = all_to_all(ps.get_expert_model_parallel_group(), back, route.send, route.recv)  # [N*k, d]
+        back = _swap_chunks(out.to(route.rows.dtype), route.arrived.T)  # by source rank again, as they came
+        back = all_to_all(ps.get_expert_model_parallel_group(), back, route.send,
+                          route.arrived.sum(1).tolist())  # [N*k, d] in send order
         per_pair = back.new_zeros(back.shape).index_copy(0, route.pairs, back)
         return per_pair.view(route.tokens, route.k, back.shape[1]).sum(1, dtype=torch.float32)
