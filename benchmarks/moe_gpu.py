@@ -2,11 +2,13 @@
 of 32 experts, d 1536, I 768; rows per expert padded to ops.GROUP_ALIGN), each against the
 bf16 tensor-core rate: forward and input gradient (torch._grouped_mm), w1 and w3 as one GEMM
 of a [E, 2I, d] stack (what a fused checkpoint layout would buy), and the weight gradient
-into the fp32 main_grad: the Triton kernel (`kernels.moe.add_grouped_wgrad`) with each of
-its tile configs forced and some wider ones, against torch's grouped GEMM plus an add.
+into the fp32 main_grad: the Triton kernel (`kernels.moe.add_grouped_wgrad`) by pointer tiles
+(autotuned) and by TMA descriptors (each tile config forced, with 32-, 64- and 128-row steps, then
+autotuned), against torch's grouped GEMM plus an add.
 Each weight-gradient row prints its error against float64 (norm of the difference over the norm).
 
     python3 benchmarks/moe_gpu.py [--tokens 4096] [--experts 32] [--topk 4] [--peak-tflops 989]
+    python3 benchmarks/moe_gpu.py --tokens 4096 --experts 8 --topk 6 --hidden 4096 --inter 2048  # flash_slice
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plugins.deepseek_v4 import ops  # noqa: E402
 from plugins.deepseek_v4.kernels import moe  # noqa: E402
 
-# The autotuned list before it moved to 32-row steps: (BN, BK, warps, stages), BM 64.
-TILES_64 = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4),
-            (64, 64, 4, 3)]
-# Tiles beyond today's list: those, 128-row steps, deeper pipelines, (BN, BK, BM, warps, stages).
-# Rows of one BM sum in the same order; another BM rounds otherwise.
-EXTRA = [(bn, bk, 64, w, st) for bn, bk, w, st in TILES_64] + [(128, 128, 128, 8, 3), (128, 128, 32, 4, 5),
-                                                              (64, 128, 32, 4, 5), (128, 128, 16, 4, 4)]
+# TMA tiles forced: (BN, BK, warps, stages) at each row step. Rows of one BM sum in the same
+# order; another BM rounds otherwise.
+TMA_TILES = [(128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3),
+             (128, 64, 4, 4), (256, 128, 8, 4)]
+TMA_ROWS = (32, 64, 128)
 
 
 def bench(fn) -> float:
@@ -51,12 +51,12 @@ def routing(tokens: int, experts: int, topk: int, gen: torch.Generator) -> torch
 
 
 def forced(config, dy, a, offs, d) -> None:
-    """add_grouped_wgrad with the autotuner held to one config."""
-    kern = moe._grouped_wgrad
+    """add_grouped_wgrad by TMA with the autotuner held to one config."""
+    kern = moe._grouped_wgrad_tma
     saved = kern.configs, dict(kern.cache)
     kern.configs, kern.cache = [config], {}
     try:
-        moe.add_grouped_wgrad(dy, a, offs, d)
+        moe.add_grouped_wgrad(dy, a, offs, d, tma=True)
     finally:
         kern.configs, kern.cache = saved[0], saved[1]
 
@@ -76,21 +76,24 @@ def wgrad_rows(row, name: str, dy: torch.Tensor, src: torch.Tensor, offs: torch.
     # would measure cancellation, not the GEMM).
     row(f"{name}: torch grouped_mm + add", bench(lambda: torch_add(base)), flops,
         rel(torch_add(torch.zeros_like(base)), ref))
-    configs = list(moe._WGRAD_CONFIGS) + [triton.Config({"BN": bn, "BK": bk, "BM": bm}, num_warps=w, num_stages=s)
-                                          for bn, bk, bm, w, s in EXTRA]
-    for c in configs:
-        kw = c.kwargs
-        label = f"{name}: kernel BN{kw['BN']} BK{kw['BK']} BM{kw['BM']} w{c.num_warps} s{c.num_stages}"
-        out = torch.zeros_like(base)
-        try:
-            forced(c, dy, src, offs, out)
-        except Exception as exc:  # a tile past shared memory
-            print(f"{label}: {type(exc).__name__}: {str(exc)[:80]}")
-            continue
-        row(label, bench(lambda c=c: forced(c, dy, src, offs, base)), flops, rel(out, ref))
     out = torch.zeros_like(base)
-    moe.add_grouped_wgrad(dy, src, offs, out)
-    row(f"{name}: kernel, autotuned (the model's)", bench(lambda: moe.add_grouped_wgrad(dy, src, offs, base)),
+    moe.add_grouped_wgrad(dy, src, offs, out, tma=False)
+    row(f"{name}: pointer tiles, autotuned", bench(lambda: moe.add_grouped_wgrad(dy, src, offs, base, tma=False)),
+        flops, rel(out, ref))
+    for bm in TMA_ROWS:
+        for bn, bk, w, st in TMA_TILES:
+            c = triton.Config({"BN": bn, "BK": bk, "BM": bm}, num_warps=w, num_stages=st)
+            label = f"{name}: TMA BN{bn} BK{bk} BM{bm} w{w} s{st}"
+            out = torch.zeros_like(base)
+            try:
+                forced(c, dy, src, offs, out)
+            except Exception as exc:  # a tile past shared memory
+                print(f"{label}: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            row(label, bench(lambda c=c: forced(c, dy, src, offs, base)), flops, rel(out, ref))
+    out = torch.zeros_like(base)
+    moe.add_grouped_wgrad(dy, src, offs, out, tma=True)
+    row(f"{name}: TMA, autotuned (the model's)", bench(lambda: moe.add_grouped_wgrad(dy, src, offs, base, tma=True)),
         flops, rel(out, ref))
 
 

@@ -19,7 +19,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --head-backward  # head logits kept vs recomputed; dz in 1 vs 2 terms
     python3 benchmarks/train_gpu.py --ab --streams   # hc_post's stream gradient added in hc_pre's pass vs by autograd
     python3 benchmarks/train_gpu.py --ab --add-cast  # the MoE's one-pass output sum vs add then cast
-    python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's 64- vs 32-row steps
+    python3 benchmarks/train_gpu.py --ab --wgrad-tiles  # the expert wgrad kernel's pointer vs TMA loads
     python3 benchmarks/train_gpu.py --ab --host-waits  # the host waiting for the GPU mid-step vs not
     python3 benchmarks/train_gpu.py --ab --adamw     # torch's fused AdamW + Megatron's copy vs one kernel
     python3 benchmarks/train_gpu.py --ab --mixes-prec  # the mHC mixes' dots: tf32x3 vs fn in three bf16 pieces
@@ -459,24 +459,13 @@ def wgrad_arms():
 
 
 def wgrad_tiles_arms():
-    """The expert weight-gradient kernel's tiles: the 64-row steps it had against today's
-    32-row steps (`kernels.moe.WGRAD_ROWS`); each arm autotunes its own list."""
-    import triton
-
-    from benchmarks.moe_gpu import TILES_64
+    """The expert weight-gradient kernel's loads: pointer tiles in 32-row steps (what it had)
+    against TMA descriptors made per group in 64-row steps (`kernels.moe.WGRAD_ROWS_TMA`, the
+    default on sm_90)."""
     from plugins.deepseek_v4.kernels import moe
 
-    kern, new = moe._grouped_wgrad, list(moe._grouped_wgrad.configs)
-    old = [triton.Config({"BN": bn, "BK": bk, "BM": 64}, num_warps=w, num_stages=st) for bn, bk, w, st in TILES_64]
-
-    def use(configs):
-        def switch(on: bool) -> None:
-            if on and kern.configs is not configs:
-                kern.configs, kern.cache = configs, {}
-        return switch
-
-    return [("CUDA graphs, expert wgrad in 64-row steps", use(old)),
-            ("CUDA graphs, expert wgrad in 32-row steps (default)", use(new))]
+    return [("CUDA graphs, expert wgrad by pointer tiles", _patch(moe, "wgrad_takes_tma", lambda dy, a: False)),
+            ("CUDA graphs, expert wgrad by TMA (default)", lambda on: None)]
 
 
 def accum_arms(model):
@@ -974,7 +963,7 @@ def main() -> None:
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
     ap.add_argument("--split", action="store_true", help="with --ab: only split-bf16 vs TF32 projection backward")
     ap.add_argument("--wgrad", action="store_true", help="with --ab: only the expert wgrad into main_grad vs an add")
-    ap.add_argument("--wgrad-tiles", action="store_true", help="with --ab: only the expert wgrad's 64- vs 32-row steps")
+    ap.add_argument("--wgrad-tiles", action="store_true", help="with --ab: the expert wgrad's pointer vs TMA loads")
     ap.add_argument("--out-proj", action="store_true", help="with --ab: only the out-projection's bmm vs einsum")
     ap.add_argument("--clip", action="store_true", help="with --ab: only the clip inside fused AdamW vs its own pass")
     ap.add_argument("--accum", action="store_true", help="with --ab: only weight gradients into main_grad vs returned")

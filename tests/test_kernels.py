@@ -697,10 +697,39 @@ def test_grouped_gemm_adds_its_weight_gradient_into_main_grad(seed, m, groups, n
             assert rel(w.grad.float().cpu(), ref_w) < 1e-2
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_grouped_wgrad_both_loads_sum_only_each_groups_rows(seed, tma):
+    """kernels.moe.add_grouped_wgrad by pointer tiles and by TMA descriptors made per group on
+    the device: each group's dY^T A from its own rows only (float64 to fp32 rounding), added into
+    d; an empty group's slice keeps its bits; rows past the last group's end are NaN and must
+    not reach any sum (a load running past a group's end would take the next group's rows or
+    those)."""
+    from plugins.deepseek_v4.kernels import moe
+
+    g = torch.Generator().manual_seed(seed)
+    m, groups, n, k = (1500, 6, 768, 1536) if CUDA else (83, 5, 24, 40)
+    cuts = sorted(torch.randint(1, m - 8, (groups - 1,), generator=g).tolist())
+    cuts[1] = cuts[0]  # group 1 has no rows
+    offs = torch.tensor(cuts + [m - 5], dtype=torch.int32)  # the last 5 rows belong to no group
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    a = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    dy[m - 5:], a[m - 5:] = float("nan"), float("nan")
+    base = torch.randn(groups, n, k, generator=g)
+    start = [0, *offs.tolist()[:-1]]
+    ref = torch.stack([dy[s:e].double().t() @ a[s:e].double() for s, e in zip(start, offs.tolist(), strict=True)])
+    d = base.to(DEV, copy=True)
+    moe.add_grouped_wgrad(dy.to(DEV), a.to(DEV), offs.to(DEV), d, tma=tma)
+    got = d.cpu()
+    assert_finite(got)
+    assert torch.equal(got[1], base[1])
+    assert rel(got - base, ref) < 1e-5
+
+
 @pytest.mark.skipif(not CUDA, reason="one tile config in the interpreter")
-def test_grouped_wgrad_tiles_give_the_same_bits(seed):
-    """Every autotune config of the grouped weight gradient gives the same bits (the tuning
-    may choose differently in another process: a resumed run, another rank)."""
+@pytest.mark.parametrize("tma", [True, False])
+def test_grouped_wgrad_tiles_give_the_same_bits(seed, tma):
+    """Every autotune config of the grouped weight gradient (of one load path) gives the same
+    bits (the tuning may choose differently in another process: a resumed run, another rank)."""
     from plugins.deepseek_v4.kernels import moe
 
     g = torch.Generator().manual_seed(seed)
@@ -709,15 +738,18 @@ def test_grouped_wgrad_tiles_give_the_same_bits(seed):
     dy = torch.randn(m, n, generator=g).to(DEV, torch.bfloat16)
     a = torch.randn(m, k, generator=g).to(DEV, torch.bfloat16)
     base = torch.randn(groups, n, k, generator=g).to(DEV)
+    configs = moe._WGRAD_TMA_CONFIGS if tma else moe._WGRAD_CONFIGS
+    if tma:
+        triton.set_allocator(moe._scratch)
     outs = []
-    for cfg in moe._WGRAD_CONFIGS:
+    for cfg in configs:
         d = base.clone()
         grid = (triton.cdiv(n, cfg.kwargs["BN"]) * triton.cdiv(k, cfg.kwargs["BK"]), groups)
-        moe._grouped_wgrad.fn[grid](dy, a, offs.to(DEV), d, n, k, UPCAST=False, **cfg.kwargs,
+        moe._grouped_wgrad.fn[grid](dy, a, offs.to(DEV), d, n, k, UPCAST=False, TMA=tma, **cfg.kwargs,
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         outs.append(d)
     assert_finite(outs[0])
-    for cfg, d in zip(moe._WGRAD_CONFIGS, outs, strict=True):
+    for cfg, d in zip(configs, outs, strict=True):
         assert torch.equal(d, outs[0]), cfg
 
 

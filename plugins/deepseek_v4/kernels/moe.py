@@ -138,51 +138,99 @@ def expert_layout(idx: torch.Tensor, weight: torch.Tensor, first: int, n_local: 
 # then adds it into main_grad in a second pass: per parameter a bf16 write, then a bf16 read
 # and an fp32 read and write (the ~1B step's experts: 54 adds of 37.7M parameters, 8.4 ms on
 # an H100), and the sum loses the bf16 rounding. Autotuned per (N, K) over output tiles only:
-# every config sums each element's rows in the same BM-row steps, so the choice (which may
-# differ between processes) does not change the bits. 32-row steps: at the ~1B shape (~512
-# rows an expert) the best 32-row tile beat the best 64-row one by 10% (benchmarks/moe_gpu.py).
+# every config of one path sums each element's rows in the same BM-row steps, so the choice
+# (which may differ between processes) does not change the bits.
+# Two ways to load the rows. Pointer tiles (any GPU, the interpreter's default): their address
+# and mask tensors take registers, which held the tile's row step to 32 (benchmarks/moe_gpu.py).
+# TMA (sm_90+, `TMA`): each group's rows as a tensor descriptor of their own, made on the device
+# from OFFS, so the copy engine zero-fills the rows past the group's end and no address is kept in
+# registers; longer row steps then fit. At flash_slice's shapes (moe_gpu.py, H200) the rows' L2
+# traffic bounds it: a 128 x 128 tile takes 64 FLOP a byte loaded, 256 x 128 (two warpgroups) 85.
 # The tuning runs restore D. The interpreter's dot mishandles bf16: it multiplies fp32 copies (UPCAST).
-WGRAD_ROWS = 32
+WGRAD_ROWS, WGRAD_ROWS_TMA = 32, 64
 _WGRAD_CONFIGS = ([triton.Config({"BN": 16, "BK": 16, "BM": 16}, num_warps=1, num_stages=1)] if INTERPRET else
                   [triton.Config({"BN": bn, "BK": bk, "BM": WGRAD_ROWS}, num_warps=w, num_stages=st)
                    for bn, bk, w, st in [(128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 4),
                                          (256, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]])
+_WGRAD_TMA_CONFIGS = ([triton.Config({"BN": 16, "BK": 16, "BM": 16}, num_warps=1, num_stages=1)] if INTERPRET else
+                      [triton.Config({"BN": bn, "BK": bk, "BM": WGRAD_ROWS_TMA}, num_warps=w, num_stages=st)
+                       for bn, bk, w, st in [(128, 128, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
+                                             (256, 128, 8, 4)]])
 
 
-@triton.autotune(_WGRAD_CONFIGS, key=["N", "K"], restore_value=["D"])
 @triton.jit
-def _grouped_wgrad(DY, A, OFFS, D, N, K, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   BM: tl.constexpr):
+def _grouped_wgrad_body(DY, A, OFFS, D, N, K, UPCAST: tl.constexpr, TMA: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, BM: tl.constexpr):
     """Program (tile of D[g], group g): D[g][n, k] += sum over the group's rows m of DY[m, n] A[m, k]."""
     tiles_k = tl.cdiv(K, BK)
     g = tl.program_id(1)
-    n = (tl.program_id(0) // tiles_k) * BN + tl.arange(0, BN)
-    k = (tl.program_id(0) % tiles_k) * BK + tl.arange(0, BK)
+    n0 = (tl.program_id(0) // tiles_k) * BN
+    k0 = (tl.program_id(0) % tiles_k) * BK
+    n = n0 + tl.arange(0, BN)
+    k = k0 + tl.arange(0, BK)
     start = tl.load(OFFS + g - 1, mask=g > 0, other=0)  # OFFS: each group's end row
     end = tl.load(OFFS + g)
     acc = tl.zeros([BN, BK], tl.float32)
-    for m0 in range(start, end, BM):
-        m = m0 + tl.arange(0, BM)
-        rm = (m < end)[:, None]
-        dy = tl.load(DY + m.to(tl.int64)[:, None] * N + n[None, :], mask=rm & (n < N)[None, :], other=0.0)
-        a = tl.load(A + m.to(tl.int64)[:, None] * K + k[None, :], mask=rm & (k < K)[None, :], other=0.0)
-        if UPCAST:
-            dy, a = dy.to(tl.float32), a.to(tl.float32)
-        acc = tl.dot(tl.trans(dy), a, acc)  # [BN, BM] @ [BM, BK]
+    if TMA:  # the group's rows [start, end) as tensors [rows, N], [rows, K] (a descriptor wants >= 1 row)
+        rows = end - start
+        dy_rows = tl.make_tensor_descriptor(DY + start.to(tl.int64) * N, shape=[tl.maximum(rows, 1), N],
+                                            strides=[N, 1], block_shape=[BM, BN])
+        a_rows = tl.make_tensor_descriptor(A + start.to(tl.int64) * K, shape=[tl.maximum(rows, 1), K],
+                                           strides=[K, 1], block_shape=[BM, BK])
+        for m0 in range(0, rows, BM):
+            dy = dy_rows.load([m0, n0])  # [BM, BN], zeros past the group's end
+            a = a_rows.load([m0, k0])  # [BM, BK]
+            if UPCAST:
+                dy, a = dy.to(tl.float32), a.to(tl.float32)
+            acc = tl.dot(tl.trans(dy), a, acc)  # [BN, BM] @ [BM, BK]
+    else:
+        for m0 in range(start, end, BM):
+            m = m0 + tl.arange(0, BM)
+            rm = (m < end)[:, None]
+            dy = tl.load(DY + m.to(tl.int64)[:, None] * N + n[None, :], mask=rm & (n < N)[None, :], other=0.0)
+            a = tl.load(A + m.to(tl.int64)[:, None] * K + k[None, :], mask=rm & (k < K)[None, :], other=0.0)
+            if UPCAST:
+                dy, a = dy.to(tl.float32), a.to(tl.float32)
+            acc = tl.dot(tl.trans(dy), a, acc)  # [BN, BM] @ [BM, BK]
     out = D + g.to(tl.int64) * N * K + n[:, None] * K + k[None, :]
     dm = (n < N)[:, None] & (k < K)[None, :]
     tl.store(out, (tl.load(out, mask=dm, other=0.0).to(tl.float32) + acc).to(D.dtype.element_ty), mask=dm)
 
 
-def add_grouped_wgrad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, d: torch.Tensor) -> None:
+_grouped_wgrad = triton.autotune(_WGRAD_CONFIGS, key=["N", "K"], restore_value=["D"])(_grouped_wgrad_body)
+_grouped_wgrad_tma = triton.autotune(_WGRAD_TMA_CONFIGS, key=["N", "K"], restore_value=["D"])(_grouped_wgrad_body)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch for the descriptors a TMA program makes (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def wgrad_takes_tma(dy: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether the TMA loads apply: sm_90+ (or the interpreter, which runs the same path) and
+    rows whose starts and strides are 16-byte aligned (N, K multiples of 8, bf16/fp16)."""
+    if not (INTERPRET or (dy.is_cuda and torch.cuda.get_device_capability(dy.device)[0] >= 9)):
+        return False
+    return (dy.element_size() == a.element_size() == 2 and dy.shape[1] % 8 == 0 and a.shape[1] % 8 == 0
+            and dy.data_ptr() % 16 == 0 and a.data_ptr() % 16 == 0)
+
+
+def add_grouped_wgrad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, d: torch.Tensor,
+                      tma: bool | None = None) -> None:
     """d[g] += dy[rows of g]^T @ a[rows of g] for dy [M, N], a [M, K] (rows grouped, group g
     ending at offs[g], int32) and d [G, N, K] contiguous (fp32: Megatron's main_grad), the
-    products summed in fp32 and added once."""
+    products summed in fp32 and added once. `tma`: the loads' path (None: TMA where it applies)."""
     (m, n), k, groups = dy.shape, a.shape[1], offs.numel()
     if a.shape[0] != m or tuple(d.shape) != (groups, n, k) or not d.is_contiguous():
         raise ValueError(f"grouped wgrad: dy {list(dy.shape)}, a {list(a.shape)}, d {list(d.shape)} "
                          f"(contiguous: {d.is_contiguous()}) for {groups} groups")
     if not (m and n and k and groups):
         return
+    dy, a = dy.contiguous(), a.contiguous()
+    tma = wgrad_takes_tma(dy, a) if tma is None else tma
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(k, meta["BK"]), groups)  # noqa: E731
-    _grouped_wgrad[grid](dy.contiguous(), a.contiguous(), offs.contiguous(), d, n, k, UPCAST=INTERPRET)
+    if tma:
+        # the allocator is a context variable of Triton's: set where the launch runs (autograd's thread)
+        triton.set_allocator(_scratch if not INTERPRET else lambda size, al, st: torch.empty(size, dtype=torch.int8))
+    kernel = _grouped_wgrad_tma if tma else _grouped_wgrad
+    kernel[grid](dy, a, offs.contiguous(), d, n, k, UPCAST=INTERPRET, TMA=tma)
