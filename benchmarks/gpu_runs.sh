@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_runs.sh head      # flash_slice: the heads' backward options, and 4 micro-batches a step
 #   bash benchmarks/gpu_runs.sh moments   # flash_slice: AdamW's moments in bf16, alone and with the head's options
 #   bash benchmarks/gpu_runs.sh wgrad     # the expert wgrad kernel: its tests, its tiles at flash_slice's shapes, the step A/B
+#   bash benchmarks/gpu_runs.sh embedding # flash_slice: the embedding's gradient by rows vs dense, and the step with all options
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
 set -uo pipefail
@@ -68,6 +69,10 @@ wgrad)
     run wgrad-tests 200 python3 -m pytest -q tests/test_kernels.py -k "wgrad or grouped" -p no:cacheprovider
     run wgrad-tiles 200 python3 benchmarks/moe_gpu.py --tokens 4096 --experts 8 --topk 6 --hidden 4096 --inter 2048
     run wgrad-ab 300 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --wgrad-tiles
+    ;;
+embedding)
+    run embedding-tests 120 python3 -m pytest -q tests/test_ops.py -k embedding -p no:cacheprovider
+    run embedding-ab 300 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --embedding --moments
     ;;
 layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240

@@ -619,6 +619,18 @@ def streams_arms():
             ("CUDA graphs, added in hc_pre's backward (default)", lambda on: None)]
 
 
+def embedding_arms():
+    """The embedding's weight gradient by Megatron's lookup (torch's dense [V, d] gradient, then
+    DDP's add into main_grad) against ops.embedding's rows added into main_grad (default)."""
+    from megatron.core import tensor_parallel as tp
+
+    from miles.train import parallel_context
+
+    return [("CUDA graphs, embedding gradient dense [V, d] + add",
+             _patch(parallel_context._VocabEmbedding, "forward", tp.VocabParallelEmbedding.forward)),
+            ("CUDA graphs, embedding rows into main_grad (default)", lambda on: None)]
+
+
 def add_cast_arms():
     """The MoE's fp32 routed sum plus the shared expert, then a cast (two passes each way)
     against `ops.add_cast` (one forward pass, one backward cast)."""
@@ -980,6 +992,7 @@ def main() -> None:
     ap.add_argument("--streams", action="store_true",
                     help="with --ab: only hc_post's stream gradient added in hc_pre's backward vs by autograd")
     ap.add_argument("--add-cast", action="store_true", help="with --ab: only the MoE's one-pass sum vs add then cast")
+    ap.add_argument("--embedding", action="store_true", help="with --ab: the embedding's gradient dense vs by rows")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -1035,6 +1048,7 @@ def main() -> None:
                "head_backward": ("head backward options", head_backward_arms),
                "moments": ("AdamW moments", moments_arms),
                "add_cast": ("MoE output sum", add_cast_arms),
+               "embedding": ("embedding gradient", embedding_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
                "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),

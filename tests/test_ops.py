@@ -405,6 +405,42 @@ def test_rope_inv_freq_yarn_blends_only_low_frequencies(rng: Rng) -> None:
     assert_close(got, want, atol=0, rtol=1e-6, msg=rng.tag("tiny preset yarn"))
 
 
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_embedding_adds_each_ids_rows_into_main_grad_once(rng: Rng, dev: str) -> None:
+    """ops.embedding: the forward is weight[ids]; with a main_grad (the trainer) the weight
+    gradient is added into it (float64's index_add to fp32 rounding, rows of absent ids keep
+    their bits, the same bits again on a second run) and weight.grad stays None; without one,
+    F.embedding's gradient bit for bit. ids repeat (one id 20 times in a run, others
+    scattered) as a batch's common tokens do. On CUDA too (the GPU suite): its index_add_ adds
+    atomically."""
+    v, d = 37, 24
+    ids = torch.cat((rng.randint(0, 9, 30), torch.full((20,), 11), rng.randint(0, v - 5, 30))).reshape(2, 40)
+    w0 = rng.randn(v, d, dtype=torch.bfloat16)
+    g = rng.randn(2, 40, d, dtype=torch.bfloat16)
+    base = rng.randn(v, d, dtype=torch.float32)
+    ref = base.double().index_add(0, ids.flatten(), g.reshape(-1, d).double())
+    ids, w0, g, base, ref = (t.to(dev) for t in (ids, w0, g, base, ref))
+    absent = torch.ones(v, dtype=torch.bool, device=dev)
+    absent[ids.flatten()] = False
+    assert absent.any(), rng.tag("some rows must stay untouched for the test to check them")
+    mains = []
+    for _ in range(2):
+        w = w0.clone().requires_grad_()
+        w.main_grad = base.clone()
+        out = ops.embedding(ids, w)
+        assert_equal(out.detach(), w0[ids], rng.tag("forward"))
+        out.backward(g)
+        assert w.grad is None, rng.tag("the gradient went to main_grad")
+        assert_close(w.main_grad, ref.float(), atol=1e-5, rtol=1e-6, msg=rng.tag("main_grad"))
+        assert_equal(w.main_grad[absent], base[absent], rng.tag("rows of absent ids"))
+        mains.append(w.main_grad)
+    assert_equal(mains[1], mains[0], rng.tag("a second run"))
+    w, w_ref = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ops.embedding(ids, w).backward(g)
+    F.embedding(ids, w_ref).backward(g)
+    assert_equal(w.grad, w_ref.grad, rng.tag("without main_grad: F.embedding's gradient"))
+
+
 def test_rope_cos_sin_matches_angles(rng: Rng) -> None:
     """Guards cos/sin computed at the wrong positions/frequencies or in low precision (angles
     pos*inv_freq must be formed in float64: positions reach 1M)."""

@@ -43,7 +43,7 @@ from megatron.core.tensor_parallel.mappings import all_to_all
 from torch import nn
 
 from miles.train import megatron_gpu
-from plugins.deepseek_v4.ops import fp32_linear, main_grad_of
+from plugins.deepseek_v4.ops import embedding, fp32_linear, main_grad_of
 from plugins.deepseek_v4.parallel import ParallelContext, cp_chunk
 
 
@@ -68,6 +68,23 @@ class _Column(tp.ColumnParallelLinear):
 
 class _Row(tp.RowParallelLinear):
     forward = _linear
+
+
+class _VocabEmbedding(tp.VocabParallelEmbedding):
+    """Megatron's vocab-parallel embedding, its lookup by ops.embedding: the weight gradient
+    goes into main_grad row by row, not through a dense [V / TP, d] gradient."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.reduce_scatter_embeddings:  # sequence parallel: Megatron's own path
+            return super().forward(ids)
+        split = self.tp_group.size() > 1
+        if split:  # ids of other ranks' rows look up row 0 and are zeroed after
+            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            ids = torch.where(outside, 0, ids - self.vocab_start_index)
+        out = embedding(ids, self.weight)
+        if split:
+            out = out.masked_fill(outside[..., None], 0.0)
+        return tp.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -151,7 +168,7 @@ class MegatronContext(ParallelContext):
                                 input_is_parallel=True, skip_bias_add=True), 1)
 
     def embedding(self, num: int, dim: int, dtype: torch.dtype) -> nn.Module:
-        return self._split(tp.VocabParallelEmbedding(num, dim, init_method=_no_init, config=self.mp), 0)
+        return self._split(_VocabEmbedding(num, dim, init_method=_no_init, config=self.mp), 0)
 
     def to_tp_region(self, t: torch.Tensor) -> torch.Tensor:
         # The backward all-reduce sums the TP ranks' partial gradients: in fp32, so a bf16
