@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_runs.sh moments   # flash_slice: AdamW's moments in bf16, alone and with the head's options
 #   bash benchmarks/gpu_runs.sh wgrad     # the expert wgrad kernel: its tests, its tiles at flash_slice's shapes, the step A/B
 #   bash benchmarks/gpu_runs.sh embedding # flash_slice: the embedding's gradient by rows vs dense, and the step with all options
+#   bash benchmarks/gpu_runs.sh headwgrad # the head tests; flash_slice: the heads' weight gradient per chunk vs gathered
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
 set -uo pipefail
@@ -73,6 +74,10 @@ wgrad)
 embedding)
     run embedding-tests 120 python3 -m pytest -q tests/test_ops.py -k embedding -p no:cacheprovider
     run embedding-ab 300 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --embedding --moments
+    ;;
+headwgrad)
+    run head-tests 200 python3 -m pytest -q tests/test_kernels.py -k "head or split" -p no:cacheprovider
+    run head-wgrad-ab 330 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --head-wgrad
     ;;
 layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240

@@ -631,6 +631,25 @@ def embedding_arms():
             ("CUDA graphs, embedding rows into main_grad (default)", lambda on: None)]
 
 
+def head_wgrad_arms(w):
+    """The heads' weight-gradient GEMM a chunk at a time (each reads and writes the whole fp32
+    main_grad [V, d]) against over chunks gathered up to parallel.HEAD_WGRAD_BYTES (default),
+    with the default head and with the head's options + bf16 moments (moments_arms' last)."""
+    from plugins.deepseek_v4 import parallel
+
+    per_chunk = _patch(parallel, "HEAD_WGRAD_BYTES", 0)
+    options = moments_arms(w)[-1][1]
+
+    def both(on: bool) -> None:
+        per_chunk(on)
+        options(on)
+
+    return [("CUDA graphs, head wgrad a chunk a GEMM", per_chunk),
+            ("CUDA graphs, head wgrad over chunks (default)", lambda on: None),
+            ("CUDA graphs, options + bf16 moments, a chunk a GEMM", both),
+            ("CUDA graphs, options + bf16 moments, over chunks", options)]
+
+
 def add_cast_arms():
     """The MoE's fp32 routed sum plus the shared expert, then a cast (two passes each way)
     against `ops.add_cast` (one forward pass, one backward cast)."""
@@ -993,6 +1012,8 @@ def main() -> None:
                     help="with --ab: only hc_post's stream gradient added in hc_pre's backward vs by autograd")
     ap.add_argument("--add-cast", action="store_true", help="with --ab: only the MoE's one-pass sum vs add then cast")
     ap.add_argument("--embedding", action="store_true", help="with --ab: the embedding's gradient dense vs by rows")
+    ap.add_argument("--head-wgrad", action="store_true",
+                    help="with --ab: the heads' weight gradient a chunk a GEMM vs over chunks")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -1049,6 +1070,7 @@ def main() -> None:
                "moments": ("AdamW moments", moments_arms),
                "add_cast": ("MoE output sum", add_cast_arms),
                "embedding": ("embedding gradient", embedding_arms),
+               "head_wgrad": ("head weight gradient", head_wgrad_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
                "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),
@@ -1060,7 +1082,8 @@ def main() -> None:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            made = arms(w) if flag == "moments" else arms(w.model) if flag in ("accum", "head_backward") else arms()
+            takes = {"moments": w, "head_wgrad": w, "accum": w.model, "head_backward": w.model}
+            made = arms(takes[flag]) if flag in takes else arms()
             graphed_ab(w, mbs, a.steps, tokens, title, made)
         return
     if a.ab:

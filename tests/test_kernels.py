@@ -1357,32 +1357,37 @@ def test_accumulate_wgrad_adds_fp32_sums_into_main(seed, path, monkeypatch):
     assert rel(got.double() - main0.double(), dy.double().t() @ x.double()) < 1e-5
 
 
-def _head_case(seed: int, tp_rank: int | None, monkeypatch):
+def _head_case(seed: int, tp_rank: int | None, monkeypatch, wgrad_chunks: int = 2):
     """A head's inputs in 3 chunks: (generator, y [n, d], w [V, d] in the model dtype, labels
-    (on this shard, and with a TP rank on the other one too), a cotangent [n])."""
+    (on this shard, and with a TP rank on the other one too), a cotangent [n]). The backward's
+    weight-gradient GEMM takes `wgrad_chunks` chunks of fp32 or two-term bf16 dz (4 bytes a
+    logit) at a time (HEAD_WGRAD_BYTES; 2: chunks 1-2, then 3)."""
     from plugins.deepseek_v4 import parallel
 
     n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
     monkeypatch.setattr(parallel, "HEAD_CHUNK_ELEMENTS", (n // 3 + 1) * v)
+    monkeypatch.setattr(parallel, "HEAD_WGRAD_BYTES", wgrad_chunks * 4 * (n // 3 + 1) * v)
     g = torch.Generator().manual_seed(seed)
     y0, w0 = torch.randn(n, d, generator=g).to(DTYPE), (torch.randn(v, d, generator=g) * 0.3).to(DTYPE)
     labels = torch.randint(0, v if tp_rank is None else 2 * v, (n,), generator=g)
     return g, y0, w0, labels, torch.randn(n, generator=g)
 
 
+@pytest.mark.parametrize("wgrad_chunks", [1, 2])
 @pytest.mark.parametrize("tp_rank,y_fp32", [(None, False), (1, False), (1, True)])
-def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, monkeypatch):
+def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, wgrad_chunks, monkeypatch):
     """The trainer's head (its weight has a main_grad): w.grad stays None and main_grad is its
     start plus float64's dz^T y; with bf16 CUDA operands dz enters the GEMMs as two bf16
     terms (parallel.head_split), to 5e-5 (dz on TF32, planted, measured 2.1e-4), and dy is
     float64's rounded to bf16 but for near-ties; fp32 on CPU to 1e-6. One rank and a TP rank's
-    shard (labels on the other shard too), 3 chunks; y_fp32: the trainer's TP ranks, whose
-    head input is fp32 (their GEMMs stay on TF32: 1e-3)."""
+    shard (labels on the other shard too), 3 chunks, the weight gradient's GEMM a chunk or
+    two at a time; y_fp32: the trainer's TP ranks, whose head input is fp32 (their GEMMs stay
+    on TF32: 1e-3)."""
     if y_fp32 and not CUDA:
         pytest.skip("on CPU y is fp32 in every case")
     from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
 
-    g, y0, w0, labels, cot = _head_case(seed, tp_rank, monkeypatch)
+    g, y0, w0, labels, cot = _head_case(seed, tp_rank, monkeypatch, wgrad_chunks)
     v, d = w0.shape
     main0 = torch.randn(v, d, generator=g)
     y_dtype = torch.float32 if y_fp32 else DTYPE

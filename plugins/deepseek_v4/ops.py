@@ -149,14 +149,15 @@ def bf16_terms(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return terms
 
 
-def split_bf16(g: torch.Tensor, fused: bool = False) -> torch.Tensor:
+def split_bf16(g: torch.Tensor, fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """g [R, N] fp32 -> [R, 2N] bf16: hi | lo with hi = bf16(g) and lo = bf16(g - hi), g to
-    16 significant bits (2^-17 relative) as the sum of two bf16 numbers. fused: one kernel."""
+    16 significant bits (2^-17 relative) as the sum of two bf16 numbers (into `out` where
+    given). fused: one kernel."""
     if fused:
         from .kernels.elementwise import split_bf16 as kernel
 
-        return kernel(g)
-    return torch.cat(bf16_terms(g, 2), -1)
+        return kernel(g, out)
+    return torch.cat(bf16_terms(g, 2), -1, out=out)
 
 
 def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,

@@ -27,6 +27,11 @@ from .ops import _cuda_matmul_precision, accumulate_wgrad, bf16_on_cuda, fp32_li
 # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB; the split backward holds
 # their two bf16 terms beside them, as much again)
 HEAD_CHUNK_ELEMENTS = 1 << 26
+# bytes of the logit gradient's GEMM operand (bf16 dz rows, or fp32 off bf16 CUDA) the head's
+# backward gathers over chunks for one weight-gradient GEMM: each such GEMM reads and writes the
+# whole fp32 main_grad [V/tp, d] (2 GiB at V4's vocabulary), which a GEMM per chunk did 8 times
+# a sequence of 4096
+HEAD_WGRAD_BYTES = 1 << 29
 
 
 @dataclass
@@ -107,7 +112,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         y, w, ids, mine, lse = ctx.saved_tensors
-        c, d = ctx.rows, y.shape[-1]
+        c, d, v = ctx.rows, y.shape[-1], w.shape[0]
         split = ctx.tf32 and head_split(y, w)
         # the trainer: dz^T @ y added into main_grad, no [V/tp, d] gradient returned (DDP's hook
         # then has nothing to add: the trainer's DDP does not overlap its reduction with hooks)
@@ -117,6 +122,10 @@ class _HeadLogprobs(torch.autograd.Function):
         dy = torch.empty(y.shape, dtype=torch.float32, device=y.device)
         wf = None if split else w.float()
         kept, ctx.kept = ctx.kept, None  # each chunk's buffer freed as its gradient is done
+        # each chunk's GEMM operand: bf16 dz (one term: [n, V]; two: [2n, V], a token's hi row
+        # then its lo row) or fp32 dz, written where the weight-gradient GEMM will read it
+        per_row = 2 if split and ctx.terms == 2 else 1
+        wgrad = _WgradRows(dw, v, torch.bfloat16 if split else torch.float32, y.device, per_row * c)
         with _cuda_matmul_precision(ctx.tf32):
             for i in range(0, y.shape[0], c):
                 sl = slice(i, i + c)
@@ -139,26 +148,62 @@ class _HeadLogprobs(torch.autograd.Function):
                 if not ctx.fused:
                     dz.scatter_add_(-1, ids[sl, None], hit[:, None])
                 _scaled(dz, ctx.scale)  # the logits' own gradient: d(z scale)/dz = scale
-                if ctx.terms == 1:  # dz rounded to bf16: one bf16 term (off bf16 CUDA, its values in fp32)
-                    dz = dz.to(torch.bfloat16) if split else dz.to(torch.bfloat16).float()
-                if split and ctx.terms == 1:  # bf16 GEMMs with fp32 sums
-                    dy[sl] = torch.mm(dz, w, out_dtype=torch.float32)
-                    if dw is not None:
-                        accumulate_wgrad(dw, dz, y[sl])
-                elif split:
-                    # dz = hi + lo in bf16 ([c, 2V] as split_bf16 writes it, read as [2c, V]: a
-                    # token's hi row, then its lo row): exact products, summed in fp32
-                    n = dz.shape[0]
-                    dz2 = split_bf16(dz, fused=ctx.fused).view(2 * n, -1)  # [2n, V/tp]
-                    dy[sl] = torch.mm(dz2, w, out_dtype=torch.float32).view(n, 2, d).sum(1)
-                    if dw is not None:
-                        accumulate_wgrad(dw, dz2, y[sl, None].expand(n, 2, d).reshape(2 * n, d))
+                if ctx.terms == 1 and not split:  # dz rounded to bf16, its values in fp32 (as on bf16 CUDA)
+                    dz = dz.to(torch.bfloat16).float()
+                n = dz.shape[0]
+                if split and ctx.terms == 2:  # exact products of dz = hi + lo, summed in fp32
+                    op = split_bf16(dz, fused=ctx.fused, out=wgrad.slot(2 * n).view(n, 2 * v)).view(2 * n, v)
+                    dy[sl] = torch.mm(op, w, out_dtype=torch.float32).view(n, 2, d).sum(1)
+                    wgrad.add(op, y[sl, None].expand(n, 2, d).reshape(2 * n, d))
+                elif split:  # one bf16 term: bf16 GEMMs with fp32 sums
+                    op = wgrad.slot(n).copy_(dz)
+                    dy[sl] = torch.mm(op, w, out_dtype=torch.float32)
+                    wgrad.add(op, y[sl])
                 else:
-                    torch.mm(dz, wf, out=dy[sl])
-                    if dw is not None:
-                        accumulate_wgrad(dw, dz, y[sl].float())
+                    op = wgrad.slot(n).copy_(dz) if wgrad.gathers else dz
+                    torch.mm(op, wf, out=dy[sl])
+                    wgrad.add(op, y[sl].float())
+            wgrad.flush()
         dw = None if main is not None or dw is None else dw.to(w.dtype)
         return dy.to(y.dtype), dw, None, None, None, None, None, None, None, None
+
+
+class _WgradRows:
+    """The head backward's weight gradient, dw += dz^T y, over several chunks' rows at once:
+    slot(rows) is where a chunk writes its dz operand (one buffer of up to HEAD_WGRAD_BYTES),
+    add(op, y) books it, and one GEMM takes every booked row when the next slot would not fit
+    (or at flush). Where one chunk fills the budget (`gathers` False) each add runs its GEMM;
+    dw None: none runs."""
+
+    def __init__(self, dw: torch.Tensor | None, cols: int, dtype: torch.dtype, device, chunk_rows: int):
+        self.dw, self.cols, self.dtype, self.device = dw, cols, dtype, device
+        row_bytes = cols * (2 if dtype == torch.bfloat16 else 4)
+        chunks = max(1, HEAD_WGRAD_BYTES // (row_bytes * chunk_rows)) if dw is not None else 1
+        self.cap = chunks * chunk_rows
+        self.gathers = chunks > 1
+        self.buf: torch.Tensor | None = None
+        self.rows, self.ys = 0, []
+
+    def slot(self, rows: int) -> torch.Tensor:
+        if self.rows + rows > self.cap:
+            self.flush()
+        if self.buf is None:
+            self.buf = torch.empty(self.cap, self.cols, dtype=self.dtype, device=self.device)
+        return self.buf[self.rows:self.rows + rows]
+
+    def add(self, op: torch.Tensor, y: torch.Tensor) -> None:
+        if self.dw is None:
+            return
+        if not self.gathers:
+            accumulate_wgrad(self.dw, op, y)
+            return
+        self.ys.append(y)
+        self.rows += op.shape[0]
+
+    def flush(self) -> None:
+        if self.rows:
+            accumulate_wgrad(self.dw, self.buf[:self.rows], torch.cat(self.ys) if len(self.ys) > 1 else self.ys[0])
+        self.rows, self.ys = 0, []
 
 
 def _scaled(z: torch.Tensor, scale: float) -> torch.Tensor:

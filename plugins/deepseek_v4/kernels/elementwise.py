@@ -406,13 +406,17 @@ def _split_bf16(G, OUT, R, N, BR: tl.constexpr, BN: tl.constexpr):
     tl.store(out + N, lo, mask=m)
 
 
-def split_bf16(g: torch.Tensor) -> torch.Tensor:
-    """Same contract as `ops.split_bf16`: g [R, N] -> [R, 2N] bf16, hi | lo, one pass."""
+def split_bf16(g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `ops.split_bf16`: g [R, N] -> [R, 2N] bf16, hi | lo, one pass (into
+    `out`, contiguous, where given)."""
     if g.dim() != 2:
         raise ValueError(f"split_bf16 kernel: expected [R, N], got {list(g.shape)}")
     g = g.contiguous()
     r, n = g.shape
-    out = new_output((r, 2 * n), g, torch.bfloat16)
+    if out is None:
+        out = new_output((r, 2 * n), g, torch.bfloat16)
+    elif out.shape != (r, 2 * n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"split_bf16 kernel: out {list(out.shape)} {out.dtype} for g {list(g.shape)}")
     if r and n:
         bn = min(triton.next_power_of_2(n), TILE)
         br = _tile_rows(bn)
