@@ -637,17 +637,21 @@ def head_wgrad_arms(w):
     with the default head and with the head's options + bf16 moments (moments_arms' last)."""
     from plugins.deepseek_v4 import parallel
 
-    per_chunk = _patch(parallel, "HEAD_WGRAD_BYTES", 0)
+    per_chunk, wider = _patch(parallel, "HEAD_WGRAD_BYTES", 0), _patch(parallel, "HEAD_WGRAD_BYTES", 1 << 30)
     options = moments_arms(w)[-1][1]
 
-    def both(on: bool) -> None:
-        per_chunk(on)
-        options(on)
+    def also(switch):
+        def both(on: bool) -> None:
+            switch(on)
+            options(on)
+        return both
 
     return [("CUDA graphs, head wgrad a chunk a GEMM", per_chunk),
             ("CUDA graphs, head wgrad over chunks (default)", lambda on: None),
-            ("CUDA graphs, options + bf16 moments, a chunk a GEMM", both),
-            ("CUDA graphs, options + bf16 moments, over chunks", options)]
+            ("CUDA graphs, head wgrad over chunks, 1 GiB", wider),
+            ("CUDA graphs, options + bf16 moments, a chunk a GEMM", also(per_chunk)),
+            ("CUDA graphs, options + bf16 moments, over chunks", options),
+            ("CUDA graphs, options + bf16 moments, over chunks, 1 GiB", also(wider))]
 
 
 def add_cast_arms():
