@@ -703,11 +703,11 @@ def test_grouped_wgrad_both_loads_sum_only_each_groups_rows(seed, tma):
     the device: each group's dY^T A from its own rows only (float64 to fp32 rounding), added into
     d; an empty group's slice keeps its bits; rows past the last group's end are NaN and must
     not reach any sum (a load running past a group's end would take the next group's rows or
-    those)."""
+    those); N and K not multiples of any tile (the last tiles' columns past them masked)."""
     from plugins.deepseek_v4.kernels import moe
 
     g = torch.Generator().manual_seed(seed)
-    m, groups, n, k = (1500, 6, 768, 1536) if CUDA else (83, 5, 24, 40)
+    m, groups, n, k = (1500, 6, 776, 1544) if CUDA else (83, 5, 24, 40)  # N, K past a whole tile
     cuts = sorted(torch.randint(1, m - 8, (groups - 1,), generator=g).tolist())
     cuts[1] = cuts[0]  # group 1 has no rows
     offs = torch.tensor(cuts + [m - 5], dtype=torch.int32)  # the last 5 rows belong to no group
@@ -740,7 +740,7 @@ def test_grouped_wgrad_tiles_give_the_same_bits(seed, tma):
     base = torch.randn(groups, n, k, generator=g).to(DEV)
     configs = moe._WGRAD_TMA_CONFIGS if tma else moe._WGRAD_CONFIGS
     if tma:
-        triton.set_allocator(moe._scratch)
+        triton.set_allocator(moe._scratch_on(DEV))
     outs = []
     for cfg in configs:
         d = base.clone()
@@ -1359,9 +1359,9 @@ def test_accumulate_wgrad_adds_fp32_sums_into_main(seed, path, monkeypatch):
 
 def _head_case(seed: int, tp_rank: int | None, monkeypatch, wgrad_chunks: int = 2):
     """A head's inputs in 3 chunks: (generator, y [n, d], w [V, d] in the model dtype, labels
-    (on this shard, and with a TP rank on the other one too), a cotangent [n]). The backward's
-    weight-gradient GEMM takes `wgrad_chunks` chunks of fp32 or two-term bf16 dz (4 bytes a
-    logit) at a time (HEAD_WGRAD_BYTES; 2: chunks 1-2, then 3)."""
+    (on this shard, and with a TP rank on the other one too), a cotangent [n]). On bf16 CUDA the
+    backward's weight-gradient GEMM takes `wgrad_chunks` chunks of two-term bf16 dz (4 bytes a
+    logit) at a time (HEAD_WGRAD_BYTES; 2: chunks 1-2, then 3); fp32 operands never gather."""
     from plugins.deepseek_v4 import parallel
 
     n, d, v = (300, 256, 1000) if CUDA else (50, 16, 70)
@@ -1381,8 +1381,8 @@ def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, wgr
     terms (parallel.head_split), to 5e-5 (dz on TF32, planted, measured 2.1e-4), and dy is
     float64's rounded to bf16 but for near-ties; fp32 on CPU to 1e-6. One rank and a TP rank's
     shard (labels on the other shard too), 3 chunks, the weight gradient's GEMM a chunk or
-    two at a time; y_fp32: the trainer's TP ranks, whose head input is fp32 (their GEMMs stay
-    on TF32: 1e-3)."""
+    two at a time (bf16 CUDA operands; _WgradRows' own test covers the gathering on CPU);
+    y_fp32: the trainer's TP ranks, whose head input is fp32 (their GEMMs stay on TF32: 1e-3)."""
     if y_fp32 and not CUDA:
         pytest.skip("on CPU y is fp32 in every case")
     from plugins.deepseek_v4.parallel import ParallelContext, VocabHead
@@ -1415,6 +1415,37 @@ def test_head_adds_its_weight_gradient_into_main_grad(seed, tp_rank, y_fp32, wgr
         assert rel(y.grad.cpu(), y64.grad) < 1e-3
     else:
         assert rel(y.grad.cpu(), y64.grad) < 1e-6
+
+
+@pytest.mark.parametrize("budget_chunks,gemms", [(1, 4), (2, 2), (5, 1)])
+def test_head_wgrad_rows_gather_chunks_into_fewer_gemms(seed, budget_chunks, gemms, monkeypatch):
+    """parallel._WgradRows, the head backward's weight gradient over chunks: bf16 dz rows of 4
+    chunks (the last ragged) written slot by slot give main + sum of dz^T y (float64 of the same
+    values, to fp32 rounding) in the GEMMs the budget allows: one chunk (a GEMM each), two
+    (chunks 1-2, 3-4), more than the backward has (one GEMM, its buffer no larger than its
+    rows); fp32 operands run a GEMM a chunk whatever the budget."""
+    from plugins.deepseek_v4 import parallel
+
+    rows, cols, d, total = 7, 24, 16, 25
+    monkeypatch.setattr(parallel, "HEAD_WGRAD_BYTES", budget_chunks * 2 * cols * rows)
+    calls = []
+    real = parallel.accumulate_wgrad
+    monkeypatch.setattr(parallel, "accumulate_wgrad", lambda *a: (calls.append(a[1].shape[0]), real(*a)))
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(total, d, generator=g).to(torch.bfloat16)
+    for dtype, want in ((torch.bfloat16, gemms), (torch.float32, 4)):
+        dz = torch.randn(total, cols, generator=g).to(dtype)
+        main0 = torch.randn(cols, d, generator=g)
+        main, calls[:] = main0.clone(), []
+        acc = parallel._WgradRows(main, cols, dtype, "cpu", rows, total)
+        for i in range(0, total, rows):
+            op = acc.slot(min(rows, total - i)).copy_(dz[i:i + rows])
+            acc.add(op, y[i:i + rows] if dtype == torch.bfloat16 else y[i:i + rows].float())
+        acc.flush()
+        assert len(calls) == want and sum(calls) == total, (dtype, calls)
+        assert acc.buf.shape[0] <= total
+        assert_finite(main)
+        assert rel(main.double() - main0.double(), dz.double().t() @ y.double()) < 1e-6, dtype
 
 
 @pytest.mark.parametrize("fused", [False, True])

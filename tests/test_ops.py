@@ -405,14 +405,16 @@ def test_rope_inv_freq_yarn_blends_only_low_frequencies(rng: Rng) -> None:
     assert_close(got, want, atol=0, rtol=1e-6, msg=rng.tag("tiny preset yarn"))
 
 
+@pytest.mark.parametrize("piece", [4, ops.ADD_ROWS_PIECE])
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_embedding_adds_each_ids_rows_into_main_grad_once(rng: Rng, dev: str) -> None:
+def test_embedding_adds_each_ids_rows_into_main_grad_once(rng: Rng, dev: str, piece: int, monkeypatch) -> None:
     """ops.embedding: the forward is weight[ids]; with a main_grad (the trainer) the weight
     gradient is added into it (float64's index_add to fp32 rounding, rows of absent ids keep
     their bits, the same bits again on a second run) and weight.grad stays None; without one,
     F.embedding's gradient bit for bit. ids repeat (one id 20 times in a run, others
-    scattered) as a batch's common tokens do. On CUDA too (the GPU suite): its index_add_ adds
-    atomically."""
+    scattered) as a batch's common tokens do; in pieces of 4 rows too (runs of several pieces).
+    On CUDA too (the GPU suite): its index_add_ adds atomically."""
+    monkeypatch.setattr(ops, "ADD_ROWS_PIECE", piece)
     v, d = 37, 24
     ids = torch.cat((rng.randint(0, 9, 30), torch.full((20,), 11), rng.randint(0, v - 5, 30))).reshape(2, 40)
     w0 = rng.randn(v, d, dtype=torch.bfloat16)

@@ -232,20 +232,32 @@ def fp32_linear(x: torch.Tensor, w: torch.Tensor, tf32: bool = False) -> torch.T
 
 
 # --------------------------------------------------------------------------- embedding
+ADD_ROWS_PIECE = 32  # rows of one id summed together before its pieces are (add_rows)
+
+
 def add_rows(main: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """main[ids[t]] += rows[t] for ids [T], rows [T, d], the rows of one id summed first, in
-    t order and main's dtype, then added once: the same bits every run (atomic adds of a
-    row's parts would not be). Rows are sorted by id (stable), each id's run summed by
-    segment_reduce into its first sorted row (the others get zeros), and index_add_ adds them:
-    an id's zeros added in any order leave its sum's bits."""
-    t = ids.numel()
+    """main[ids[t]] += rows[t] for ids [T], rows [T, d]: each id's rows summed in main's dtype
+    in t order, then added once, so every run gives the same bits (atomic adds of the rows
+    would not). Rows sorted by id (stable); an id's run summed in pieces of ADD_ROWS_PIECE rows,
+    then its pieces in order (segment_reduce loops over a segment in one thread a column: a run
+    of thousands of one id, padding or another TP rank's ids, would be one long loop); index_add_
+    adds each run's sum and zeros for the other rows, which any order of adding leaves alike."""
+    t, piece = ids.numel(), ADD_ROWS_PIECE
+    if t == 0:
+        return
     order_ids, order = torch.sort(ids, stable=True)  # [T]
-    first = torch.ones_like(order_ids, dtype=torch.bool)
-    first[1:] = order_ids[1:] != order_ids[:-1]
-    run = torch.searchsorted(order_ids, order_ids, right=True) - torch.arange(t, device=ids.device)  # [T]
-    lengths = torch.where(first, run, 0)  # a run's length at its first row, 0 elsewhere
-    sums = torch.segment_reduce(rows[order].to(main.dtype), "sum", lengths=lengths, unsafe=True)  # [T, d]
-    main.index_add_(0, order_ids, sums)
+    pos = torch.arange(t, device=ids.device)
+    start = torch.searchsorted(order_ids, order_ids)  # [T] each row's run: [start, end)
+    end = torch.searchsorted(order_ids, order_ids, right=True)
+    opens = (pos - start) % piece == 0  # a piece begins here (a run's first row among them)
+    lengths = torch.where(opens, (end - pos).clamp(max=piece), 0)
+    pieces = torch.segment_reduce(rows[order].to(main.dtype), "sum", lengths=lengths, unsafe=True)  # [T, d]
+    # the pieces' sums to the front in order, the other rows (zeros) behind them
+    at = torch.sort((~opens).to(torch.int8), stable=True).indices  # [T]
+    n_pieces = opens.sum()
+    lengths = torch.where(pos < n_pieces, torch.where(start[at] == at, (end[at] - at + piece - 1) // piece, 0), 1)
+    sums = torch.segment_reduce(pieces[at], "sum", lengths=lengths, unsafe=True)  # [T, d]: a run's sum at its first
+    main.index_add_(0, order_ids[at], sums)
 
 
 class _Embedding(torch.autograd.Function):

@@ -27,10 +27,9 @@ from .ops import _cuda_matmul_precision, accumulate_wgrad, bf16_on_cuda, fp32_li
 # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB; the split backward holds
 # their two bf16 terms beside them, as much again)
 HEAD_CHUNK_ELEMENTS = 1 << 26
-# bytes of the logit gradient's GEMM operand (bf16 dz rows, or fp32 off bf16 CUDA) the head's
-# backward gathers over chunks for one weight-gradient GEMM: each such GEMM reads and writes the
-# whole fp32 main_grad [V/tp, d] (2 GiB at V4's vocabulary), which a GEMM per chunk did 8 times
-# a sequence of 4096
+# bytes of the logit gradient's bf16 GEMM operand (dz's rows) the head's backward gathers over
+# chunks for one weight-gradient GEMM: each such GEMM reads and writes the whole fp32 main_grad
+# [V/tp, d] (2 GiB at V4's vocabulary), which a GEMM per chunk did 8 times a sequence of 4096
 HEAD_WGRAD_BYTES = 1 << 29
 
 
@@ -125,7 +124,8 @@ class _HeadLogprobs(torch.autograd.Function):
         # each chunk's GEMM operand: bf16 dz (one term: [n, V]; two: [2n, V], a token's hi row
         # then its lo row) or fp32 dz, written where the weight-gradient GEMM will read it
         per_row = 2 if split and ctx.terms == 2 else 1
-        wgrad = _WgradRows(dw, v, torch.bfloat16 if split else torch.float32, y.device, per_row * c)
+        wgrad = _WgradRows(dw, v, torch.bfloat16 if split else torch.float32, y.device, per_row * c,
+                           per_row * y.shape[0])
         with _cuda_matmul_precision(ctx.tf32):
             for i in range(0, y.shape[0], c):
                 sl = slice(i, i + c)
@@ -170,16 +170,21 @@ class _HeadLogprobs(torch.autograd.Function):
 
 class _WgradRows:
     """The head backward's weight gradient, dw += dz^T y, over several chunks' rows at once:
-    slot(rows) is where a chunk writes its dz operand (one buffer of up to HEAD_WGRAD_BYTES),
-    add(op, y) books it, and one GEMM takes every booked row when the next slot would not fit
-    (or at flush). Where one chunk fills the budget (`gathers` False) each add runs its GEMM;
-    dw None: none runs."""
+    slot(rows) is where a chunk writes its dz operand, add(op, y) books it, and one GEMM takes
+    every booked row when the next slot would not fit (or at flush). Gathers only bf16 operands
+    (their chunk's conversion writes into the slot; an fp32 operand would cost a copy) and only
+    where a backward has more than one chunk, in one buffer of at most HEAD_WGRAD_BYTES and the
+    backward's own rows; otherwise (`gathers` False) each add runs its GEMM. dw None: none runs."""
 
-    def __init__(self, dw: torch.Tensor | None, cols: int, dtype: torch.dtype, device, chunk_rows: int):
+    def __init__(self, dw: torch.Tensor | None, cols: int, dtype: torch.dtype, device, chunk_rows: int,
+                 total_rows: int):
         self.dw, self.cols, self.dtype, self.device = dw, cols, dtype, device
-        row_bytes = cols * (2 if dtype == torch.bfloat16 else 4)
-        chunks = max(1, HEAD_WGRAD_BYTES // (row_bytes * chunk_rows)) if dw is not None else 1
-        self.cap = chunks * chunk_rows
+        chunks = -(-total_rows // chunk_rows)  # this backward's chunks
+        if dw is not None and dtype == torch.bfloat16:
+            chunks = min(chunks, max(1, HEAD_WGRAD_BYTES // (2 * cols * chunk_rows)))
+        else:
+            chunks = 1
+        self.cap = min(chunks * chunk_rows, total_rows)
         self.gathers = chunks > 1
         self.buf: torch.Tensor | None = None
         self.rows, self.ys = 0, []

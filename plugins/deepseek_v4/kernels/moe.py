@@ -201,9 +201,10 @@ _grouped_wgrad = triton.autotune(_WGRAD_CONFIGS, key=["N", "K"], restore_value=[
 _grouped_wgrad_tma = triton.autotune(_WGRAD_TMA_CONFIGS, key=["N", "K"], restore_value=["D"])(_grouped_wgrad_body)
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's global scratch for the descriptors a TMA program makes (128 bytes each)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+def _scratch_on(device: torch.device):
+    """Triton's allocator for the global scratch of the descriptors a TMA program makes (128
+    bytes each; torch's blocks are 512-byte aligned, past what TMA asks)."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
 
 
 def wgrad_takes_tma(dy: torch.Tensor, a: torch.Tensor) -> bool:
@@ -229,8 +230,7 @@ def add_grouped_wgrad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, d: 
     dy, a = dy.contiguous(), a.contiguous()
     tma = wgrad_takes_tma(dy, a) if tma is None else tma
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(k, meta["BK"]), groups)  # noqa: E731
-    if tma:
-        # the allocator is a context variable of Triton's: set where the launch runs (autograd's thread)
-        triton.set_allocator(_scratch if not INTERPRET else lambda size, al, st: torch.empty(size, dtype=torch.int8))
+    if tma:  # Triton's allocator is a context variable: set where the launch runs (autograd's thread)
+        triton.set_allocator(_scratch_on(dy.device))
     kernel = _grouped_wgrad_tma if tma else _grouped_wgrad
     kernel[grid](dy, a, offs.contiguous(), d, n, k, UPCAST=INTERPRET, TMA=tma)
