@@ -577,8 +577,8 @@ def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     chunks of rows (ParallelContext.head_logprobs): at most HEAD_CHUNK_ELEMENTS fp32 logits at
     a time; the forward holds them (and, one TP rank without the fused kernels, cross-entropy's
     log-softmax; kernels.cross_entropy reads the logits for [c] row statistics), the backward
-    one buffer (the logits turned into their gradient in place) and the weight-gradient GEMM's
-    gathered operand (HEAD_WGRAD_BYTES at most) beside the weight's fp32 copy and gradient
+    one buffer (the logits turned into their gradient in place) and, on one TP rank, the
+    weight-gradient GEMM's gathered bf16 operand (HEAD_WGRAD_BYTES at most) beside the weight's fp32 copy and gradient
     [V/tp, d] and the input's fp32 gradient [t, d]; and what the chunked head
     keeps per head: its input
     [t, d] (bf16; TP ranks: the fp32 copy copy_to_tp makes) and the rows' log-sum-exp, label
@@ -589,7 +589,8 @@ def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     heads = 1 + (cfg.num_nextn_predict_layers if lay.mtp_loss else 0)
     kept = heads * t * ((BF16 if lay.tp == 1 else F32) * cfg.hidden_size + F32 + I64 + BOOL)
     chunk = F32 * min(logits_bytes(cfg, lay) // F32, HEAD_CHUNK_ELEMENTS)
-    operand = min(HEAD_WGRAD_BYTES, 2 * BF16 * logits_bytes(cfg, lay) // F32)  # [2t, V/tp] bf16 at most
+    # the gathered bf16 operand ([2t, V] at most), one TP rank only (TP ranks' fp32 head input: no gathering)
+    operand = min(HEAD_WGRAD_BYTES, 2 * BF16 * logits_bytes(cfg, lay) // F32) if lay.tp == 1 else 0
     backward = chunk + operand + F32 * (2 * cfg.vocab_size // lay.tp + t) * cfg.hidden_size
     return max((2 if lay.tp == 1 and not lay.fused_elementwise else 1) * chunk, backward) + kept
 
