@@ -159,10 +159,9 @@ class _HeadLogprobs(torch.autograd.Function):
                     op = wgrad.slot(n).copy_(dz)
                     dy[sl] = torch.mm(op, w, out_dtype=torch.float32)
                     wgrad.add(op, y[sl])
-                else:
-                    op = wgrad.slot(n).copy_(dz) if wgrad.gathers else dz
-                    torch.mm(op, wf, out=dy[sl])
-                    wgrad.add(op, y[sl].float())
+                else:  # fp32 operands: dz itself, a GEMM a chunk (_WgradRows gathers bf16 only)
+                    torch.mm(dz, wf, out=dy[sl])
+                    wgrad.add(dz, y[sl].float())
             wgrad.flush()
         dw = None if main is not None or dw is None else dw.to(w.dtype)
         return dy.to(y.dtype), dw, None, None, None, None, None, None, None, None
