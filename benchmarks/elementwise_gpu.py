@@ -4,7 +4,8 @@ timing) and the bandwidth that makes.
 
     PYTHONPATH=. python3 benchmarks/elementwise_gpu.py [--tokens 4096]
 
-Rows: RoPE of q [t, 16, 512] (the output path's rotation), q's weightless norm with RoPE
+Rows: RoPE of q [t, 16, 512] (the output path's rotation) and at V4-Flash's widths (the
+indexer's q [t, 64, 128], the output o [t, 64, 512], into a copy and in place), q's weightless norm with RoPE
 forward and backward (`ops.norm_rope`: one kernel each way) against the norm and the rotation
 as two kernels each way, and the LM head's log-softmax pieces on a [2048, 32768] fp32 chunk
 (`kernels.cross_entropy`) against torch's log_softmax and in-place softmax gradient.
@@ -40,6 +41,21 @@ def timed_us(fn, iters: int) -> float:
     return statistics.median(ts)
 
 
+def flash_ropes(t: int, cos: torch.Tensor, sin: torch.Tensor, g: torch.Generator) -> list:
+    """RoPE at V4-Flash's widths (64 rotated columns): the indexer's q [t, 64, 128] into a copy,
+    the attention output o [t, 64, 512] into a copy (its unrope) and in place (its gradient)."""
+    rows = []
+    for h, d in ((64, 128), (64, 512)):
+        x = torch.randn(1, t, h, d, device="cuda", generator=g).to(torch.bfloat16)
+        nb = x.numel() * x.element_size()
+        cos_t, sin_t, heads = ew.rope_tables(x, cos, sin)
+        rows.append((f"RoPE [t, {h}, {d}] into a copy", lambda x=x, c=cos_t, s=sin_t, n=heads:
+                     ew._rope_launch(x, c, s, n, 1.0), 2 * nb))
+        rows.append((f"RoPE [t, {h}, {d}] in place", lambda x=x, c=cos_t, s=sin_t, n=heads:
+                     ew._rope_launch(x, c, s, n, 1.0, out=x), 2 * nb * 64 // d))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -63,6 +79,7 @@ def main() -> None:
         return lambda: torch.autograd.grad(y, x, dq, retain_graph=True)
 
     rows = [("RoPE [t, 16, 512]", lambda: ew._rope_launch(q, cos_t, sin_t, heads, 1.0), 2 * qb),
+            *flash_ropes(t, cos, sin, g),
             ("norm+RoPE forward, one kernel", lambda: ew.norm_rope_forward(q, cos, sin, 1e-6), 2 * qb),
             ("norm then RoPE forward, two kernels", two_kernels_fwd, 2 * qb),
             ("norm+RoPE backward, one kernel",

@@ -6,7 +6,8 @@ the operands split by hand, ieee). Each row checks its results against float64 (
 relative error of the scores and of the q, k, w gradients). dq and dk of any fp32-accurate
 dots that are not IEEE fp32 land 1e-5 to 1e-3 from float64's: a dot within rounding of 0
 flips its relu gate and adds or drops a whole term (tests/test_kernels.py checks them
-through the kernel's own gate).
+through the kernel's own gate). One row bounds the entries causally (hi = (t + 1) // ratio,
+as the model passes `ops.visible_bound`): the tiles past the bound skipped.
 
     python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--quick]
 """
@@ -58,9 +59,13 @@ def main() -> None:
     k = torch.randn(1, a.entries, a.dim, generator=g)
     w = torch.randn(1, a.seq, a.heads, generator=g) * a.heads ** -0.5
     cot = torch.randn(1, a.seq, a.entries, generator=g).cuda()
+    ratio = max(1, a.seq // max(1, a.entries))
+    hi = ((torch.arange(a.seq) + 1) // ratio).clamp(max=a.entries)[None].int().cuda()  # causal bound [1, S]
+    seen = torch.arange(a.entries).cuda() < hi[..., None]
     ins64 = [t.double().cuda().requires_grad_() for t in (q, k, w)]
     ref = torch.einsum("bsh,bshg->bsg", ins64[2], torch.relu(torch.einsum("bshd,bgd->bshg", ins64[0], ins64[1])))
-    refs = [ref.detach(), *torch.autograd.grad(ref, ins64, cot.double())]
+    refs = [ref.detach(), *torch.autograd.grad(ref, ins64, cot.double(), retain_graph=True)]
+    causal_refs = [ref.detach() * seen, *torch.autograd.grad(ref, ins64, cot.double() * seen)]
     del ref, ins64
     ins = [t.cuda() for t in (q, k, w)]
     print(f"\n{torch.cuda.get_device_name()}  indexer scores: {a.seq} tokens, {a.heads} heads of {a.dim}, "
@@ -70,6 +75,9 @@ def main() -> None:
     print(f"{'torch: chunked fp32 bmm + relu + head sum':48s} {fwd0:8.1f} {bwd0:8.1f}   "
           + " / ".join(f"{e:.1e}" for e in errs))
     keep = ({k: dict(v) for k, v in indexer.SCORE_TILES.items()}, indexer.SCORE_PREC)
+    fwd, bwd, errs = measure(lambda *x: indexer.indexer_scores(*x, hi), ins, cot, causal_refs)
+    print(f"{'kernel defaults, causal bound (tiles past it skipped)':48s} {fwd:8.1f} {bwd:8.1f}   "
+          + " / ".join(f"{e:.1e}" for e in errs) + f"   {(fwd0 + bwd0) / (fwd + bwd):.2f}x")
     rows = [("defaults", keep[1], keep[0])]  # (name, precision, tiles): the defaults first
     if not a.quick:  # every tile for both passes (the forward ignores split), each precision
         rows += [(f"BT {bt} BG {bg} split {sp} warps {wa}", prec,

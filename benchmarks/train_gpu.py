@@ -27,6 +27,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --rope-inplace  # o's gradient rotated into a copy vs in place
     python3 benchmarks/train_gpu.py --ab --mixes-prefetch  # the mixes' backward: loads in their step vs prefetched
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --profile --graphs --options  # with the recipe's speed options on
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)
     python3 benchmarks/train_gpu.py --syncs     # where the step waits for the GPU
@@ -983,6 +984,8 @@ def main() -> None:
     ap.add_argument("--shapes", action="store_true", help="with --profile: CUDA time per op and input shapes")
     ap.add_argument("--gaps", action="store_true", help="with --profile: where the GPU waits for the host")
     ap.add_argument("--trace", help="with --profile: write the step's Chrome trace to this file")
+    ap.add_argument("--options", action="store_true",
+                    help="with --profile: the recipe's speed options on (head logits kept, dz in 1 term, bf16 moments)")
     ap.add_argument("--host-waits", action="store_true", help="with --ab: only the step's host waits vs none")
     ap.add_argument("--adamw", action="store_true", help="with --ab: only torch's AdamW + copy vs one kernel")
     ap.add_argument("--stacking", action="store_true", help="with --ab: also stacked vs per-expert weights")
@@ -1056,6 +1059,8 @@ def main() -> None:
         return
     if a.profile or a.syncs:
         build("triton", graphs=a.graphs)
+        if a.options:
+            moments_arms(w)[-1][1](True)
         sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes, a.gaps, a.trace)
         return
     if a.compile != "none":

@@ -761,7 +761,8 @@ MASS_CASES = ([(2, 300, 16, 512, 75), (1, 64, 3, 128, 9)] if CUDA else [(2, 19, 
 def test_attention_mass_matches_float64_reference(seed, case):
     """The indexer's KL target (attention probability of each chosen compressed entry, summed
     over heads, from the core's lse) against float64: every element written (NaN-poisoned),
-    exact zeros where not chosen, and the core's own probabilities when lse comes from it."""
+    exact zeros where not chosen (tiles with no chosen entry skipped), and the core's own
+    probabilities when lse comes from it."""
     from plugins.deepseek_v4.kernels.indexer import attention_mass
 
     b, s, h, d, g = case
@@ -769,7 +770,9 @@ def test_attention_mass_matches_float64_reference(seed, case):
     q = torch.randn(b, s, h, d, generator=gen)
     ent = torch.randn(b, g, d, generator=gen)
     lse = torch.randn(b * s, h, generator=gen) * 2 + 6  # any finite lse: the formula is pointwise
-    chosen = torch.rand(b, s, g, generator=gen) < 0.4
+    # chosen within each token's visible entries (causal, a document's start): whole tiles
+    # without a chosen entry, which the kernel skips
+    chosen = (torch.rand(b, s, g, generator=gen) < 0.4) & (torch.arange(g) < _entry_bounds(gen, b, s, g)[..., None])
     chosen[0, 0] = False
     qd, ed = q.to(DEV, DTYPE), ent.to(DEV, DTYPE)
     got = attention_mass(qd, ed, lse.to(DEV), chosen.to(DEV), d ** -0.5).cpu()
@@ -1088,12 +1091,25 @@ def test_fp32_projection_on_tf32_tensor_cores_matches_float64(seed, w_dtype):
 # 1024 entries on CUDA; token and entry counts off the tiles and off the 32-entry gate words,
 # several token splits of dk; no entries at all
 SCORE_CASES = ([(1, 4096, 16, 128, 1024), (1, 700, 16, 128, 175), (2, 37, 3, 64, 11), (1, 5, 2, 16, 0)] if CUDA
-               else [(2, 37, 3, 16, 11), (1, 40, 2, 32, 75), (1, 5, 2, 16, 0)])
+               else [(2, 37, 3, 16, 11), (1, 100, 2, 32, 150), (1, 5, 2, 16, 0)])
 
 
+def _entry_bounds(gen: torch.Generator, b: int, s: int, g: int) -> torch.Tensor:
+    """hi [B, S] int32 as a packed row's visibility gives it: causal (entry e complete after
+    token (e + 1) r - 1, r = S / G), none visible for a stretch after a random document start,
+    and some rows bounded off the tiles' and gate words' edges."""
+    r = max(1, s // max(g, 1))
+    hi = ((torch.arange(s) + 1) // r).clamp(max=g).expand(b, s).clone()
+    for row in range(b):
+        start = int(torch.randint(1, max(2, s - 1), (1,), generator=gen))
+        hi[row, start:start + max(1, s // 7)] = 0
+    return hi.to(torch.int32)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
 @pytest.mark.parametrize("prec", ["tf32x3", "split3"])
 @pytest.mark.parametrize("b,s,h,d,g", SCORE_CASES)
-def test_indexer_scores_kernel_matches_float64_reference(seed, b, s, h, d, g, prec, monkeypatch):
+def test_indexer_scores_kernel_matches_float64_reference(seed, b, s, h, d, g, prec, bounded, monkeypatch):
     """The lightning indexer's scores sum_h w relu(q_h . k_g) as one kernel each way, against
     float64: the scores (NaN-poisoned first) to fp32 rounding; the relu gate the forward kept
     (its bits) equal to float64's signs wherever rounding cannot flip one (|q . k| above 1e-3
@@ -1102,7 +1118,9 @@ def test_indexer_scores_kernel_matches_float64_reference(seed, b, s, h, d, g, pr
     gradients would be off by whole terms at the few dots within rounding of 0 (at the ~1B
     shape 5e-5 to 6e-4 relative, with either fp32-accurate dot: relu's derivative jumps
     there), which is no defect of the kernel. fp32 inputs, or bf16 q as the model passes it
-    (b == 1; its gradient then comes back in bf16)."""
+    (b == 1; its gradient then comes back in bf16). Bounded: entries past each token's bound hi
+    (causal, a document's start) score exactly 0 with their gates off, whole tiles past every
+    bound of their tokens skipped, and no gradient through them."""
     from plugins.deepseek_v4.kernels import indexer
 
     monkeypatch.setattr(indexer, "SCORE_PREC", prec)
@@ -1110,23 +1128,28 @@ def test_indexer_scores_kernel_matches_float64_reference(seed, b, s, h, d, g, pr
     q, k = torch.randn(b, s, h, d, generator=gen), torch.randn(b, g, d, generator=gen)
     w = torch.randn(b, s, h, generator=gen) * h ** -0.5
     cot = torch.randn(b, s, g, generator=gen)
+    hi = _entry_bounds(gen, b, s, g) if bounded else torch.full((b, s), g, dtype=torch.int32)
+    seen = torch.arange(g) < hi[..., None]  # [B, S, G]
     q = q.bfloat16() if b == 1 else q
     ins = [t.to(DEV).requires_grad_() for t in (q, k, w)]
-    out = indexer.indexer_scores(*ins)
+    out = indexer.indexer_scores(*ins, hi.to(DEV) if bounded else None)
     assert out.dtype == torch.float32 and out.shape == (b, s, g)
     bits = out.grad_fn.saved_tensors[3].cpu()  # [B, S, h, ceil(G / 32)] int32, entry 32 c + j at bit j of word c
     (out * cot.to(DEV)).sum().backward()
     if not g:
         assert not ins[0].grad.any() and not ins[2].grad.any()
         return
+    assert_finite(out)
     gate = ((bits[..., None] >> torch.arange(32)) & 1).flatten(-2)[..., :g].bool()  # [B, S, h, G]
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, w)]  # (on CPU, ins are q, k, w)
     dots = torch.einsum("bshd,bgd->bshg", ref_in[0], ref_in[1])  # [B, S, h, G]
     with torch.no_grad():
-        ref = torch.einsum("bsh,bshg->bsg", ref_in[2], torch.relu(dots))
+        ref = torch.einsum("bsh,bshg->bsg", ref_in[2], torch.relu(dots)) * seen
         sure = dots.abs() > 1e-3 * ref_in[0].norm(dim=-1)[..., None] * ref_in[1].norm(dim=-1)[:, None, None]
+        sure &= seen[:, :, None, :]
     assert rel(out.cpu(), ref) < 1e-5, "scores"
-    assert sure.float().mean() > 0.95 and torch.equal(gate[sure], (dots > 0)[sure]), "relu gate"
+    assert not out.cpu()[~seen].any() and not gate[~seen[:, :, None, :].expand_as(gate)].any(), "past the bounds"
+    assert sure.float().mean() > 0.95 * seen.float().mean() and torch.equal(gate[sure], (dots > 0)[sure]), "relu gate"
     (torch.einsum("bsh,bshg->bsg", ref_in[2], dots * gate) * cot.double()).sum().backward()
     for got, want, name in zip(ins, ref_in, ["q", "k", "w"], strict=True):
         assert got.grad.dtype == got.dtype, name

@@ -701,6 +701,39 @@ def test_indexer_scores_matches_oracle_and_grads(rng: Rng) -> None:
                              [q.requires_grad_(), k.requires_grad_(), w.requires_grad_()], ["q", "k", "w"])
 
 
+def test_indexer_scores_bounded_by_visibility(rng: Rng) -> None:
+    """Guards the scores' visibility bound: visible_bound is one past each query's last visible
+    entry (0 for none, as after a document's start), and scores under it are the unbounded
+    scores where g < hi and exactly 0 past it, with no gradient through the entries past it."""
+    b, s, h, d, r = 2, 12, 3, 8, 3
+    g = s // r
+    visible = (torch.arange(g) < ((torch.arange(s) + 1) // r)[:, None]).expand(b, s, g).clone()  # causal
+    visible[1, 5:8] = False  # a document starting at token 5: nothing complete of it yet
+    visible[1, 8:, :2] = False  # later: only its own blocks
+    hi = ops.visible_bound(visible)
+    want = torch.tensor([[(p + 1) // r for p in range(s)]] * b, dtype=torch.int32)
+    want[1, 5:8] = 0
+    assert_equal(hi, want, rng.tag("bound = one past the last visible entry"))
+    assert ops.visible_bound(visible[..., :0]).shape == (b, s)
+    q, k, w = rng.randn(b, s, h, d), rng.randn(b, g, d), rng.randn(b, s, h)
+    cot = rng.randn(b, s, g)
+    seen = torch.arange(g) < hi[..., None]
+    outs = []
+    for bound in (None, hi):
+        ins = [t.clone().requires_grad_() for t in (q, k, w)]
+        out = ops.indexer_scores(*ins, bound)
+        (out * (cot * seen)).sum().backward()
+        outs.append((out.detach(), [t.grad for t in ins]))
+    (full, full_grads), (got, grads) = outs
+    assert_finite(got, rng.tag("bounded scores"))
+    assert_equal(got, torch.where(seen, full, 0.0), rng.tag("bounded = unbounded where seen, 0 past"))
+    for a, e, name in zip(grads, full_grads, "qkw", strict=True):
+        assert_equal(a, e, rng.tag(f"d{name}: only the seen entries' gradient"))
+    ins = [t.clone().requires_grad_() for t in (q, k, w)]
+    (ops.indexer_scores(*ins, hi) * ~seen).sum().backward()
+    assert not any(t.grad.any() for t in ins), rng.tag("no gradient through entries past the bound")
+
+
 def test_topk_select_picks_largest_visible(rng: Rng) -> None:
     """Guards top-k selecting an invisible (future) block, missing a larger visible one, or
     returning more than k; against a sort-based oracle on fresh scores."""

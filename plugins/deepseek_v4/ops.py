@@ -616,18 +616,31 @@ class _IndexerScores(torch.autograd.Function):
         return cat(dq, q), dk.to(k.dtype), cat(dw, w), None
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.Tensor | None = None,
                    chunk_elements: int = INDEXER_CHUNK_ELEMENTS, fused: bool = False) -> torch.Tensor:
     """Lightning-indexer scores in fp32: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
     [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g]), computed over chunks of query rows
-    that hold at most `chunk_elements` dot products at a time. fused: the Triton kernels
-    (no [S, h, G] dots in memory; fp32-accurate tensor-core dots; kernels/indexer.py)."""
+    that hold at most `chunk_elements` dot products at a time. Entries g >= hi[b, t] (hi
+    [B, S] int: one past each query's last visible entry; None: all G) score 0 and pass no
+    gradient (the kernels skip them). fused: the Triton kernels (no [S, h, G] dots in memory;
+    fp32-accurate tensor-core dots; kernels/indexer.py)."""
     if fused:
         from .kernels.indexer import indexer_scores as kernel
-        return kernel(q, k, w)
+        return kernel(q, k, w, hi)
     b, s, h, _ = q.shape
     rows = max(1, chunk_elements // max(1, b * h * k.shape[1]))
-    return _IndexerScores.apply(q, k, w, rows)
+    out = _IndexerScores.apply(q, k, w, rows)
+    if hi is None:
+        return out
+    return torch.where(torch.arange(k.shape[1], device=out.device) < hi[..., None].to(out.device), out, 0.0)
+
+
+def visible_bound(visible: torch.Tensor) -> torch.Tensor:
+    """visible [B, S, G] bool -> [B, S] int32: one past each query's last visible entry (0:
+    none), the bound indexer_scores takes."""
+    g = torch.arange(1, visible.shape[-1] + 1, device=visible.device, dtype=torch.int32)
+    return torch.where(visible, g, 0).amax(-1) if visible.shape[-1] else visible.new_zeros(visible.shape[:-1],
+                                                                                            dtype=torch.int32)
 
 
 def topk_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

@@ -40,7 +40,8 @@ def _mass(Q, E, LSE, CH, OUT, scale, S, G, H, sq_b, sq_s, sq_h, se_b, se_g, sc_b
     tile = tmask[:, None] & gmask[None, :]
     chosen = tl.load(CH + b * sc_b + t[:, None] * sc_s + g[None, :], mask=tile, other=0) != 0  # [BT, BG]
     acc = tl.zeros([BT, BG], tl.float32)
-    for h in range(H):
+    # a tile with no chosen entry (past the causal triangle: half the tiles) stores its zeros
+    for h in range(tl.where(tl.max(tl.max(chosen.to(tl.int32), 1), 0) > 0, H, 0)):
         s = tl.zeros([BT, BG], tl.float32)
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
@@ -85,7 +86,10 @@ def attention_mass(q: torch.Tensor, entries: torch.Tensor, lse: torch.Tensor, ch
 #   e[t, h] = sum_g [dot > 0] ds[t, g] k[g]  ->  dq = w e,  dw = q . e  (= sum_g ds relu(dot))
 #   dk[g]   = sum_{t,h} [dot > 0] ds[t, g] w[t, h] q[t, h]
 # one program per (token tile, head) for e, one per (entry tile, token split) for dk's
-# per-split partials, summed once (no atomics: deterministic). Dots: SCORE_PREC "tf32x3"
+# per-split partials, summed once (no atomics: deterministic). Entries at or past a token's
+# bound hi[b, t] (one past its last visible entry: the causal triangle, a document's start)
+# score 0 and pass no gradient, and tiles wholly past every bound of their tokens are skipped:
+# about half the products of a causal sequence. Dots: SCORE_PREC "tf32x3"
 # (Triton's three TF32 products), "split3" (the same three products from operands split
 # here by masking the low 13 bits), or "ieee".
 # The model's kernel path (`ops.indexer_scores(fused=True)`); `benchmarks/indexer_gpu.py` times the tiles.
@@ -166,32 +170,47 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _scores_fwd(Q, K, W, OUT, BITS, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
+def _bounds(HI, b, t, S):
+    """hi[b, t] [BT] int32 of a contiguous [B, S] tensor (0 past S: no entry)."""
+    return tl.load(HI + b * S + t, mask=t < S, other=0)
+
+
+@triton.jit
+def _scores_fwd(Q, K, W, HI, OUT, BITS, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
                 PREC: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     g0 = tl.program_id(1) * BG
     g = g0 + tl.arange(0, BG)
-    kt = tl.trans(_k_tile(K, b, g, G, D))  # [D, BG]
+    hi = _bounds(HI, b, t, S)
+    seen = g[None, :] < hi[:, None]  # [BT, BG]
     acc = tl.zeros([BT, BG], tl.float32)
-    for h in range(H):
-        dots = _dot(_q_tile(Q, b, t, h, S, H, D), kt, PREC)  # [BT, BG]; 0 past G
-        acc += _w_col(W, b, t, h, S, H)[:, None] * tl.maximum(dots, 0.0)
-        at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
-        tl.store(at, _pack(dots > 0, BT, BG), mask=inside)
-    tl.store(OUT + (b * S + t)[:, None] * G + g[None, :], acc, mask=(t < S)[:, None] & (g < G)[None, :])
+    if g0 < tl.max(hi, 0):  # else no token of the tile sees an entry of it: zeros, gates off
+        kt = tl.trans(_k_tile(K, b, g, G, D))  # [D, BG]
+        for h in range(H):
+            dots = _dot(_q_tile(Q, b, t, h, S, H, D), kt, PREC)  # [BT, BG]; 0 past G
+            acc += _w_col(W, b, t, h, S, H)[:, None] * tl.maximum(dots, 0.0)
+            at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
+            tl.store(at, _pack(seen & (dots > 0), BT, BG), mask=inside)
+    else:
+        for h in range(H):
+            at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
+            tl.store(at, tl.zeros([BT, BG // 32], tl.int32), mask=inside)
+    tl.store(OUT + (b * S + t)[:, None] * G + g[None, :], tl.where(seen, acc, 0.0),
+             mask=(t < S)[:, None] & (g < G)[None, :])
 
 
 @triton.jit
-def _scores_bwd_q(Q, K, W, DS, BITS, DQ, DW, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
-                  PREC: tl.constexpr):
-    """e = sum_g [dot > 0] ds[t, g] k[g] over all entries; dq[b, t, h] = w e, dw[b, t, h] = q . e."""
+def _scores_bwd_q(Q, K, W, HI, DS, BITS, DQ, DW, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr,
+                  BG: tl.constexpr, PREC: tl.constexpr):
+    """e = sum_g [dot > 0] ds[t, g] k[g] over the entries the tile's tokens see (the gates past
+    a token's bound are off); dq[b, t, h] = w e, dw[b, t, h] = q . e."""
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     e = tl.zeros([BT, D], tl.float32)
-    for g0 in range(0, G, BG):
+    for g0 in range(0, tl.minimum(tl.max(_bounds(HI, b, t, S), 0), G), BG):
         g = g0 + tl.arange(0, BG)
         at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
         on = _unpack(tl.load(at, mask=inside, other=0), BT, BG)
@@ -202,9 +221,10 @@ def _scores_bwd_q(Q, K, W, DS, BITS, DQ, DW, S, G, H, NW, D: tl.constexpr, BT: t
 
 
 @triton.jit
-def _scores_bwd_k(Q, W, DS, BITS, DK, S, G, H, NW, span, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
-                  PREC: tl.constexpr):
-    """This token split's share of dk[b, g] = sum_{t, h} [dot > 0] ds[t, g] w[t, h] q[t, h]."""
+def _scores_bwd_k(Q, W, HI, DS, BITS, DK, S, G, H, NW, span, D: tl.constexpr, BT: tl.constexpr,
+                  BG: tl.constexpr, PREC: tl.constexpr):
+    """This token split's share of dk[b, g] = sum_{t, h} [dot > 0] ds[t, g] w[t, h] q[t, h]
+    (token tiles that see no entry of this tile skipped)."""
     b = tl.program_id(2).to(tl.int64)
     g0 = tl.program_id(0) * BG
     g = g0 + tl.arange(0, BG)
@@ -213,18 +233,19 @@ def _scores_bwd_k(Q, W, DS, BITS, DK, S, G, H, NW, span, D: tl.constexpr, BT: tl
     dk = tl.zeros([BG, D], tl.float32)
     for t0 in range(part * span, tl.minimum(part * span + span, S), BT):
         t = t0 + tl.arange(0, BT)
-        ds = _ds_tile(DS, b, t, g, S, G)
-        for h in range(H):
-            at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
-            on = _unpack(tl.load(at, mask=inside, other=0), BT, BG)
-            dd = tl.where(on, ds * _w_col(W, b, t, h, S, H)[:, None], 0.0)  # [BT, BG]
-            dk += _dot(tl.trans(dd), _q_tile(Q, b, t, h, S, H, D), PREC)  # [BG, D]
+        if g0 < tl.max(_bounds(HI, b, t, S), 0):
+            ds = _ds_tile(DS, b, t, g, S, G)
+            for h in range(H):
+                at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
+                on = _unpack(tl.load(at, mask=inside, other=0), BT, BG)
+                dd = tl.where(on, ds * _w_col(W, b, t, h, S, H)[:, None], 0.0)  # [BT, BG]
+                dk += _dot(tl.trans(dd), _q_tile(Q, b, t, h, S, H, D), PREC)  # [BG, D]
     tl.store(DK + ((part * tl.num_programs(2) + b) * G + g)[:, None] * D + d[None, :], dk, mask=(g < G)[:, None])
 
 
 class _Scores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         b, s, h, d = q.shape
         g, t = k.shape[1], SCORE_TILES["fwd"]
         nw = triton.cdiv(g, 32)
@@ -233,14 +254,14 @@ class _Scores(torch.autograd.Function):
         bits = torch.empty((b, s, h, nw), device=q.device, dtype=torch.int32)  # every word written
         if out.numel():
             _scores_fwd[(triton.cdiv(s, t["BT"]), triton.cdiv(g, t["BG"]), b)](
-                q, k, w, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
+                q, k, w, hi, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
                 num_warps=t["warps"])
-        ctx.save_for_backward(q, k, w, bits)
+        ctx.save_for_backward(q, k, w, bits, hi)
         return out
 
     @staticmethod
     def backward(ctx, ds: torch.Tensor):
-        q, k, w, bits = ctx.saved_tensors
+        q, k, w, bits, hi = ctx.saved_tensors
         b, s, h, d = q.shape
         g, t, nw = k.shape[1], SCORE_TILES["bwd"], bits.shape[-1]
         ds = ds.float().contiguous()
@@ -249,25 +270,30 @@ class _Scores(torch.autograd.Function):
         parts = triton.cdiv(max(s, 1), span)
         dk = new_output((parts, b, g, d), q, torch.float32)
         if s and g:
-            _scores_bwd_q[(triton.cdiv(s, t["BT"]), h, b)](q, k, w, ds, bits, dq, dw, s, g, h, nw, D=d, BT=t["BT"],
+            _scores_bwd_q[(triton.cdiv(s, t["BT"]), h, b)](q, k, w, hi, ds, bits, dq, dw, s, g, h, nw, D=d, BT=t["BT"],
                                                            BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
-            _scores_bwd_k[(triton.cdiv(g, t["BG"]), parts, b)](q, w, ds, bits, dk, s, g, h, nw, span, D=d,
+            _scores_bwd_k[(triton.cdiv(g, t["BG"]), parts, b)](q, w, hi, ds, bits, dk, s, g, h, nw, span, D=d,
                                                                BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
                                                                num_warps=t["warps"])
         else:
             for x in (dq, dw, dk):
                 x.zero_()
-        return dq.to(q.dtype), dk.sum(0).to(k.dtype), dw.to(w.dtype)
+        return dq.to(q.dtype), dk.sum(0).to(k.dtype), dw.to(w.dtype), None
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `ops.indexer_scores`: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
-    [B, S, G] fp32 = sum_h w relu(q_h . k_g), differentiable in q, k and w."""
+    [B, S, G] fp32 = sum_h w relu(q_h . k_g), differentiable in q, k and w; entries g >= hi[b, t]
+    (hi [B, S] int, None: all G) score 0 and pass no gradient."""
     b, s, h, d = q.shape
     if k.dim() != 3 or k.shape[0] != b or k.shape[2] != d or w.shape != (b, s, h):
         raise ValueError(f"indexer_scores: q {list(q.shape)}, k {list(k.shape)}, w {list(w.shape)} do not fit")
+    if hi is not None and hi.shape != (b, s):
+        raise ValueError(f"indexer_scores: bounds hi {list(hi.shape)} do not fit q {list(q.shape)}")
     if d & (d - 1) or d < 16:
         raise ValueError(f"indexer_scores: head dim {d} must be a power of two >= 16")
     if any(t["BG"] % 32 for t in SCORE_TILES.values()):
         raise ValueError(f"indexer_scores: entry tiles {SCORE_TILES} must be multiples of 32 (gate words)")
-    return _Scores.apply(q, k, w)
+    hi = (torch.full((b, s), k.shape[1], device=q.device, dtype=torch.int32) if hi is None
+          else hi.to(device=q.device, dtype=torch.int32).contiguous())
+    return _Scores.apply(q, k, w, hi)
