@@ -422,6 +422,7 @@ def _attention(L: Ledger, cfg: DeepSeekV4Config, lay: Layout, dm: Dims, r: int, 
             L.add("Attention", f"indexer keys [{B}, {G}, {Di}] fp32", F32 * B * G * Di)
             L.add("Attention", f"indexer head weights [{t}, {Hi}] fp32", F32 * t * Hi)
             L.add("Attention", f"indexer relu gate bits [{t}, {Hi}, {-(-G // 32)}] int32", I32 * t * Hi * -(-G // 32))
+            L.add("Attention", f"indexer score bounds [{t}] int32", I32 * t)
             L.add("Attention", f"KL: log_softmax, target [{t}, {G}] fp32, two masks bool", (2 * F32 + 2 * BOOL) * t * G)
             L.add("Attention", f"KL: rows [{t}] bool", BOOL * t)
     # the kernel: q, K = V keys of the rows [B, S + G, D], compacted index [t, W + K], o, lse
@@ -662,7 +663,8 @@ def rank_positions(S: int, cp: int, rank: int = 0) -> list[tuple[int, int]]:
 def forward_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, float]:
     """Forward FLOPs of one micro-batch on one rank of `stage` (CP rank 0; all CP ranks do the
     same causal work): 'matmul' (trained weights), 'attention' (sparse core), 'indexer' (CSA
-    scores and their Hadamard rotations), 'kl_mass' (the KL target, dense over the entries)."""
+    scores and their Hadamard rotations), 'kl_mass' (the KL target); the last two over each
+    query's visible entries (the kernels skip the tiles past them; one document a row)."""
     B, S, s, tp = lay.mbs, lay.seq, lay.seq // lay.cp, lay.tp
     t = B * s
     n, d, D, H = cfg.hc_mult, cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads // tp
@@ -686,9 +688,10 @@ def forward_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, f
             mm += 2 * 2 * t * d * (2 if csa else 1) * D  # compressor wkv, wgate (this rank's tokens)
         if csa:
             mm += 2 * t * rq * Hi * Di + 2 * t * d * Hi + 2 * 2 * t * d * 2 * Di  # indexer q, weights, compressor
-            f["indexer"] += 2 * t * Hi * G * Di + 2 * (t * Hi + B * G) * Di * Di  # scores + Hadamard rotations
+            seen = B * sum((p + 1) // r for lo, hi in rank_positions(S, lay.cp) for p in range(lo, hi))
+            f["indexer"] += 2 * seen * Hi * Di + 2 * (t * Hi + B * G) * Di * Di  # scores + Hadamard rotations
             if lay.indexer_loss:
-                f["kl_mass"] += 2 * t * H * G * D
+                f["kl_mass"] += 2 * seen * H * D
         f["matmul"] += mm
         f["attention"] += B * 4 * D * H * sum(_keys_per_query(lo, hi, cfg.sliding_window, r,
                                                               cfg.index_topk if csa else None)
