@@ -1094,6 +1094,41 @@ SCORE_CASES = ([(1, 4096, 16, 128, 1024), (1, 700, 16, 128, 175), (2, 37, 3, 64,
                else [(2, 37, 3, 16, 11), (1, 100, 2, 32, 150), (1, 5, 2, 16, 0)])
 
 
+@pytest.mark.parametrize("shape", [(2, 37, 5, 128), (70, 16)] if CUDA else [(2, 9, 3, 32), (5, 16)])
+def test_hadamard_kernel_matches_float64_reference(seed, shape):
+    """kernels.indexer.hadamard (the indexer q's rotation: a bf16 dot with the +-1 entries,
+    the 1 / sqrt(n) on the fp32 sums) against float64 x @ H / sqrt(n) for bf16 x of different
+    scales: the output (NaN-poisoned first) float64's rounded to bf16 but for near-ties (on
+    CUDA; the interpreter's casts truncate: within 2^-7), the gradient likewise (the same
+    rotation: H is symmetric), rows past the program's tile, ops.hadamard(fused) routing
+    bf16 to it and fp32 past it."""
+    from plugins.deepseek_v4.kernels import indexer
+
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    x0 = (torch.randn(*shape, generator=g) * (torch.rand(*shape[:-1], 1, generator=g) * 8 + 0.1)).to(torch.bfloat16)
+    cot = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h = h / math.sqrt(n)
+    x = x0.to(DEV).requires_grad_()
+    y = ops.hadamard(x, fused=True)
+    assert y.dtype == torch.bfloat16 and y.grad_fn is not None and "Hadamard" in type(y.grad_fn).__name__
+    y.backward(cot.to(DEV))
+    assert_finite(y, x.grad)
+    for got, want, name in ((y, x0.double() @ h, "y"), (x.grad, cot.double() @ h, "dx")):
+        got = got.detach().cpu()
+        if CUDA:
+            off = (got != want.to(torch.bfloat16)).double().mean().item()
+            assert off < 0.01, f"{name}: {off:.2%} off float64 rounded to bf16"
+        assert rel(got.double(), want) < (2.0 ** -8 if CUDA else 2.0 ** -7), name
+    with pytest.raises(ValueError, match="hadamard kernel"):
+        indexer.hadamard(x0.float().to(DEV))
+    xf = x0.float().to(DEV)
+    assert torch.equal(ops.hadamard(xf, fused=True), ops.hadamard(xf))  # fp32: the torch path
+
+
 def _entry_bounds(gen: torch.Generator, b: int, s: int, g: int) -> torch.Tensor:
     """hi [B, S] int32 as a packed row's visibility gives it: causal (entry e complete after
     token (e + 1) r - 1, r = S / G), none visible for a stretch after a random document start,
@@ -1291,6 +1326,37 @@ def test_head_softmax_kernels_match_float64_reference(seed, r, v):
     ref[torch.arange(r), ids] += hit.double()
     assert rel(dz.cpu(), ref) < 1e-5
     assert (dz.cpu().double() - ref).abs().max() < 1e-5 * gr.abs().max()
+
+
+@pytest.mark.parametrize("r,v", HEAD_CASES)
+@pytest.mark.parametrize("terms", [1, 2])
+def test_head_gradient_terms_are_the_in_place_gradients_bits(seed, r, v, terms):
+    """kernels.cross_entropy.softmax_grad_terms, the head backward's bf16 GEMM operand written
+    from the logits in one pass: bit for bit softmax_grad_'s fp32 gradient rounded to bf16 (one
+    term) or split hi | lo (ops.split_bf16's kernel, two terms), into a NaN-poisoned out; the
+    logits left as they were."""
+    from plugins.deepseek_v4.kernels import cross_entropy as ce
+
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(r, v, generator=g) * (torch.rand(r, 1, generator=g) * 20 + 0.1)).to(DEV)
+    ids = torch.randint(0, v, (r,), generator=g).to(DEV)
+    gr = torch.randn(r, generator=g).to(DEV)
+    hit = torch.where(torch.rand(r, generator=g).to(DEV) < 0.7, gr, 0.0)
+    m, s, _ = ce.row_stats(z, ids)
+    lse = m + torch.log(s)
+    dz = z.clone()
+    ce.softmax_grad_(dz, lse, ids, gr, hit)
+    # the split kernel: on CUDA torch's cast and split bit for bit (its own test); the
+    # interpreter's casts truncate, alike in both kernels
+    want = ops.split_bf16(dz, fused=True)[:, :terms * v]
+    out = torch.full((r, terms * v), float("nan"), device=DEV, dtype=torch.bfloat16)
+    z0 = z.clone()
+    got = ce.softmax_grad_terms(z, lse, ids, gr, hit, out)
+    assert got is out and torch.equal(z, z0)
+    assert_finite(got)
+    assert torch.equal(got.cpu(), want.cpu())
+    with pytest.raises(ValueError, match="softmax_grad_terms"):
+        ce.softmax_grad_terms(z, lse, ids, gr, hit, out.float())
 
 
 @pytest.mark.parametrize("tp_rank", [None, 0, 1])

@@ -452,7 +452,8 @@ class Indexer(nn.Module):
     def queries(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> q [B, S, h, dI] (RoPE then Hadamard) and head weights w [B, S, h] (fp32)."""
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.hadamard(ops.apply_rope(q, cos[:, :, None], sin[:, :, None], fused=use_fused(self.cfg, q)))
+        fused = use_fused(self.cfg, q)
+        q = ops.hadamard(ops.apply_rope(q, cos[:, :, None], sin[:, :, None], fused=fused), fused=fused)
         w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 

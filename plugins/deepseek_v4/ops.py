@@ -412,11 +412,17 @@ def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
     return (h / math.sqrt(n)).to(device=device, dtype=torch.float32)
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard rotation of the last dim (a power of two)."""
+def hadamard(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard rotation of the last dim (a power of two), in fp32, the
+    result in x's dtype. fused: bf16 x in one kernel (kernels.indexer.hadamard: the +-1 entries
+    exact in a bf16 dot, its sums fp32, then the 1 / sqrt(n)); other dtypes take this path."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"hadamard: last dim {n} is not a power of two")
+    if fused and x.dtype == torch.bfloat16 and 16 <= n <= 256:
+        from .kernels.indexer import hadamard as kernel
+
+        return kernel(x)
     h = _hadamard_matrix(n, x.device)
     return (x.float() @ h).to(x.dtype)
 

@@ -136,6 +136,20 @@ class _HeadLogprobs(torch.autograd.Function):
                 # dz = g onehot(label) - g softmax(z), in place: the chunk's only [c, V/tp] buffer
                 # (one rank: every row's clamped label, as cross-entropy read it)
                 hit = g[sl] if ctx.one_rank else torch.where(mine[sl], g[sl], 0.0)
+                n = dz.shape[0]
+                if ctx.fused and split and ctx.scale == 1.0:  # dz straight into the GEMMs' bf16 terms
+                    from .kernels.cross_entropy import softmax_grad_terms
+
+                    op = softmax_grad_terms(dz, lse[sl], ids[sl], g[sl], hit,
+                                            wgrad.slot(per_row * n).view(n, per_row * v)).view(per_row * n, v)
+                    del dz
+                    if per_row == 2:  # exact products of dz = hi + lo, summed in fp32
+                        dy[sl] = torch.mm(op, w, out_dtype=torch.float32).view(n, 2, d).sum(1)
+                        wgrad.add(op, y[sl, None].expand(n, 2, d).reshape(2 * n, d))
+                    else:
+                        dy[sl] = torch.mm(op, w, out_dtype=torch.float32)
+                        wgrad.add(op, y[sl])
+                    continue
                 if ctx.fused:
                     from .kernels.cross_entropy import softmax_grad_
 
@@ -150,7 +164,6 @@ class _HeadLogprobs(torch.autograd.Function):
                 _scaled(dz, ctx.scale)  # the logits' own gradient: d(z scale)/dz = scale
                 if ctx.terms == 1 and not split:  # dz rounded to bf16, its values in fp32 (as on bf16 CUDA)
                     dz = dz.to(torch.bfloat16).float()
-                n = dz.shape[0]
                 if split and ctx.terms == 2:  # exact products of dz = hi + lo, summed in fp32
                     op = split_bf16(dz, fused=ctx.fused, out=wgrad.slot(2 * n).view(n, 2 * v)).view(2 * n, v)
                     dy[sl] = torch.mm(op, w, out_dtype=torch.float32).view(n, 2, d).sum(1)

@@ -15,6 +15,8 @@ probability the core gave entry g. The PyTorch path materialises the fp32 logits
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -74,6 +76,65 @@ def attention_mass(q: torch.Tensor, entries: torch.Tensor, lse: torch.Tensor, ch
             q, e, lse, ch, out, scale, s, g, h, q.stride(0), q.stride(1), q.stride(2), e.stride(0), e.stride(1),
             ch.stride(0), ch.stride(1), out.stride(0), out.stride(1), D=d, IEEE=q.dtype == torch.float32)
     return out
+
+
+# --------------------------------------------------------------------------- Hadamard rotation
+# The indexer's bf16 q rotated by the orthonormal Sylvester-Hadamard matrix H / sqrt(n): the
+# torch path casts q to fp32 and runs an fp32 GEMM on CUDA cores (no TF32: [4096 x 64, 128] @
+# [128, 128] took 250 us at flash_slice's shape, plus the casts' two passes). H's entries are
+# +-1, exact in bf16, so a bf16 tensor-core dot of q with them has exact products summed in
+# fp32; the 1 / sqrt(n) is applied to the fp32 sums. One pass each way (H is symmetric and
+# orthonormal: the backward is the same rotation of the gradient).
+@triton.jit
+def _hadamard(X, H, Y, R, scale, N: tl.constexpr, BM: tl.constexpr, IEEE: tl.constexpr):
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    c = tl.arange(0, N)
+    rows = r.to(tl.int64)[:, None] * N + c[None, :]
+    x = tl.load(X + rows, mask=(r < R)[:, None], other=0.0)  # [BM, N] bf16
+    h = tl.load(H + c[:, None] * N + c[None, :])  # [N, N] bf16, +-1
+    y = _mm(x, h, IEEE) * scale  # [BM, N] fp32 sums (the interpreter's dot reads bf16 as its bits: fp32 there)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=(r < R)[:, None])
+
+
+@functools.cache
+def _signs(n: int, device: torch.device) -> torch.Tensor:
+    """The unnormalised Sylvester-Hadamard matrix [n, n] of +-1 in bf16, built once a device
+    (a host-to-device copy a call would wait for the GPU, and has no place in a CUDA graph)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h.to(device=device, dtype=torch.bfloat16)
+
+
+def _hadamard_launch(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    x = x.contiguous()
+    y = new_output(x.shape, x, x.dtype)
+    r = x.numel() // n
+    if r:
+        bm = 16 if INTERPRET else 64
+        _hadamard[(triton.cdiv(r, bm),)](x, _signs(n, x.device), y, r, n ** -0.5, N=n, BM=bm, IEEE=INTERPRET,
+                                          num_warps=4)
+    return y
+
+
+class _Hadamard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _hadamard_launch(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return _hadamard_launch(g.to(torch.bfloat16))
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ops.hadamard` for bf16 x [..., n] (n a power of two, 16 to 256): the
+    orthonormal rotation of the last dim, in bf16, differentiable."""
+    n = x.shape[-1]
+    if x.dtype != torch.bfloat16 or n & (n - 1) or not 16 <= n <= 256:
+        raise ValueError(f"hadamard kernel: bf16 rows of a power of two from 16 to 256, got {x.dtype} {list(x.shape)}")
+    return _Hadamard.apply(x)
 
 
 # --------------------------------------------------------------------------- indexer scores
