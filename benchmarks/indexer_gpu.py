@@ -7,7 +7,7 @@ relative error of the scores and of the q, k, w gradients). dq and dk of any fp3
 dots that are not IEEE fp32 land 1e-5 to 1e-3 from float64's: a dot within rounding of 0
 flips its relu gate and adds or drops a whole term (tests/test_kernels.py checks them
 through the kernel's own gate). One row bounds the entries causally (hi = (t + 1) // ratio,
-as the model passes `ops.visible_bound`): the tiles past the bound skipped.
+as the model passes `SequenceLayout.entry_bound`): the tiles past the bound skipped.
 
     python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--quick]
 """

@@ -660,6 +660,13 @@ def rank_positions(S: int, cp: int, rank: int = 0) -> list[tuple[int, int]]:
     return [(rank * n, (rank + 1) * n), ((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)]
 
 
+def _floor_sum(n: int, r: int) -> int:
+    """sum of floor(m / r) for m = 1..n: the entries visible to queries at positions 0..n-1
+    (floor((p + 1) / r) each), in closed form."""
+    q, rem = divmod(n, r)
+    return r * q * (q - 1) // 2 + q * (rem + 1)
+
+
 def forward_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, float]:
     """Forward FLOPs of one micro-batch on one rank of `stage` (CP rank 0; all CP ranks do the
     same causal work): 'matmul' (trained weights), 'attention' (sparse core), 'indexer' (CSA
@@ -688,7 +695,7 @@ def forward_flops(cfg: DeepSeekV4Config, lay: Layout, stage: int) -> dict[str, f
             mm += 2 * 2 * t * d * (2 if csa else 1) * D  # compressor wkv, wgate (this rank's tokens)
         if csa:
             mm += 2 * t * rq * Hi * Di + 2 * t * d * Hi + 2 * 2 * t * d * 2 * Di  # indexer q, weights, compressor
-            seen = B * sum((p + 1) // r for lo, hi in rank_positions(S, lay.cp) for p in range(lo, hi))
+            seen = B * sum(_floor_sum(hi, r) - _floor_sum(lo, r) for lo, hi in rank_positions(S, lay.cp))
             f["indexer"] += 2 * seen * Hi * Di + 2 * (t * Hi + B * G) * Di * Di  # scores + Hadamard rotations
             if lay.indexer_loss:
                 f["kl_mass"] += 2 * seen * H * D

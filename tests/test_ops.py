@@ -702,22 +702,29 @@ def test_indexer_scores_matches_oracle_and_grads(rng: Rng) -> None:
 
 
 def test_indexer_scores_bounded_by_visibility(rng: Rng) -> None:
-    """Guards the scores' visibility bound: visible_bound is one past each query's last visible
-    entry (0 for none, as after a document's start), and scores under it are the unbounded
-    scores where g < hi and exactly 0 past it, with no gradient through the entries past it."""
-    b, s, h, d, r = 2, 12, 3, 8, 3
-    g = s // r
-    visible = (torch.arange(g) < ((torch.arange(s) + 1) // r)[:, None]).expand(b, s, g).clone()  # causal
-    visible[1, 5:8] = False  # a document starting at token 5: nothing complete of it yet
-    visible[1, 8:, :2] = False  # later: only its own blocks
-    hi = ops.visible_bound(visible)
-    want = torch.tensor([[(p + 1) // r for p in range(s)]] * b, dtype=torch.int32)
-    want[1, 5:8] = 0
-    assert_equal(hi, want, rng.tag("bound = one past the last visible entry"))
-    assert ops.visible_bound(visible[..., :0]).shape == (b, s)
+    """Guards the scores' bound: SequenceLayout.entry_bound over packed documents and padding is
+    the count of complete blocks ending at or before each query, so no visible entry lies at or
+    past it, and it is one past the last visible entry wherever the query's document has one;
+    scores under it are the unbounded scores below it and exactly 0 past it, with no gradient
+    through the entries past it."""
+    b, s, h, d, r = 2, 23, 3, 8, 3
+    doc_ids = torch.tensor([[0] * 10 + [1] * 8 + [-1] * 5, [4] * 4 + [5] * 19])
+    layout = SequenceLayout.build(b, s, torch.device("cpu"), doc_ids=doc_ids)
+    blocks = layout.blocks(r)
+    g = blocks.count
+    visible = layout.visible(blocks)  # [B, S, G]
+    hi = layout.entry_bound(blocks)
+    want = torch.tensor([[int(((blocks.end[i] <= p) & blocks.valid[i]).sum()) for p in range(s)] for i in range(b)])
+    assert hi.dtype == torch.int32 and hi.shape == (b, s)
+    assert_equal(hi, want.to(torch.int32), rng.tag("bound = complete blocks ending at or before the query"))
+    seen = torch.arange(g) < hi[..., None]
+    assert not (visible & ~seen).any(), rng.tag("a visible entry at or past the bound")
+    last = torch.where(visible, torch.arange(1, g + 1), 0).amax(-1)
+    has = visible.any(-1)
+    assert has.any() and (~has & (hi > 0)).any(), rng.tag("precondition: rows with and without visible entries")
+    assert_equal(hi[has], last[has].to(torch.int32), rng.tag("tight where the document has an entry"))
     q, k, w = rng.randn(b, s, h, d), rng.randn(b, g, d), rng.randn(b, s, h)
     cot = rng.randn(b, s, g)
-    seen = torch.arange(g) < hi[..., None]
     outs = []
     for bound in (None, hi):
         ins = [t.clone().requires_grad_() for t in (q, k, w)]
@@ -726,9 +733,9 @@ def test_indexer_scores_bounded_by_visibility(rng: Rng) -> None:
         outs.append((out.detach(), [t.grad for t in ins]))
     (full, full_grads), (got, grads) = outs
     assert_finite(got, rng.tag("bounded scores"))
-    assert_equal(got, torch.where(seen, full, 0.0), rng.tag("bounded = unbounded where seen, 0 past"))
+    assert_equal(got, torch.where(seen, full, 0.0), rng.tag("bounded = unbounded below the bound, 0 past"))
     for a, e, name in zip(grads, full_grads, "qkw", strict=True):
-        assert_equal(a, e, rng.tag(f"d{name}: only the seen entries' gradient"))
+        assert_equal(a, e, rng.tag(f"d{name}: only the entries below the bound"))
     ins = [t.clone().requires_grad_() for t in (q, k, w)]
     (ops.indexer_scores(*ins, hi) * ~seen).sum().backward()
     assert not any(t.grad.any() for t in ins), rng.tag("no gradient through entries past the bound")

@@ -115,6 +115,15 @@ class SequenceLayout:
             self._blocks[ratio] = _complete_blocks(self.doc, self.pos, ratio, self.static_blocks)
         return self._blocks[ratio]
 
+    def entry_bound(self, blocks: Blocks) -> torch.Tensor:
+        """[B, S] int32: how many valid blocks end at or before each query, so every entry
+        `visible` gives it lies below (blocks are in start order, the valid ones first); an
+        earlier document's entries below it are the visibility mask's to drop. O(S log G): no
+        [B, S, G] tensor (the indexer's scores take it to skip the tiles past it)."""
+        b, s = self.shape
+        idx = torch.arange(s, device=self.doc.device).expand(b, s).contiguous()
+        return torch.searchsorted(blocks.end.contiguous(), idx, right=True).to(torch.int32)
+
     def visible(self, blocks: Blocks) -> torch.Tensor:
         """[B, S, G]: compressed entry g visible to query p iff same document and the
         block's last token is at or before p (block g < floor((p+1)/r))."""

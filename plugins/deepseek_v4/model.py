@@ -541,8 +541,9 @@ class Attention(nn.Module):
                 qi, wi = self.indexer.queries(x.detach(), c_q.detach(), q_cos, q_sin)
                 ki_entries, ki_cz = self.indexer.compressor(x.detach(), blocks, gather)
                 ki_entries = rope_e(ki_entries, blocks.pos)
-                scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi, ops.visible_bound(visible),
-                                            fused=use_kernels(self.cfg, qi))  # [B, S, G]; 0 past the visible
+                scores = ops.indexer_scores(qi, self.indexer.keys(ki_entries), wi,
+                                            fwd.layout.entry_bound(blocks)[:, fwd.q],
+                                            fused=use_kernels(self.cfg, qi))  # [B, s, G]; 0 past the bound
                 chosen = ops.topk_select(scores, visible, self.indexer.topk)
                 if self.pick_index is not None:
                     chosen = self._replay_picks(chosen, visible, blocks, fwd)

@@ -419,7 +419,7 @@ def hadamard(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"hadamard: last dim {n} is not a power of two")
-    if fused and x.dtype == torch.bfloat16 and 16 <= n <= 256:
+    if fused and x.dtype == torch.bfloat16 and 16 <= n <= 128:  # the indexer's 128 (H in registers)
         from .kernels.indexer import hadamard as kernel
 
         return kernel(x)
@@ -627,8 +627,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.
     """Lightning-indexer scores in fp32: q [B, S, h, d], k [B, G, d], w [B, S, h] ->
     [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g]), computed over chunks of query rows
     that hold at most `chunk_elements` dot products at a time. Entries g >= hi[b, t] (hi
-    [B, S] int: one past each query's last visible entry; None: all G) score 0 and pass no
-    gradient (the kernels skip them). fused: the Triton kernels (no [S, h, G] dots in memory;
+    [B, S] int, a bound on each query's visible entries: `SequenceLayout.entry_bound`; None:
+    all G) score 0 and pass no gradient (the kernels skip them). fused: the Triton kernels (no [S, h, G] dots in memory;
     fp32-accurate tensor-core dots; kernels/indexer.py)."""
     if fused:
         from .kernels.indexer import indexer_scores as kernel
@@ -640,13 +640,6 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.
         return out
     return torch.where(torch.arange(k.shape[1], device=out.device) < hi[..., None].to(out.device), out, 0.0)
 
-
-def visible_bound(visible: torch.Tensor) -> torch.Tensor:
-    """visible [B, S, G] bool -> [B, S] int32: one past each query's last visible entry (0:
-    none), the bound indexer_scores takes."""
-    g = torch.arange(1, visible.shape[-1] + 1, device=visible.device, dtype=torch.int32)
-    return torch.where(visible, g, 0).amax(-1) if visible.shape[-1] else visible.new_zeros(visible.shape[:-1],
-                                                                                            dtype=torch.int32)
 
 
 def topk_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

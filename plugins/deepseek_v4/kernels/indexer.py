@@ -129,11 +129,11 @@ class _Hadamard(torch.autograd.Function):
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Same contract as `ops.hadamard` for bf16 x [..., n] (n a power of two, 16 to 256): the
+    """Same contract as `ops.hadamard` for bf16 x [..., n] (n a power of two, 16 to 128): the
     orthonormal rotation of the last dim, in bf16, differentiable."""
     n = x.shape[-1]
-    if x.dtype != torch.bfloat16 or n & (n - 1) or not 16 <= n <= 256:
-        raise ValueError(f"hadamard kernel: bf16 rows of a power of two from 16 to 256, got {x.dtype} {list(x.shape)}")
+    if x.dtype != torch.bfloat16 or n & (n - 1) or not 16 <= n <= 128:
+        raise ValueError(f"hadamard kernel: bf16 rows of a power of two from 16 to 128, got {x.dtype} {list(x.shape)}")
     return _Hadamard.apply(x)
 
 
@@ -312,7 +312,7 @@ class _Scores(torch.autograd.Function):
         nw = triton.cdiv(g, 32)
         q, k, w = (x.contiguous() for x in (q, k, w))  # as they come (bf16 q): the kernels load fp32
         out = new_output((b, s, g), q, torch.float32)
-        bits = torch.empty((b, s, h, nw), device=q.device, dtype=torch.int32)  # every word written
+        bits = new_output((b, s, h, nw), q, torch.int32)  # every word written (tiles past the bounds: zeros)
         if out.numel():
             _scores_fwd[(triton.cdiv(s, t["BT"]), triton.cdiv(g, t["BG"]), b)](
                 q, k, w, hi, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
