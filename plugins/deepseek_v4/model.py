@@ -719,13 +719,14 @@ class Attention(nn.Module):
             self.compressor.extend(x, lc.comp, plan, rope_e)
             entries = lc.keys.get((plan.slots, slice(w, None)))  # [B, G, D], the chunk's blocks in
             g = entries.shape[1]
-            chosen = torch.arange(g, device=x.device) < plan.blocks[self.ratio].seen[..., None]  # [B, T, G]
+            seen = plan.blocks[self.ratio].seen  # [B, T]: each query sees entries [0, seen)
+            chosen = torch.arange(g, device=x.device) < seen[..., None]  # [B, T, G]
             bound = g
             if self.indexer is not None:
                 self.indexer.compressor.extend(x, lc.idx, plan, rope_e)
                 qi, wi = self.indexer.queries(x, c_q, cos, sin)
                 ki = self.indexer.keys(lc.idx.entries.get((plan.slots,)))  # [B, G, dI]
-                scores = ops.indexer_scores(qi, ki, wi, fused=use_kernels(self.cfg, qi))  # [B, T, G]
+                scores = ops.indexer_scores(qi, ki, wi, seen, fused=use_kernels(self.cfg, qi))  # [B, T, G]
                 chosen = ops.topk_select(scores, chosen, self.indexer.topk)
                 bound = min(self.indexer.topk, g)
             at = ops.mask_to_index(chosen, bound)  # [B, T, <=K] entry g = block g
