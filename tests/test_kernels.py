@@ -1124,7 +1124,7 @@ def test_hadamard_kernel_matches_float64_reference(seed, shape):
             assert off < 0.01, f"{name}: {off:.2%} off float64 rounded to bf16"
         assert rel(got.double(), want) < (2.0 ** -8 if CUDA else 2.0 ** -7), name
     with pytest.raises(ValueError, match="hadamard kernel"):
-        indexer.hadamard(x0.float().to(DEV))
+        indexer.hadamard(x0.float().to(DEV), ops._hadamard_signs(n, x.device))
     xf = x0.float().to(DEV)
     assert torch.equal(ops.hadamard(xf, fused=True), ops.hadamard(xf))  # fp32: the torch path
 

@@ -402,14 +402,26 @@ def fp8_kv_fake_quant(x: torch.Tensor, rope_dims: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Hadamard
-@lru_cache(maxsize=16)
-def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """[n, n] fp32 on `device`, built once per device (a copy per call would make the host
-    wait for the GPU: pageable host-to-device copies synchronise)."""
+def _sylvester(n: int) -> torch.Tensor:
+    """The unnormalised Sylvester-Hadamard matrix [n, n] of +-1, float64 on the CPU."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / math.sqrt(n)).to(device=device, dtype=torch.float32)
+    return h
+
+
+# Both built once per device: a copy per call would make the host wait for the GPU (pageable
+# host-to-device copies synchronise) and has no place in a CUDA graph.
+@lru_cache(maxsize=16)
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """H / sqrt(n) [n, n] fp32 on `device`."""
+    return (_sylvester(n) / math.sqrt(n)).to(device=device, dtype=torch.float32)
+
+
+@lru_cache(maxsize=16)
+def _hadamard_signs(n: int, device: torch.device) -> torch.Tensor:
+    """H's +-1 entries [n, n] in bf16 (exact) on `device`: the fused rotation's operand."""
+    return _sylvester(n).to(device=device, dtype=torch.bfloat16)
 
 
 def hadamard(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -422,7 +434,7 @@ def hadamard(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     if fused and x.dtype == torch.bfloat16 and 16 <= n <= 128:  # the indexer's 128 (H in registers)
         from .kernels.indexer import hadamard as kernel
 
-        return kernel(x)
+        return kernel(x, _hadamard_signs(n, x.device))
     h = _hadamard_matrix(n, x.device)
     return (x.float() @ h).to(x.dtype)
 
@@ -628,8 +640,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.
     [B, S, G] = sum_h w[., h] * relu(q[., h] . k[g]), computed over chunks of query rows
     that hold at most `chunk_elements` dot products at a time. Entries g >= hi[b, t] (hi
     [B, S] int, a bound on each query's visible entries: `SequenceLayout.entry_bound`; None:
-    all G) score 0 and pass no gradient (the kernels skip them). fused: the Triton kernels (no [S, h, G] dots in memory;
-    fp32-accurate tensor-core dots; kernels/indexer.py)."""
+    all G) score 0 and pass no gradient (the kernels skip them). fused: the Triton kernels
+    (no [S, h, G] dots in memory; fp32-accurate tensor-core dots; kernels/indexer.py)."""
     if fused:
         from .kernels.indexer import indexer_scores as kernel
         return kernel(q, k, w, hi)
@@ -639,7 +651,6 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, hi: torch.
     if hi is None:
         return out
     return torch.where(torch.arange(k.shape[1], device=out.device) < hi[..., None].to(out.device), out, 0.0)
-
 
 
 def topk_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,8 +15,6 @@ probability the core gave entry g. The PyTorch path materialises the fp32 logits
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -96,45 +94,36 @@ def _hadamard(X, H, Y, R, scale, N: tl.constexpr, BM: tl.constexpr, IEEE: tl.con
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=(r < R)[:, None])
 
 
-@functools.cache
-def _signs(n: int, device: torch.device) -> torch.Tensor:
-    """The unnormalised Sylvester-Hadamard matrix [n, n] of +-1 in bf16, built once a device
-    (a host-to-device copy a call would wait for the GPU, and has no place in a CUDA graph)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h.to(device=device, dtype=torch.bfloat16)
-
-
-def _hadamard_launch(x: torch.Tensor) -> torch.Tensor:
+def _hadamard_launch(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     x = x.contiguous()
     y = new_output(x.shape, x, x.dtype)
     r = x.numel() // n
     if r:
         bm = 16 if INTERPRET else 64
-        _hadamard[(triton.cdiv(r, bm),)](x, _signs(n, x.device), y, r, n ** -0.5, N=n, BM=bm, IEEE=INTERPRET,
-                                          num_warps=4)
+        _hadamard[(triton.cdiv(r, bm),)](x, signs, y, r, n ** -0.5, N=n, BM=bm, IEEE=INTERPRET, num_warps=4)
     return y
 
 
 class _Hadamard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return _hadamard_launch(x)
+    def forward(ctx, x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+        ctx.signs = signs  # a constant, not saved for the backward
+        return _hadamard_launch(x, signs)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return _hadamard_launch(g.to(torch.bfloat16))
+    def backward(ctx, g: torch.Tensor):
+        return _hadamard_launch(g.to(torch.bfloat16), ctx.signs), None
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
+def hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Same contract as `ops.hadamard` for bf16 x [..., n] (n a power of two, 16 to 128): the
-    orthonormal rotation of the last dim, in bf16, differentiable."""
+    orthonormal rotation of the last dim, in bf16, differentiable. signs: H's +-1 entries
+    [n, n] bf16 on x's device (`ops._hadamard_signs`)."""
     n = x.shape[-1]
-    if x.dtype != torch.bfloat16 or n & (n - 1) or not 16 <= n <= 128:
+    if x.dtype != torch.bfloat16 or n & (n - 1) or not 16 <= n <= 128 or signs.shape != (n, n):
         raise ValueError(f"hadamard kernel: bf16 rows of a power of two from 16 to 128, got {x.dtype} {list(x.shape)}")
-    return _Hadamard.apply(x)
+    return _Hadamard.apply(x, signs.contiguous())
 
 
 # --------------------------------------------------------------------------- indexer scores
