@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
 #   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
 #   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
-#   bash benchmarks/gpu_runs.sh layouts2  # the same on two GPUs: one GPU, EP=2, TP=2, each profiled
+#   bash benchmarks/gpu_runs.sh layouts2  # the same on two GPUs: one GPU, EP=2 (reduction after / overlapped), TP=2
 #   bash benchmarks/gpu_runs.sh head      # flash_slice: the heads' backward options, and 4 micro-batches a step
 #   bash benchmarks/gpu_runs.sh moments   # flash_slice: AdamW's moments in bf16, alone and with the head's options
 #   bash benchmarks/gpu_runs.sh wgrad     # the expert wgrad kernel: its tests, its tiles at flash_slice's shapes, the step A/B
@@ -83,7 +83,7 @@ layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240
     ;;
 layouts2)
-    run layouts2 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep2 tp2 --profile --stall-after 200
+    run layouts2 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep2-sync ep2 tp2 --profile --stall-after 200
     ;;
 *)
     sed -n 2,16p "$0"

@@ -4,6 +4,7 @@ routed experts an EP=32 layout gives it (the model's routed experts = 8 x EP), s
 work per token stays EP=32's; tokens/s per GPU against the first layout, peak memory per GPU.
 
     python3 benchmarks/layouts_gpu.py [--layouts 1 ep4 tp2ep2] [--seq 4096] [--batch 2] [--steps 4]
+    python3 benchmarks/layouts_gpu.py --layouts 1 dp2-sync dp2 ep2-sync ep2 --graphs  # reduction after/in backward
     .venv/bin/python benchmarks/layouts_gpu.py --device cpu --config small_50m --seq 128 --layouts 1 ep2  # the path
 
 Each layout runs in processes of its own (a GPU each, nccl; gloo on CPU). Every data-parallel
@@ -34,15 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 EXPERTS_PER_GPU = 8  # V4-Flash's 256 routed experts over EP=32
 
 
-def parse_layout(name: str) -> tuple[int, int]:
-    """'1' -> (tp 1, ep 1); 'ep4' -> (1, 4); 'tp2ep2' -> (2, 2). GPUs = tp x ep (the data-parallel
-    ranks are the expert-parallel ones)."""
-    m = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", name)
-    if name == "1":
-        return 1, 1
-    if not m or not any(m.groups()):
-        raise SystemExit(f"--layouts: {name!r} is not 1, epN, tpN or tpNepM")
-    return int(m.group(1) or 1), int(m.group(2) or 1)
+def parse_layout(name: str) -> tuple[int, int, int, bool]:
+    """'1' -> (tp 1, ep 1, dp 1, overlap); 'ep4' -> (1, 4, 1, True); 'tp2ep2' -> (2, 2, 1, True);
+    'dp2' -> (1, 1, 2, True): two GPUs data parallel. A '-sync' suffix ('ep2-sync'): the
+    data-parallel gradient reduction after the backward instead of overlapped with it
+    (train.optim.overlap_grad_reduce false). GPUs = tp x ep x dp (the expert-parallel ranks
+    are data-parallel ones for the dense weights)."""
+    m = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?(?:dp(\d+))?(-sync)?", name)
+    if name in ("1", "1-sync"):
+        return 1, 1, 1, name == "1"
+    if not m or not any(m.groups()[:3]):
+        raise SystemExit(f"--layouts: {name!r} is not 1, epN, tpN, dpN or tpNepM (each with an optional -sync)")
+    return int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(3) or 1), m.group(4) is None
 
 
 def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, out: dict) -> None:
@@ -63,7 +67,7 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
 
-    tp, ep = parse_layout(layout)
+    tp, ep, _, overlap = parse_layout(layout)
     cfg = CONFIGS[a.config](a.seq)
     w = TrainWorker(rank, world)
     me = w.init_distributed("127.0.0.1", port, tp=tp, ep=ep)
@@ -71,7 +75,7 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
     arch = {**cfg.to_dict(), "n_routed_experts": EXPERTS_PER_GPU * ep, "kernels": "triton" if cuda else "torch",
             "cuda_graphs": cuda and tp == 1 and ep == 1 and a.graphs}
     w.build_model(arch, seed=0, dtype="bfloat16" if cuda else "float32")
-    w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
+    w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000, overlap_grad_reduce=overlap)
     note("model built")
     g = torch.Generator().manual_seed(1000 + me["dp_rank"])  # a data-parallel rank's own sequences
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
@@ -87,6 +91,8 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
             times.append(time.perf_counter() - t)
         note(f"step {i}: {(time.perf_counter() - t) * 1e3:.1f} ms")
     faulthandler.cancel_dump_traceback_later()
+    if w.ddp.early is not None:  # bucket groups whose reduction began during the last step's backward
+        note(f"gradient bucket groups reduced in the backward: {w.ddp.early[0]} of {w.ddp.early[1]}")
     if a.profile:  # one more step under the profiler on every rank (its collectives), rank 0's shown
         from torch.profiler import ProfilerActivity, profile
 
@@ -107,6 +113,7 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
                 print(f"[{layout}] rank 0's waits for the GPU in one step ({sum(sites.values())}), by line:\n"
                       + "\n".join(f"  {n:4d}  {site}" for site, n in sites.most_common(12)), flush=True)
     out[(layout, rank)] = (statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+    torch.distributed.destroy_process_group()
 
 
 def _sync_sites(step) -> collections.Counter:
@@ -140,7 +147,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2, help="sequences a data-parallel rank trains a step")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--graphs", action="store_true", help="CUDA graphs on the one-GPU layout (data parallel only)")
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs on the layouts without TP or EP (1, dpN)")
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     ap.add_argument("--profile", action="store_true", help="rank 0's top kernels over one more step, a layout each")
     ap.add_argument("--stall-after", type=float, default=400,
@@ -153,25 +160,25 @@ def main() -> None:
     where = torch.cuda.get_device_name() if a.device == "gpu" else "CPU"
     print(f"{where}  {a.config} ({EXPERTS_PER_GPU} routed experts a GPU), seq={a.seq}, {a.batch} sequences a "
           f"data-parallel rank, medians of {a.steps} steps")
-    print(f"{'layout':>8s} {'GPUs':>5s} {'step ms':>9s} {'tok/s/GPU':>10s} {'vs first':>9s} {'peak GiB':>9s}",
+    print(f"{'layout':>11s} {'GPUs':>5s} {'step ms':>9s} {'tok/s/GPU':>10s} {'vs first':>9s} {'peak GiB':>9s}",
           flush=True)
     first = None
     for layout in a.layouts:  # a row as each layout finishes (a long run may be cut off)
-        tp, ep = parse_layout(layout)
-        world = tp * ep
+        tp, ep, dp, _ = parse_layout(layout)
+        world = tp * ep * dp
         if world > have:
-            print(f"{layout:>8s} {world:5d}  needs {world} devices, {have} here: skipped", flush=True)
+            print(f"{layout:>11s} {world:5d}  needs {world} devices, {have} here: skipped", flush=True)
             continue
         try:
             mp.spawn(_run, args=(world, free_port(), a, layout, out), nprocs=world)
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a stalled rank's stacks are above
-            print(f"{layout:>8s} {world:5d}  failed: {e}", flush=True)
+            print(f"{layout:>11s} {world:5d}  failed: {e}", flush=True)
             continue
         step = out[(layout, 0)][0]
         mem = max(out[(layout, r)][1] for r in range(world))
         per_gpu = a.batch * a.seq / tp / step
         first = first or per_gpu
-        print(f"{layout:>8s} {world:5d} {step * 1e3:9.1f} {per_gpu:10,.0f} {per_gpu / first:9.1%} {mem:9.1f}",
+        print(f"{layout:>11s} {world:5d} {step * 1e3:9.1f} {per_gpu:10,.0f} {per_gpu / first:9.1%} {mem:9.1f}",
               flush=True)
 
 

@@ -236,6 +236,8 @@ class OptimConfig(Section):
     moments: Literal["float32", "bfloat16"] = "float32"  # AdamW's two moments as kept between steps: bfloat16
     # halves their memory (4 bytes a parameter: 17 GiB a GPU for V4-Flash at the job files' layout), as DeepSeek-V3
     # trained; each step still computes them in fp32 (from the kept values) and updates the fp32 weights from those
+    overlap_grad_reduce: Bool = True  # reduce-scatter each bucket of gradients over the data-parallel ranks while the
+    # backward of the step's last micro-batch goes on (off: the whole buffer after the backward)
 
     @model_validator(mode="after")
     def _min_lr(self) -> OptimConfig:

@@ -576,6 +576,16 @@ def test_layout_matches_single_process(ray_cluster, reference, name):
             _check_adamw_step(step, lay, grads, logs[0]["grad_norm"], before, group.call("inspect", "optimizer_shards"),
                               after, name)
             before = after
+        # Where gradients are summed over ranks (DP x CP > 1) their reduction overlaps the
+        # backward: on a step after the first, every bucket group (dense and expert) began its
+        # reduce-scatter before the backward ended. An op that adds into main_grad without
+        # announcing it (ops.main_grad_written; planted: the head's) leaves its bucket to the end.
+        for x, ov in zip(lay, group.call("inspect", "reduction_overlap"), strict=True):
+            if x["dp"] * x["cp"] > 1:
+                assert ov is not None and ov[1] > 0 and ov[0] == ov[1], \
+                    f"{name} rank {x['rank']}: {ov and ov[0]} of {ov and ov[1]} bucket groups reduced in the backward"
+            else:
+                assert ov is None, f"{name} rank {x['rank']}: an overlapped reduction on one data-parallel rank"
     finally:
         group.shutdown()
     if reference["single16"]:

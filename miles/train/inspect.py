@@ -104,6 +104,13 @@ def step_gradients(worker, micro_batches: list[MicroBatch]) -> dict:
     return out
 
 
+def reduction_overlap(worker) -> tuple[int, int] | None:
+    """Of the last step's gradient bucket groups (dense and expert), how many began their
+    reduction during the backward, and how many there are; None when the reduction is not
+    overlapped (one data-parallel rank, or train.optim.overlap_grad_reduce off)."""
+    return worker.ddp.early
+
+
 def optimizer_shards(worker) -> dict[str, dict]:
     """This rank's optimizer state: per owned parameter part, its (start, end), the fp32 main
     values and Adam's first and second moments."""

@@ -43,12 +43,30 @@ from megatron.core.tensor_parallel.mappings import all_to_all
 from torch import nn
 
 from miles.train import megatron_gpu
-from plugins.deepseek_v4.ops import embedding, fp32_linear, main_grad_of
+from plugins.deepseek_v4.ops import embedding, fp32_linear, main_grad_of, main_grad_written
 from plugins.deepseek_v4.parallel import ParallelContext, cp_chunk
 
 
 def _no_init(_weight: torch.Tensor) -> None:
     """The model's own seeded init (`init_weights`) fills every tensor afterwards."""
+
+
+class _AnnounceAfter(torch.autograd.Function):
+    """Identity on a linear's input whose backward, which runs once the linear's has added the
+    weight's gradient into main_grad, announces the weight to the trainer's DDP
+    (ops.main_grad_written). Megatron's linear hands DDP a dummy gradient for that, but under
+    recompute (torch's non-reentrant checkpoint) the weight it unpacks is another tensor, and
+    it hands none."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        main_grad_written(ctx.weight)
+        return g, None
 
 
 def _linear(layer, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +76,8 @@ def _linear(layer, x: torch.Tensor) -> torch.Tensor:
     leading dims: 2-D inputs (experts) get one."""
     layer.gradient_accumulation_fusion = (layer.config.gradient_accumulation_fusion
                                           and main_grad_of(layer.weight) is not None)
+    if layer.gradient_accumulation_fusion and layer.weight.requires_grad:
+        x = _AnnounceAfter.apply(x, layer.weight)
     out = super(type(layer), layer).forward(x[None] if x.dim() == 2 else x)[0]
     return out[0] if x.dim() == 2 else out
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import miles.train.megatron_import  # noqa: F401  # isort: skip (first: megatron.core imports through it)
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -40,6 +40,7 @@ from miles.observe.alignment import grad_checksums
 from miles.observe.profiler import Profile
 from miles.train import adamw, inspect, losses
 from miles.train.batching import MicroBatch
+from miles.train.ddp import OverlappedDDP, overlap_wanted
 from miles.train.parallel_context import MegatronContext
 from miles.train.weight_sender import WeightSender
 from plugins.deepseek_v4 import DeepSeekV4Config, DeepSeekV4ForCausalLM
@@ -212,19 +213,21 @@ class TrainWorker:
 
     def setup_training(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine",
                        weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                       clip_grad: float = 1.0, total_steps: int = 1000, moments: str = "float32") -> None:
+                       clip_grad: float = 1.0, total_steps: int = 1000, moments: str = "float32",
+                       overlap_grad_reduce: bool = True) -> None:
         """Megatron DDP + DistributedOptimizer (AdamW, sharded state) + LR schedule: step k
         (1-indexed) trains at lr(k), rising linearly to `lr` at k = warmup_steps, then decaying
         (cosine, linear or constant) to `min_lr` at k = total_steps. Gradients are summed over
-        DP x CP (calculate_per_token_loss): the losses are already divided by global counts.
-        The arguments are a job's `train.optim` group."""
+        DP x CP (calculate_per_token_loss): the losses are already divided by global counts;
+        with `overlap_grad_reduce` (and more than one such rank) each bucket's reduction starts
+        during the backward of the step's last micro-batch (miles/train/ddp.py). The arguments
+        are a job's `train.optim` group."""
         bf16 = self.tcfg.bf16
         self.model.zero_grad(set_to_none=True)
-        # No overlapped reduction: the CUDA graphs, the grouped expert GEMMs and the LM/MTP heads
-        # add their gradients into main_grad themselves, so DDP's per-parameter hooks never see
-        # them (overlap would wait on those hooks and asserts each saw a gradient).
-        self.ddp = DistributedDataParallel(self.tcfg, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False), self.model)
+        overlap = overlap_wanted(overlap_grad_reduce, ps.get_data_parallel_world_size(with_context_parallel=True))
+        self.ddp = OverlappedDDP(self.tcfg, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), self.model)
+        self.tcfg.no_sync_func = self.ddp.no_sync  # the schedules: no reduction before the last micro-batch
         self.opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", adam_eps=eps, adam_beta1=beta1, adam_beta2=beta2, lr=lr, min_lr=min_lr,
             weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, params_dtype=self.tcfg.params_dtype,
@@ -384,6 +387,7 @@ class TrainWorker:
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
         res, aux = self._schedule(self.ddp, mbs, counts, forward_only=False)
+        self.ddp.announce_rest()
         self.ddp.finish_grad_sync()
         if self.model.embed is not None:
             self._sync_embedding_grads([self.model.embed.weight.main_grad])

@@ -19,9 +19,10 @@ What a graph needs, and where it comes from:
   `main_grad` (Megatron DDP's fp32 buffer, at a fixed address) as DDP's hook would, and the
   bf16 gradient's memory goes back to the pool for the next block's capture. (The grouped
   expert GEMMs and Megatron's linears, under gradient_accumulation_fusion, add theirs into
-  main_grad themselves: the aliases carry it.) DDP's hook then
-  has nothing to do: the trainer runs DDP without overlapped reduction (its per-bucket
-  readiness would wait for hooks that never fire), reducing the whole buffer after the step.
+  main_grad themselves: the aliases carry it.) DDP's hooks see no gradient: after each replay
+  the block's parameters are announced to it (ops.main_grad_written), so the overlapped
+  reduction (miles/train/ddp.py) counts them ready and reduces their buckets during the
+  backward, as it does for the eager blocks.
 - Consecutive main layers share buffers: layer i+1's static input is layer i's static output,
   and layer i's output gradient is layer i+1's input gradient, so neither is copied.
 Only one process per model replica (TP = EP = CP = PP = 1; data parallelism is outside the
@@ -37,6 +38,7 @@ from torch import nn
 
 from .forward import Fwd, Rope
 from .layout import SequenceLayout
+from .ops import main_grad_written
 
 
 class _BlockStep(nn.Module):
@@ -163,6 +165,9 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError("cuda_graphs: the parameters' main_grad buffers moved since the capture (a new "
                                "DDP wrapper around a graphed model): build the model again")
         g.bwd.replay()
+        for p in g.params:
+            if p.requires_grad:
+                main_grad_written(p)
         return (None, *(t.detach() if t is not None else None for t in g.grad_in))
 
 

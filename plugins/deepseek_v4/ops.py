@@ -189,6 +189,15 @@ def main_grad_of(w: torch.Tensor) -> torch.Tensor | None:
     return main if main is not None and main.is_contiguous() else None
 
 
+def main_grad_written(w: torch.Tensor) -> None:
+    """Tell the trainer's DDP that w's gradient of this backward is in w.main_grad, from the op
+    that put it there and returns none (miles/train/ddp.py: the overlapped reduction counts w
+    ready, on this thread); nothing where w has no `main_grad_ready`."""
+    ready = getattr(w, "main_grad_ready", None)
+    if ready is not None:
+        ready()
+
+
 @lru_cache(maxsize=1)
 def _addmm_takes_fp32_addend() -> bool:
     """Whether this torch's CUDA addmm adds bf16 products into an fp32 tensor in place
@@ -278,6 +287,7 @@ class _Embedding(torch.autograd.Function):
         if main is None:
             return None, torch.ops.aten.embedding_backward(g, ids, weight.shape[0], -1, False, False)
         add_rows(main, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
+        main_grad_written(weight)
         return None, None
 
 
@@ -730,8 +740,8 @@ class _GroupedMM(torch.autograd.Function):
     (kernels.moe.add_grouped_wgrad) instead of returned for a second pass to add; elsewhere
     the grouped GEMM torch's own backward runs. Any backward through it that needs w's
     gradient adds into main_grad (an autograd.grad call asking for other inputs only, too:
-    needs_input_grad is fixed by the forward); the trainer's DDP must not overlap its
-    reduction, which would wait on hooks that see no gradient."""
+    needs_input_grad is fixed by the forward) and announces w to the trainer's DDP
+    (main_grad_written)."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -758,6 +768,7 @@ def wgrad_into_main_grad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, 
     from .kernels.moe import add_grouped_wgrad
 
     add_grouped_wgrad(dy, a, offs, main)
+    main_grad_written(w)
     return True
 
 

@@ -22,7 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import _cuda_matmul_precision, accumulate_wgrad, bf16_on_cuda, fp32_linear, main_grad_of, split_bf16
+from .ops import (
+    _cuda_matmul_precision,
+    accumulate_wgrad,
+    bf16_on_cuda,
+    fp32_linear,
+    main_grad_of,
+    main_grad_written,
+    split_bf16,
+)
 
 # fp32 logits [rows, V/tp] held at once by the chunked head (256 MiB; the split backward holds
 # their two bf16 terms beside them, as much again)
@@ -113,8 +121,8 @@ class _HeadLogprobs(torch.autograd.Function):
         y, w, ids, mine, lse = ctx.saved_tensors
         c, d, v = ctx.rows, y.shape[-1], w.shape[0]
         split = ctx.tf32 and head_split(y, w)
-        # the trainer: dz^T @ y added into main_grad, no [V/tp, d] gradient returned (DDP's hook
-        # then has nothing to add: the trainer's DDP does not overlap its reduction with hooks)
+        # the trainer: dz^T @ y added into main_grad, no [V/tp, d] gradient returned, w announced
+        # to its DDP (main_grad_written: the overlapped reduction counts it ready)
         want_dw = ctx.needs_input_grad[1]
         main = main_grad_of(w) if want_dw else None
         dw = main if main is not None or not want_dw else torch.zeros_like(w, dtype=torch.float32)
@@ -176,6 +184,8 @@ class _HeadLogprobs(torch.autograd.Function):
                     torch.mm(dz, wf, out=dy[sl])
                     wgrad.add(dz, y[sl].float())
             wgrad.flush()
+        if main is not None:
+            main_grad_written(w)
         dw = None if main is not None or dw is None else dw.to(w.dtype)
         return dy.to(y.dtype), dw, None, None, None, None, None, None, None, None
 
