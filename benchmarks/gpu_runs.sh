@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_runs.sh chunked   # the engine's GPU tests (chunked prefill among them); a long prompt's stall, whole vs chunked
 #   bash benchmarks/gpu_runs.sh replay    # the replay table on the GPU DAPO job (after `tests`)
 #   bash benchmarks/gpu_runs.sh trainer   # miles sft against the trainer alone and in a Ray actor; flash_slice
-#   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, TP=2 x EP=2, EP=4, each profiled (four GPUs)
+#   bash benchmarks/gpu_runs.sh layouts   # flash_slice on one GPU, EP=4 (reduction after / overlapped), TP=2 x EP=2 (4 GPUs)
 #   bash benchmarks/gpu_runs.sh layouts2  # the same on two GPUs: one GPU, EP=2 (reduction after / overlapped), TP=2
 #   bash benchmarks/gpu_runs.sh head      # flash_slice: the heads' backward options, and 4 micro-batches a step
 #   bash benchmarks/gpu_runs.sh moments   # flash_slice: AdamW's moments in bf16, alone and with the head's options
@@ -80,7 +80,7 @@ headwgrad)
     run head-wgrad-ab 330 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --head-wgrad
     ;;
 layouts)
-    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 tp2ep2 ep4 --profile --stall-after 240
+    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep4-sync ep4 tp2ep2 --profile --stall-after 240
     ;;
 layouts2)
     run layouts2 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep2-sync ep2 tp2 --profile --stall-after 200

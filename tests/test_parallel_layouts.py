@@ -631,6 +631,37 @@ def test_one_micro_batch_of_8_equals_8_micro_batches_of_1(ray_cluster, seed):
         assert_close(states[1][k].float(), v.float(), atol=1e-6, rtol=1e-5, what=k)
 
 
+def test_a_loss_that_reaches_other_parameters_keeps_the_overlapped_reduction(ray_cluster, seed):
+    """DP=2 with the reduction overlapped: Megatron starts a bucket's reduce-scatter when this
+    step's per-parameter ready counts equal the first step's. Turning MTP off mid-run changes
+    them (the MTP block gets no gradient, the shared head is counted once, not twice), and
+    back on again: every step still ends with one reduced gradient (the same finite grad norm
+    on both ranks; the sums themselves are the parity tests' above). With MTP on every bucket
+    group's reduction begins inside the backward, again from the second step after turning it
+    back on (with it off the MTP block's groups may wait for the backward's end: a parameter no
+    backward reaches is counted there, late, never early). Planted: without relearn_counts the
+    first MTP-less step fails in finish_grad_sync."""
+    from miles.cluster.train_group import TrainGroup
+
+    group = TrainGroup(2, resources=_resources(2))
+    try:
+        group.call("build_model", DeepSeekV4Config.tiny().to_dict(), seed)
+        group.call("set_loss", "lm")
+        group.call("setup_training", LR, decay="constant")
+        halves = [[_batch(seed, 0).rows(0, 2)], [_batch(seed, 0).rows(2, 4)]]
+        for mtp in (0.3, 0.0, 0.3):
+            group.call("set_loss", "lm", mtp=mtp)
+            for _ in range(2):
+                logs = group.call_each("train_step", [(h,) for h in halves])
+                assert all(math.isfinite(x["grad_norm"]) and x["grad_norm"] > 0 for x in logs)
+                assert logs[0]["grad_norm"] == pytest.approx(logs[1]["grad_norm"], rel=1e-6)
+            assert ("mtp_loss" in logs[0]) == (mtp > 0)
+            for ov in group.call("inspect", "reduction_overlap"):
+                assert ov is not None and ov[1] > 0 and (ov[0] == ov[1] or mtp == 0), f"mtp {mtp}: {ov}"
+    finally:
+        group.shutdown()
+
+
 def test_sleep_and_wake_up_free_and_restore_everything(ray_cluster, seed):
     """Colocation: sleep() releases every storage of the training state (weights, DDP
     buffers, optimizer moments: at least 4 fp32 copies of the parameters) and wake_up()

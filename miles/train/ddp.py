@@ -13,11 +13,16 @@ weight themselves, on the thread that ran them (`main_grad_ready`, called throug
 plugins.deepseek_v4.ops.main_grad_written; for Megatron's linears
 miles.train.parallel_context._AnnounceAfter), and the hook here counts only the gradients it
 adds. A weight announced twice a micro-batch (the head: main and MTP) is counted twice:
-Megatron compares each step's counts with the first step's.
+Megatron compares each step's counts with the first step's, so a change of what the backward
+reaches (the loss's terms: TrainWorker.set_loss) makes the next step count afresh
+(`relearn_counts`). Every rank must reach the same parameters in a step, as this model's
+static structure does (empty compressed blocks and expert groups keep their ops): a bucket
+reached on one rank and not on another would start at another point on each.
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -25,6 +30,14 @@ import torch
 import miles.train.megatron_import  # noqa: F401  # isort: skip (first: megatron.core imports through it)
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+
+def _announce(ddp_ref: weakref.ref, param_ref: weakref.ref) -> None:
+    """A parameter's `main_grad_ready`: weak both ways, so that no reference cycle through the
+    parameter keeps a released model alive (the worker freezes the collector's generations)."""
+    ddp, param = ddp_ref(), param_ref()
+    if ddp is not None and param is not None:
+        ddp._ready(param)
 
 
 def overlap_wanted(flag: bool, reduce_ranks: int) -> bool:
@@ -40,7 +53,7 @@ class OverlappedDDP(DistributedDataParallel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for p in self.param_to_bucket_group:
-            p.main_grad_ready = partial(self._ready, p)
+            p.main_grad_ready = partial(_announce, weakref.ref(self), weakref.ref(p))
         self.early = None  # of the last step's bucket groups, those whose reduction began in the backward
 
     def _groups(self) -> list:
@@ -62,6 +75,15 @@ class OverlappedDDP(DistributedDataParallel):
             param.grad = None
 
         return hook
+
+    def relearn_counts(self) -> None:
+        """Megatron starts a bucket group's reduction when this step's per-parameter counts equal
+        the first step's. Where what the backward reaches changes (another loss, with or without
+        MTP), the next step counts afresh, as a first step: its reductions start after its
+        backward, the ones after it overlap again."""
+        for group in self._groups():  # (Megatron's reset records a first step's counts, then clears them)
+            group.is_first_batch = True
+            group.golden_per_param_grad_ready_counts, group.per_param_grad_ready_counts = {}, {}
 
     def announce_rest(self) -> None:
         """Count ready every parameter the backward did not (one the loss does not reach: its

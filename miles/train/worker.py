@@ -189,6 +189,8 @@ class TrainWorker:
             raise ValueError("the sequence balance loss is per whole sequence: it cannot be split over "
                              "context-parallel ranks (use cp=1 or balance weight 0)")
         self.loss_fn, self.coef = losses.get(name, options), coef
+        if self.ddp is not None:  # the terms decide which parameters the backward reaches, how often
+            self.ddp.relearn_counts()
         self.temperature = losses.temperature(name, options)  # of forward_logprobs too
         self._metric_keys = None
 

@@ -20,9 +20,9 @@ What a graph needs, and where it comes from:
   bf16 gradient's memory goes back to the pool for the next block's capture. (The grouped
   expert GEMMs and Megatron's linears, under gradient_accumulation_fusion, add theirs into
   main_grad themselves: the aliases carry it.) DDP's hooks see no gradient: after each replay
-  the block's parameters are announced to it (ops.main_grad_written), so the overlapped
-  reduction (miles/train/ddp.py) counts them ready and reduces their buckets during the
-  backward, as it does for the eager blocks.
+  the parameters whose main_grad the graph wrote are announced to it (ops.main_grad_written),
+  so the overlapped reduction (miles/train/ddp.py) counts them ready and reduces their
+  buckets during the backward, as it does for the eager blocks.
 - Consecutive main layers share buffers: layer i+1's static input is layer i's static output,
   and layer i's output gradient is layer i+1's input gradient, so neither is copied.
 Only one process per model replica (TP = EP = CP = PP = 1; data parallelism is outside the
@@ -32,6 +32,7 @@ blocks) and no recompute; `DeepSeekV4ForCausalLM` checks both.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 from torch import nn
@@ -126,17 +127,28 @@ class _Graphed:
         self.grad_out = [torch.zeros_like(o) if o.requires_grad else None for o in self.out]
 
     def capture_backward(self, pool) -> None:
+        """The backward graph; records which parameters' main_grad it writes (`written`: those
+        with a gradient here and those an op adds into main_grad itself, which announce their
+        alias), the ones each replay announces to DDP. Not the rest: the MTP block's input and
+        head parameters (enorm, e_proj, hc_head_*, ...) train outside its graph, eagerly."""
         out = [o for o in self.out if o.requires_grad]
+        written: set[int] = set()
+        for i, a in enumerate(self.alias):
+            a.main_grad_ready = partial(written.add, i)  # ops.main_grad_written on the alias
         with torch.cuda.graph(self.bwd, pool=pool, stream=self.stream):
             grads = iter(torch.autograd.grad(out, self._diff(), [g for g in self.grad_out if g is not None],
                                              allow_unused=True))
             self.grad_in = [next(grads) if t.requires_grad else None for t in self.inputs]
             g = None
-            for p, a in zip(self.params, self.alias, strict=True):
+            for i, (p, a) in enumerate(zip(self.params, self.alias, strict=True)):
                 g = next(grads) if a.requires_grad else None
                 if g is not None:
                     p.main_grad.add_(g)  # what DDP's hook does with p.grad, here inside the graph
+                    written.add(i)
             del g, grads  # back to the pool: the next capture reuses the memory
+        for a in self.alias:
+            del a.main_grad_ready
+        self.written = [self.params[i] for i in sorted(written)]
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _Replay.apply(self, *args)
@@ -165,9 +177,8 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError("cuda_graphs: the parameters' main_grad buffers moved since the capture (a new "
                                "DDP wrapper around a graphed model): build the model again")
         g.bwd.replay()
-        for p in g.params:
-            if p.requires_grad:
-                main_grad_written(p)
+        for p in g.written:
+            main_grad_written(p)
         return (None, *(t.detach() if t is not None else None for t in g.grad_in))
 
 
