@@ -648,7 +648,8 @@ def test_a_loss_that_reaches_other_parameters_keeps_the_overlapped_reduction(ray
         group.call("build_model", DeepSeekV4Config.tiny().to_dict(), seed)
         group.call("set_loss", "lm")
         group.call("setup_training", LR, decay="constant")
-        halves = [[_batch(seed, 0).rows(0, 2)], [_batch(seed, 0).rows(2, 4)]]
+        batch = _batch(seed, 0)
+        halves = [[batch.rows(0, 2)], [batch.rows(2, 4)]]
         for mtp in (0.3, 0.0, 0.3):
             group.call("set_loss", "lm", mtp=mtp)
             for _ in range(2):

@@ -60,7 +60,7 @@ class OverlappedDDP(DistributedDataParallel):
         return self.bucket_groups + self.expert_parallel_bucket_groups
 
     def _ready(self, param: torch.nn.Parameter) -> None:
-        if self.ddp_config.overlap_grad_reduce and not is_graph_capturing():
+        if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket_group[param].register_grad_ready(param, self.force_all_reduce)
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
@@ -88,8 +88,9 @@ class OverlappedDDP(DistributedDataParallel):
     def announce_rest(self) -> None:
         """Count ready every parameter the backward did not (one the loss does not reach: its
         main_grad holds zeros); their buckets' reductions start now. Before finish_grad_sync.
-        Records how many bucket groups had begun theirs in the backward (`early`, of all): each
-        on every step after the first, which only counts what the later ones wait for."""
+        Records how many bucket groups had begun theirs in the backward (`early`, of all): none
+        on a step that learns the counts (the first, or the one after relearn_counts), all on
+        the later ones where the backward reaches every parameter."""
         if not self.ddp_config.overlap_grad_reduce:
             return
         self.early = (sum(g.grad_reduce_handle is not None for g in self._groups()), len(self._groups()))
