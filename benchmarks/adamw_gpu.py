@@ -3,7 +3,7 @@ of each weight to bf16, as Megatron's DistributedOptimizer runs it, against mile
 one kernel, over tensors shaped like the ~1B config's (a few large, many small). Prints a table
 (median ms of 20, the bytes each moves per parameter, GB/s). GPU only.
 
-    python3 benchmarks/adamw_gpu.py [--params 5e8]
+    python3 benchmarks/adamw_gpu.py [--params 5e8] [--moments bfloat16]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def timed(fn, n: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=5e8)
+    ap.add_argument("--moments", default="float32", choices=["float32", "bfloat16"],
+                    help="the kernel's moments (train.optim.moments); torch's row keeps fp32 ones")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     sizes = tensors(int(a.params), g)
@@ -68,21 +70,27 @@ def main() -> None:
     rows = [("torch fused AdamW (grad_scale) + copies", torch_step, 38)]
     real_table = adamw._table
 
-    defaults = adamw.BLOCK, adamw.ITERS
+    defaults = adamw.BLOCK, adamw.ITERS, adamw.WARPS
+    nbytes = 30 if a.moments == "float32" else 22  # fp32 w r/w, g, 2 moments r/w, the bf16 copy
+    if a.moments != "float32":
+        torch_step()  # the moments exist, then narrowed
+        adamw.set_moments(opt, a.moments)
 
-    def kernel(block: int, iters: int, hints: bool) -> None:
-        adamw.BLOCK, adamw.ITERS = block, iters
+    def kernel(block: int, iters: int, warps: int, hints: bool) -> None:
+        adamw.BLOCK, adamw.ITERS, adamw.WARPS = block, iters, warps
         adamw._table = real_table if hints else lambda *args: (real_table(*args)[0], False)
         try:
             adamw.update(opt, outs, scale, impl="triton")
         finally:
             adamw._table = real_table
-            adamw.BLOCK, adamw.ITERS = defaults
+            adamw.BLOCK, adamw.ITERS, adamw.WARPS = defaults
 
-    for block, iters, hints in ((512, 1, True), (512, 2, True), (512, 4, True), (512, 8, True), (256, 4, True),
-                                (1024, 2, True), (512, 4, False)):
-        rows.append((f"one kernel, BLOCK {block} x {iters}{'' if hints else ', no alignment hints'}",
-                     functools.partial(kernel, block, iters, hints), 30))
+    for block, iters, warps, hints in ((512, 4, 4, True), (512, 1, 4, True), (512, 2, 4, True), (512, 8, 4, True),
+                                       (256, 4, 4, True), (1024, 2, 4, True), (1024, 4, 4, True), (1024, 2, 8, True),
+                                       (2048, 1, 8, True), (2048, 2, 8, True), (2048, 1, 4, True), (4096, 1, 8, True),
+                                       (4096, 1, 16, True), (512, 4, 4, False)):
+        rows.append((f"one kernel, BLOCK {block} x {iters}, {warps} warps{'' if hints else ', no alignment hints'}",
+                     functools.partial(kernel, block, iters, warps, hints), nbytes))
 
     print(f"\n{torch.cuda.get_device_name()}  AdamW step over {n / 1e6:,.0f}M fp32 parameters in {len(sizes)} tensors")
     print(f"{'variant':44s} {'ms':>8s} {'B/param':>8s} {'GB/s':>8s}")

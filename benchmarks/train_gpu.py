@@ -26,6 +26,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --pre-launches  # mHC pre's partial sums, norm factor: torch vs its kernels
     python3 benchmarks/train_gpu.py --ab --rope-inplace  # o's gradient rotated into a copy vs in place
     python3 benchmarks/train_gpu.py --ab --mixes-prefetch  # the mixes' backward: loads in their step vs prefetched
+    python3 benchmarks/train_gpu.py --config flash_slice --ab --projections  # projection wgrads: hook vs main_grad
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --profile --graphs --options  # with the recipe's speed options on
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
@@ -488,6 +489,32 @@ def accum_arms(model):
 
     return [("CUDA graphs, weight gradients returned, then added", returned),
             ("CUDA graphs, weight gradients into main_grad (default)", lambda on: None)]
+
+
+def projections_arms(w):
+    """The replicated projections' (wq_a, wkv, the indexer's, MTP's e/h_proj), the fp32 ones'
+    (compressors, the router's gate) and wo_a's weight gradients returned in bf16 and added
+    into main_grad by the backward graph (DDP's hook, eagerly) against added into main_grad by
+    their GEMMs in fp32 (`ops.projection_main_grad`); and the mHC mixes' backward on a wider
+    column tile (BS 32, BK 128, 3 stages: `benchmarks/mixes_gpu.py --width 16384`'s fastest).
+    Each with the head's options + bf16 moments (moments_arms' last), the recipe's 31.4% row."""
+    from plugins.deepseek_v4 import ops
+    from plugins.deepseek_v4.kernels import mhc
+
+    options = moments_arms(w)[-1][1]
+    returned = _patch(ops, "projection_main_grad", lambda _w: None)
+    wide = _patch(mhc, "MIX_BWD", dict(BS=32, BK=128, GROUPS=8, warps=4, stages=3, prefetch=False))
+
+    def with_options(*switches):
+        def on_off(on: bool) -> None:
+            options(on)
+            for s in switches:
+                s(on)
+        return on_off
+
+    return [("CUDA graphs, options, projection wgrads returned", with_options(returned)),
+            ("CUDA graphs, options, projection wgrads into main_grad", with_options()),
+            ("CUDA graphs, options, into main_grad, mixes bwd BK 128", with_options(wide))]
 
 
 def head_split_arms():
@@ -996,6 +1023,8 @@ def main() -> None:
                     help="with --ab: only the mixes' backward with its loads in their step vs prefetched")
     ap.add_argument("--rope-inplace", action="store_true",
                     help="with --ab: only o's gradient rotated into a copy vs in place")
+    ap.add_argument("--projections", action="store_true",
+                    help="with --ab: the projections' weight gradients returned vs into main_grad; a wider mixes tile")
     ap.add_argument("--mixes-prec", action="store_true",
                     help="with --ab: the mHC mixes' tf32x3 dots vs bf16x3 (graphs)")
     ap.add_argument("--products", action="store_true", help="with --ab: only bf16 vs TF32 projections (graphs)")
@@ -1085,13 +1114,14 @@ def main() -> None:
                "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),
                "pre_launches": ("mHC pre's small launches", pre_launches_arms),
                "rope_inplace": ("o's gradient rotation", rope_inplace_arms),
-               "mixes_prefetch": ("mHC mixes' backward loads", mixes_prefetch_arms)}  # --ab --FLAG: its arms, graphs on
+               "mixes_prefetch": ("mHC mixes' backward loads", mixes_prefetch_arms),
+               "projections": ("projection weight gradients", projections_arms)}  # --ab --FLAG: its arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            takes = {"moments": w, "head_wgrad": w, "accum": w.model, "head_backward": w.model}
+            takes = {"moments": w, "head_wgrad": w, "projections": w, "accum": w.model, "head_backward": w.model}
             made = arms(takes[flag]) if flag in takes else arms()
             graphed_ab(w, mbs, a.steps, tokens, title, made)
         return

@@ -443,6 +443,58 @@ def test_embedding_adds_each_ids_rows_into_main_grad_once(rng: Rng, dev: str, pi
     assert_equal(w.grad, w_ref.grad, rng.tag("without main_grad: F.embedding's gradient"))
 
 
+@pytest.mark.parametrize("op", ["linear", "fp32_linear", "unrope_out_proj"])
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_projections_add_their_weight_gradient_into_main_grad(rng: Rng, dev: str, op: str) -> None:
+    """ops.linear (the replicated projections: wq_a, wkv, the indexer's, MTP's e/h_proj),
+    ops.fp32_linear (compressors, the router's gate) and ops.unrope_out_proj (wo_a), bf16, on a
+    weight with a main_grad (the trainer): over two micro-batches each weight gradient is added
+    into it summed in fp32 (float64's sums to 1e-5; a gradient rounded to bf16 before its add,
+    as DDP's hook added them, is ~1e-3 off), weight.grad stays None and the weight is announced
+    once a backward (main_grad_ready); the input gradient is bit for bit the one without a
+    main_grad, where the weight gradient comes back in the weight's dtype as before. On CUDA
+    too (the GPU suite): the GEMMs there add into main_grad in their epilogue."""
+    b, s, d, n, h, hd, groups = 2, 9, 24, 40, 4, 6, 2
+    ang = random_angles(rng, b, s, 1, half=2)
+    cos, sin = ang.cos().float().to(dev), ang.sin().float().to(dev)
+    if op == "unrope_out_proj":
+        xs = [rng.randn(b, s, h, hd, dtype=torch.bfloat16) for _ in range(2)]
+        w0 = rng.randn(groups * 5, h * hd // groups, dtype=torch.bfloat16)
+        fn = lambda x, w: ops.unrope_out_proj(x, cos, sin, w, groups)  # noqa: E731
+
+        def wgrad64(x, g):  # the rotated o the backward multiplies (bf16, as the op's), in float64
+            og = ops.apply_rope(x, cos, sin, inverse=True).double().reshape(b * s, groups, -1)
+            gg = g.double().reshape(b * s, groups, -1)
+            return torch.einsum("tgr,tgk->grk", gg, og).reshape(w0.shape)
+    else:
+        xs = [rng.randn(b, s, d, dtype=torch.bfloat16) for _ in range(2)]
+        w0 = rng.randn(n, d, dtype=torch.bfloat16) * d ** -0.5
+        fn = ops.linear if op == "linear" else (lambda x, w: ops.fp32_linear(x, w, dev == "cuda"))  # noqa: E731
+
+        def wgrad64(x, g):
+            return g.double().reshape(-1, n).t() @ x.double().reshape(-1, d)
+    xs, w0 = [x.to(dev) for x in xs], w0.to(dev)
+    gs = [rng.randn(*fn(xs[0], w0).shape, dtype=torch.float32).to(dev).to(fn(xs[0], w0).dtype) for _ in xs]
+    base = rng.randn(*w0.shape, dtype=torch.float32).to(dev)
+    w = w0.clone().requires_grad_()
+    w.main_grad, announced = base.clone(), []
+    w.main_grad_ready = lambda: announced.append(1)
+    plain = w0.clone().requires_grad_()
+    want = base.double()
+    for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        fn(xa, w).backward(g)
+        assert w.grad is None, rng.tag(f"{op}: the weight gradient went to main_grad")
+        assert len(announced) == i + 1, rng.tag(f"{op}: the weight announced once a backward")
+        fn(xb, plain).backward(g)
+        assert_equal(xa.grad, xb.grad, rng.tag(f"{op}: the input gradient as without main_grad"))
+        want = want + wgrad64(x, g)
+    assert_close(w.main_grad, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5, msg=rng.tag(f"{op} main_grad"))
+    assert plain.grad.dtype == w0.dtype, rng.tag(f"{op}: without main_grad the gradient in the weight's dtype")
+    assert_close(plain.grad, want - base.double(), atol=1e-2 * want.abs().max().item(), rtol=1e-2,
+                 msg=rng.tag(f"{op}: without main_grad"))
+
+
 def test_rope_cos_sin_matches_angles(rng: Rng) -> None:
     """Guards cos/sin computed at the wrong positions/frequencies or in low precision (angles
     pos*inv_freq must be formed in float64: positions reach 1M)."""

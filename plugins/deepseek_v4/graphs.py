@@ -18,11 +18,12 @@ What a graph needs, and where it comes from:
 - Parameter gradients never leave the backward graph: it adds each into the parameter's
   `main_grad` (Megatron DDP's fp32 buffer, at a fixed address) as DDP's hook would, and the
   bf16 gradient's memory goes back to the pool for the next block's capture. (The grouped
-  expert GEMMs and Megatron's linears, under gradient_accumulation_fusion, add theirs into
-  main_grad themselves: the aliases carry it.) DDP's hooks see no gradient: after each replay
-  the parameters whose main_grad the graph wrote are announced to it (ops.main_grad_written),
-  so the overlapped reduction (miles/train/ddp.py) counts them ready and reduces their
-  buckets during the backward, as it does for the eager blocks.
+  expert GEMMs, the projections (ops.projection_main_grad) and Megatron's linears, under
+  gradient_accumulation_fusion, add theirs into main_grad themselves: the aliases carry it.)
+  DDP's hooks see no gradient: after each replay the parameters whose main_grad the graph
+  wrote are announced to it (ops.main_grad_written), so the overlapped reduction
+  (miles/train/ddp.py) counts them ready and reduces their buckets during the backward, as
+  it does for the eager blocks.
 - Consecutive main layers share buffers: layer i+1's static input is layer i's static output,
   and layer i's output gradient is layer i+1's input gradient, so neither is copied.
 Only one process per model replica (TP = EP = CP = PP = 1; data parallelism is outside the
@@ -109,7 +110,7 @@ class _Graphed:
 
     def _alias_main_grads(self, real: bool) -> None:
         """Give the aliases the parameters' main_grad (ops that add their weight gradient
-        there themselves: the grouped expert GEMMs, Megatron's linears), or zeroed scratch
+        there themselves: the grouped expert GEMMs, the projections, Megatron's linears), or zeroed scratch
         ones for the warm-up, whose gradients must not reach the real buffers."""
         for p, a in zip(self.params, self.alias, strict=True):
             if a.requires_grad and hasattr(p, "main_grad"):

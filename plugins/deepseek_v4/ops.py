@@ -113,14 +113,15 @@ class _Fp32Linear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         split = split_products(g, x, w, ctx.needs_input_grad[:2]) if ctx.tf32 else None
         if split is not None:
-            return *split, None
-        gx = gw = None
-        with _cuda_matmul_precision(ctx.tf32):
-            if ctx.needs_input_grad[0]:
-                gx = (g @ w.float()).to(x.dtype)  # [..., K]
-            if ctx.needs_input_grad[1]:
-                gw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(w.dtype)  # [N, K]
-        return gx, gw, None
+            gx, gw = split
+        else:
+            gx = gw = None
+            with _cuda_matmul_precision(ctx.tf32):
+                if ctx.needs_input_grad[0]:
+                    gx = (g @ w.float()).to(x.dtype)  # [..., K]
+                if ctx.needs_input_grad[1]:
+                    gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()  # [N, K] fp32
+        return gx, None if gw is None else _into_main_grad(w, gw), None
 
 
 def bf16_on_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -166,7 +167,7 @@ def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     bf16 tensor cores, else None: the fp32 gradient g [..., N] as two bf16 terms (split_bf16)
     makes every product exact in fp32 and the GEMMs sum in fp32, so the gradients are those
     of g to 2^-17, where TF32 rounds g to 2^-11 and needs fp32 copies of x and w (a cast of
-    x each way). (dx [..., K] in x's dtype, rounded once by its GEMM; dw [N, K] in w's dtype.)
+    x each way). (dx [..., K] in x's dtype, rounded once by its GEMM; dw [N, K] in fp32.)
     Callers look it up on this module at call time (the A/B swaps it)."""
     if not bf16_on_cuda(x, w):
         return None
@@ -177,7 +178,7 @@ def split_products(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
         gx = torch.mm(g2, torch.cat((w, w))).view(*g.shape[:-1], k)  # [T, 2N] @ [2N, K]
     if needs[1]:
         p = torch.mm(g2.t(), x.reshape(-1, k), out_dtype=torch.float32)  # [2N, K]: hi's and lo's
-        gw = (p[:n] + p[n:]).to(w.dtype)
+        gw = p[:n] + p[n:]
     return gx, gw
 
 
@@ -227,6 +228,60 @@ def accumulate_wgrad(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> N
             main.add_(torch.mm(dy.t(), x, out_dtype=main.dtype))
     else:
         main.addmm_(dy.t().to(main.dtype), x.to(main.dtype))
+
+
+def projection_main_grad(w: torch.Tensor) -> torch.Tensor | None:
+    """main_grad_of(w) for the projections' backwards (linear, fp32_linear, unrope_out_proj):
+    where w has one they add their weight gradient into it, summed in fp32 (the micro-batches'
+    gradients are not each rounded to bf16 first, and DDP's hook has no add to do). Callers
+    look it up on this module at call time (the A/B swaps it)."""
+    return main_grad_of(w)
+
+
+def _into_main_grad(w: torch.Tensor, gw: torch.Tensor) -> torch.Tensor | None:
+    """A custom backward's weight gradient gw (fp32, w's shape): added into w.main_grad where w
+    has one (None returned, w announced), else gw in w's dtype."""
+    main = projection_main_grad(w)
+    if main is None:
+        return gw.to(w.dtype)
+    main.add_(gw.view_as(main))
+    main_grad_written(w)
+    return None
+
+
+class _Linear(torch.autograd.Function):
+    """x @ w^T whose weight gradient, where w has a `main_grad` (the trainer), is added into it
+    by the GEMM (accumulate_wgrad) as Megatron's linears do theirs (gradient_accumulation_fusion),
+    not returned in w's dtype for DDP's hook to add."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ w  # [..., K]
+        if ctx.needs_input_grad[1]:
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # [T, N], [T, K]
+            main = projection_main_grad(w)
+            if main is None:
+                dw = dy2.t() @ x2
+            else:
+                accumulate_wgrad(main, dy2, x2)
+                main_grad_written(w)
+        return dx, dw
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (x [..., K], w [N, K]) whose weight gradient goes into w.main_grad where
+    there is one (_Linear); without autograd, F.linear itself."""
+    if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+        return _Linear.apply(x, w)
+    return F.linear(x, w)
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor, tf32: bool = False) -> torch.Tensor:
@@ -942,10 +997,18 @@ class _UnropeOutProj(torch.autograd.Function):
         og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=ctx.fused), wo_a, ctx.groups)
         og = og.flatten(0, 1)  # [T, G, K]
         dyg = dy.reshape(og.shape[0], ctx.groups, -1)  # [T, G, R]
-        dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
+        main = projection_main_grad(wo_a)
+        if main is None:
+            dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
+            dw = dw.reshape(wo_a.shape).to(wo_a.dtype)
+        else:  # each group's [R, K] block of main_grad += dy_g^T og_g, summed in fp32 by its GEMM
+            for g, block in enumerate(main.view(ctx.groups, -1, og.shape[-1])):
+                accumulate_wgrad(block, dyg[:, g], og[:, g])
+            main_grad_written(wo_a)
+            dw = None
         do = _group_mm(dyg, w).reshape(o.shape)  # a fresh tensor: rotated in place
         # the inverse rotation's adjoint is the forward rotation
-        return apply_rope_(do, cos, sin, fused=ctx.fused), dw.reshape(wo_a.shape).to(wo_a.dtype), None, None, None, None
+        return apply_rope_(do, cos, sin, fused=ctx.fused), dw, None, None, None, None
 
 
 def unrope_out_proj(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,

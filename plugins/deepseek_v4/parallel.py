@@ -27,6 +27,7 @@ from .ops import (
     accumulate_wgrad,
     bf16_on_cuda,
     fp32_linear,
+    linear,
     main_grad_of,
     main_grad_written,
     split_bf16,
@@ -257,6 +258,16 @@ def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat((torch.arange(rank * n, (rank + 1) * n), torch.arange(late * n, (late + 1) * n)))
 
 
+class _Linear(nn.Linear):
+    """nn.Linear without bias through ops.linear: the same parameter and state-dict key."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 @dataclass
 class ParallelContext:
     """Single-process context: plain torch modules, no sharding."""
@@ -280,8 +291,9 @@ class ParallelContext:
         return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
     def replicated_linear(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
-        """Same weight on every rank (down-projections to latents, compressors, gates)."""
-        return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+        """Same weight on every rank (down-projections to latents, compressors, gates); its
+        weight gradient goes into main_grad where the trainer gives it one (ops.linear)."""
+        return _Linear(in_features, out_features, dtype)
 
     def embedding(self, num: int, dim: int, dtype: torch.dtype) -> nn.Module:
         return nn.Embedding(num, dim, dtype=dtype)
