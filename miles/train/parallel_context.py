@@ -191,6 +191,8 @@ class MegatronContext(ParallelContext):
         return self._split(_VocabEmbedding(num, dim, init_method=_no_init, config=self.mp), 0)
 
     def to_tp_region(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # nothing to sum (the casts below cost two copies each way)
+            return t
         # The backward all-reduce sums the TP ranks' partial gradients: in fp32, so a bf16
         # model rounds once (as one process does), not once per rank.
         return tp.copy_to_tensor_model_parallel_region(t.float()).to(t.dtype)
