@@ -598,15 +598,16 @@ def loss_region_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
 
 def moe_transient_bytes(cfg: DeepSeekV4Config, lay: Layout) -> int:
     """One MoE layer's forward temporaries beside what it keeps: the rows entering the experts
-    in fp32 and bf16 (to_tp_region's copies), the grouped output [M, d] bf16, the per-pair
-    outputs (the torch path's take_rows; kernels.moe sums the slots in registers) and their
-    fp32 sum."""
+    in fp32 and bf16 (to_tp_region's copies, TP > 1 only), the grouped output [M, d] bf16, the
+    per-pair outputs (the torch path's take_rows; kernels.moe sums the slots in registers) and
+    their fp32 sum."""
     t = lay.mbs * (lay.seq // lay.cp)
     d, k = cfg.hidden_size, cfg.num_experts_per_tok
     rows = t * k if lay.ep > 1 else t
     M = t * k + GROUP_ALIGN * cfg.n_routed_experts // lay.ep
     pairs = 0 if lay.fused_elementwise else BF16 * t * k * d
-    return (F32 + BF16) * rows * d + BF16 * M * d + pairs + F32 * t * d
+    copies = (F32 + BF16) * rows * d if lay.tp > 1 else 0
+    return copies + BF16 * M * d + pairs + F32 * t * d
 
 
 @dataclass

@@ -658,12 +658,14 @@ def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
 WGRAD_CASES = ([(700, 8, 192, 320), (2200, 4, 768, 1536)] if CUDA else [(50, 4, 24, 40)])
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("m,groups,n,k", WGRAD_CASES)
-def test_grouped_gemm_adds_its_weight_gradient_into_main_grad(seed, m, groups, n, k):
+def test_grouped_gemm_adds_its_weight_gradient_into_main_grad(seed, m, groups, n, k, recompute):
     """ops.grouped_matmul (fused) on a weight with a main_grad: the weight gradient of every
     group, summed in fp32 from the bf16 operands, is added into main_grad (float64 of the same
     values to fp32 rounding; w.grad stays None; an empty group's slice keeps its bits) and the
-    input gradient is torch's; on a weight without one, torch's grouped GEMM gradient."""
+    input gradient is torch's; on a weight without one, torch's grouped GEMM gradient. Under
+    recompute too (non-reentrant checkpoint: the saved weight is a copy without main_grad)."""
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(1, 2 * m // groups, (groups,), generator=g)
     sizes[1] = 0  # a group with no rows
@@ -684,7 +686,9 @@ def test_grouped_gemm_adds_its_weight_gradient_into_main_grad(seed, m, groups, n
         w = w0.to(DEV, copy=True).requires_grad_()
         if with_main:
             w.main_grad = main0.to(DEV, copy=True)
-        out = ops.grouped_matmul(a, w, offs.to(DEV), counts.to(DEV), fused=True)
+        def run(a_, w=w):
+            return ops.grouped_matmul(a_, w, offs.to(DEV), counts.to(DEV), fused=True)
+        out = torch.utils.checkpoint.checkpoint(run, a, use_reentrant=False) if recompute else run(a)
         out.backward(dy.to(DEV))
         assert rel(a.grad.float().cpu(), ref_a) < 1e-2
         if with_main:

@@ -443,17 +443,20 @@ def test_embedding_adds_each_ids_rows_into_main_grad_once(rng: Rng, dev: str, pi
     assert_equal(w.grad, w_ref.grad, rng.tag("without main_grad: F.embedding's gradient"))
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("op", ["linear", "fp32_linear", "unrope_out_proj"])
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_projections_add_their_weight_gradient_into_main_grad(rng: Rng, dev: str, op: str) -> None:
+def test_projections_add_their_weight_gradient_into_main_grad(rng: Rng, dev: str, op: str, recompute: bool) -> None:
     """ops.linear (the replicated projections: wq_a, wkv, the indexer's, MTP's e/h_proj),
     ops.fp32_linear (compressors, the router's gate) and ops.unrope_out_proj (wo_a), bf16, on a
     weight with a main_grad (the trainer): over two micro-batches each weight gradient is added
     into it summed in fp32 (float64's sums to 1e-5; a gradient rounded to bf16 before its add,
     as DDP's hook added them, is ~1e-3 off), weight.grad stays None and the weight is announced
     once a backward (main_grad_ready); the input gradient is bit for bit the one without a
-    main_grad, where the weight gradient comes back in the weight's dtype as before. On CUDA
-    too (the GPU suite): the GEMMs there add into main_grad in their epilogue."""
+    main_grad, where the weight gradient comes back in the weight's dtype as before. Under
+    recompute too (torch's non-reentrant checkpoint, as config.recompute runs a block: the
+    backward's saved weight is a detached copy without main_grad; planted, a lookup there
+    returns a bf16 w.grad). On CUDA where GPUs are visible: the GEMMs add in their epilogue."""
     b, s, d, n, h, hd, groups = 2, 9, 24, 40, 4, 6, 2
     ang = random_angles(rng, b, s, 1, half=2)
     cos, sin = ang.cos().float().to(dev), ang.sin().float().to(dev)
@@ -481,9 +484,13 @@ def test_projections_add_their_weight_gradient_into_main_grad(rng: Rng, dev: str
     w.main_grad_ready = lambda: announced.append(1)
     plain = w0.clone().requires_grad_()
     want = base.double()
+    run = fn
+    if recompute:
+        def run(x, w):
+            return torch.utils.checkpoint.checkpoint(lambda y: fn(y, w), x, use_reentrant=False)
     for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        fn(xa, w).backward(g)
+        run(xa, w).backward(g)
         assert w.grad is None, rng.tag(f"{op}: the weight gradient went to main_grad")
         assert len(announced) == i + 1, rng.tag(f"{op}: the weight announced once a backward")
         fn(xb, plain).backward(g)

@@ -101,7 +101,7 @@ class _Fp32Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, tf32: bool) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        ctx.tf32 = tf32
+        ctx.tf32, ctx.weight = tf32, w  # the parameter itself (the note above main_grad_written)
         z = bf16_products(x, w) if tf32 else None
         if z is not None:
             return z
@@ -121,7 +121,7 @@ class _Fp32Linear(torch.autograd.Function):
                     gx = (g @ w.float()).to(x.dtype)  # [..., K]
                 if ctx.needs_input_grad[1]:
                     gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()  # [N, K] fp32
-        return gx, None if gw is None else _into_main_grad(w, gw), None
+        return gx, None if gw is None else _into_main_grad(ctx.weight, gw), None
 
 
 def bf16_on_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -188,6 +188,12 @@ def main_grad_of(w: torch.Tensor) -> torch.Tensor | None:
     and return none (DDP's hook has nothing to add for them)."""
     main = getattr(w, "main_grad", None)
     return main if main is not None and main.is_contiguous() else None
+
+
+# Where an op looks for main_grad: on the weight its forward was given, kept as `ctx.weight`.
+# The tensors saved for the backward are not that parameter under recompute (torch's
+# non-reentrant checkpoint hands back a detached copy, with no main_grad and nothing to
+# announce): looked up there, the gradient would go back through DDP's hook in bf16.
 
 
 def main_grad_written(w: torch.Tensor) -> None:
@@ -257,6 +263,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)
+        ctx.weight = w
         return F.linear(x, w)
 
     @staticmethod
@@ -267,12 +274,12 @@ class _Linear(torch.autograd.Function):
             dx = dy @ w  # [..., K]
         if ctx.needs_input_grad[1]:
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # [T, N], [T, K]
-            main = projection_main_grad(w)
+            main = projection_main_grad(ctx.weight)
             if main is None:
                 dw = dy2.t() @ x2
             else:
                 accumulate_wgrad(main, dy2, x2)
-                main_grad_written(w)
+                main_grad_written(ctx.weight)
         return dx, dw
 
 
@@ -333,16 +340,17 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(ids, weight)
+        ctx.weight = weight
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         ids, weight = ctx.saved_tensors
-        main = main_grad_of(weight)
+        main = main_grad_of(ctx.weight)
         if main is None:
             return None, torch.ops.aten.embedding_backward(g, ids, weight.shape[0], -1, False, False)
         add_rows(main, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
-        main_grad_written(weight)
+        main_grad_written(ctx.weight)
         return None, None
 
 
@@ -801,6 +809,7 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, w, offs)
+        ctx.weight = w
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
 
     @staticmethod
@@ -809,7 +818,7 @@ class _GroupedMM(torch.autograd.Function):
         da = dw = None
         if ctx.needs_input_grad[0]:
             da = torch._grouped_mm(dy, w, offs=offs)  # [M, N] by [G, N, K] -> [M, K]
-        if ctx.needs_input_grad[1] and not wgrad_into_main_grad(dy, a, offs, w):
+        if ctx.needs_input_grad[1] and not wgrad_into_main_grad(dy, a, offs, ctx.weight):
             dw = torch._grouped_mm(dy.t(), a, offs=offs)  # [N, M] by [M, K] -> [G, N, K]
         return da, dw, None
 
@@ -986,7 +995,7 @@ class _UnropeOutProj(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, wo_a, cos, sin, groups: int, fused: bool):
         ctx.save_for_backward(o, wo_a, cos, sin)
-        ctx.groups, ctx.fused = groups, fused
+        ctx.groups, ctx.fused, ctx.weight = groups, fused, wo_a
         og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=fused), wo_a, groups)  # [B, S, G, K]
         y = _group_mm(og.flatten(0, 1), w.transpose(1, 2))  # [B*S, G, R]
         return y.reshape(*o.shape[:2], -1)  # a view of the strided bmm's output
@@ -997,14 +1006,14 @@ class _UnropeOutProj(torch.autograd.Function):
         og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=ctx.fused), wo_a, ctx.groups)
         og = og.flatten(0, 1)  # [T, G, K]
         dyg = dy.reshape(og.shape[0], ctx.groups, -1)  # [T, G, R]
-        main = projection_main_grad(wo_a)
+        main = projection_main_grad(ctx.weight)
         if main is None:
             dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
             dw = dw.reshape(wo_a.shape).to(wo_a.dtype)
         else:  # each group's [R, K] block of main_grad += dy_g^T og_g, summed in fp32 by its GEMM
             for g, block in enumerate(main.view(ctx.groups, -1, og.shape[-1])):
                 accumulate_wgrad(block, dyg[:, g], og[:, g])
-            main_grad_written(wo_a)
+            main_grad_written(ctx.weight)
             dw = None
         do = _group_mm(dyg, w).reshape(o.shape)  # a fresh tensor: rotated in place
         # the inverse rotation's adjoint is the forward rotation

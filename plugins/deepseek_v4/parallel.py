@@ -258,8 +258,9 @@ def cp_chunk(seq: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat((torch.arange(rank * n, (rank + 1) * n), torch.arange(late * n, (late + 1) * n)))
 
 
-class _Linear(nn.Linear):
-    """nn.Linear without bias through ops.linear: the same parameter and state-dict key."""
+class Linear(nn.Linear):
+    """nn.Linear without bias through ops.linear: the same parameter, state-dict key and class
+    name (the memory plan's ledger counts saved activations by module class)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
@@ -293,7 +294,7 @@ class ParallelContext:
     def replicated_linear(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
         """Same weight on every rank (down-projections to latents, compressors, gates); its
         weight gradient goes into main_grad where the trainer gives it one (ops.linear)."""
-        return _Linear(in_features, out_features, dtype)
+        return Linear(in_features, out_features, dtype)
 
     def embedding(self, num: int, dim: int, dtype: torch.dtype) -> nn.Module:
         return nn.Embedding(num, dim, dtype=dtype)
