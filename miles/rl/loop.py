@@ -19,7 +19,6 @@ pure functions in miles.algo; the rest of miles.rl moves data between them and t
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -112,27 +111,19 @@ def start_trainer_and_engines(s, job: JobConfig, shared):
     are None: start_engines after the trainer and its checkpoint."""
     if job.rollout.engine == "sglang" or shared is not None:
         return s.closing(start_trainer(job, shared), "shutdown"), None
-    ahead: Future = Future()
-
-    def start() -> None:
-        try:
-            ahead.set_result(start_trainer(job, shared))
-        except BaseException as e:  # noqa: BLE001  # raised in the driver's thread by result()
-            ahead.set_exception(e)
-
-    # a daemon thread: a start that hangs must not hold the driver's exit (its actors die with it)
-    threading.Thread(target=start, name="trainer-start", daemon=True).start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="trainer-start")
+    ahead = pool.submit(start_trainer, job, shared)
+    pool.shutdown(wait=False)
     s.stack.callback(_shutdown_when_up, ahead)  # however the start below ends
     engines = s.closing(start_engines(job, s.run_dir, None, 0), "shutdown")
     return ahead.result(), engines
 
 
-def _shutdown_when_up(ahead: Future, wait: float = 30.0) -> None:
-    """The trainer of start_trainer_and_engines shut down once up (a failed start has nothing
-    to shut down: its error is the caller's; one not up within `wait` seconds is left to Ray,
-    which ends a driver's actors with it)."""
+def _shutdown_when_up(ahead: Future) -> None:
+    """The trainer of start_trainer_and_engines shut down, once up (a failed start has nothing
+    to shut down; its error is raised by the caller's result())."""
     try:
-        trainer = ahead.result(timeout=wait)
+        trainer = ahead.result()
     except BaseException:  # noqa: BLE001
         return
     trainer.shutdown()
