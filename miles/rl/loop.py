@@ -50,12 +50,11 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                                       report=monitor.print, tools=tool_schemas(r.tools)))
         rewards = s.closing(Rewards.of(job.algo))
         shared = colocation(job)  # colocated on GPUs: the bundles trainer ranks and engines share
-        trainer, engines = start_trainer_and_engines(s, job, shared)
+        trainer = s.closing(start_trainer(job, shared), "shutdown")
         start = restore(job, ckpt, trainer, data)
         if r.sync == "disk":  # the versions written for the engines (the last one too: the run is over)
             s.stack.callback(remove_older_versions, sync_dir(job), job.train.steps + 1, sync_owner(job))
-        if engines is None:
-            engines = s.closing(start_engines(job, s.run_dir, trainer, start, shared), "shutdown")
+        engines = s.closing(start_engines(job, s.run_dir, trainer, start, shared), "shutdown")
         update_engines(job, trainer, engines, start)
         monitor.print(f"miles rl: {job.name}: {job.train.steps} rollouts of {r.rollout_batch_size} prompts x "
                       f"{r.n_samples_per_prompt} samples, {job.updates_per_rollout} optimizer step(s) each; "
@@ -100,33 +99,6 @@ def run_rl(job: JobConfig, stream: TextIO | None = None) -> RunResult:
                           f"RL, {summary[key]:.1%} after {job.train.steps} rollouts")
         monitor.summary(summary)
     return RunResult(s.run_dir, history, summary)
-
-
-def start_trainer_and_engines(s, job: JobConfig, shared):
-    """(trainer, engines) registered with the session `s` for shutdown. Embedded engines off the
-    trainer's GPUs need nothing of it (they start from seeded weights, not the trainer's, which
-    the first update brings): they start here while the trainer starts on a thread (the engines
-    here: the router is a subprocess tied to the thread that starts it). Otherwise (SGLang's
-    engines start from the trainer's weights on disk, colocated ones in its bundles) the engines
-    are None: start_engines after the trainer and its checkpoint."""
-    if job.rollout.engine == "sglang" or shared is not None:
-        return s.closing(start_trainer(job, shared), "shutdown"), None
-    pool = ThreadPoolExecutor(1, thread_name_prefix="trainer-start")
-    ahead = pool.submit(start_trainer, job, shared)
-    pool.shutdown(wait=False)
-    s.stack.callback(_shutdown_when_up, ahead)  # however the start below ends
-    engines = s.closing(start_engines(job, s.run_dir, None, 0), "shutdown")
-    return ahead.result(), engines
-
-
-def _shutdown_when_up(ahead: Future) -> None:
-    """The trainer of start_trainer_and_engines shut down, once up (a failed start has nothing
-    to shut down; its error is raised by the caller's result())."""
-    try:
-        trainer = ahead.result()
-    except BaseException:  # noqa: BLE001
-        return
-    trainer.shutdown()
 
 
 def restore(job: JobConfig, ckpt, trainer, data: PromptSource) -> int:
