@@ -5,8 +5,8 @@ parameter in it has its gradient, while the backward goes on: DDP's hook on each
 gradient accumulator adds the gradient into main_grad and counts the parameter ready. Some of
 the model's ops add a weight's gradient into main_grad themselves and hand autograd none (the
 grouped expert GEMMs, the LM/MTP head, the embedding, the projections of
-ops.projection_main_grad, the CUDA graphs' backward) or, from
-Megatron's linears, a dummy (none under recompute). Megatron's hook asserts a gradient under
+ops.projection_main_grad, the CUDA graphs' backward) or, from Megatron's linears, a dummy
+(none under recompute). Megatron's hook asserts a gradient under
 overlap, and the engine runs the accumulator of a None gradient on the thread that called
 backward, not on the device's thread: a bucket's collective launched from there could race the
 device thread's and go out in another order than on another rank. So those ops announce the
