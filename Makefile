@@ -40,7 +40,7 @@ test-all: test
 # On a CUDA machine (no venv there: scripts/gpu_install.sh puts the service on its python3): the
 # GPU-capable tests with the GPUs visible (make test hides them: the CPU suite on any machine).
 test-gpu:
-	MILES_TEST_GPU=1 $(PY) -m pytest tests/gpu tests/test_kernels.py -q
+	MILES_TEST_GPU=1 $(PY) -m pytest tests/gpu tests/test_kernels.py tests/test_ops.py -q
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
