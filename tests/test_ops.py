@@ -21,7 +21,6 @@ frequencies, non-symmetric mHC comb matrices.
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,9 +66,8 @@ class Rng:
 
 
 @pytest.fixture
-def rng() -> Rng:
-    seed = secrets.randbits(32)
-    print(f"torch seed = {seed}")  # shown by pytest when the test fails
+def rng(seed: int) -> Rng:
+    """On conftest's seed (printed; MILES_TEST_SEED=<it> replays a failure)."""
     gen = torch.Generator()
     gen.manual_seed(seed)
     return Rng(seed, gen)
@@ -1226,7 +1224,10 @@ def test_sorts_in_narrow_key_types_give_the_int64_order(rng: Rng) -> None:
 
     assert [sort_key_dtype(n) for n in (1, 2 ** 15, 2 ** 15 + 1, 2 ** 31, 2 ** 31 + 1)] == [
         torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
-    mask = rng.bern(0.3, 2, 9, 300)
+    # every row between 41 and 119 keys (a Bernoulli mask's rows fell outside now and then):
+    # rank < count over a random order of the 300 slots
+    counts = rng.randint(41, 120, 2, 9, 1)
+    mask = rng.uniform(2, 9, 300).argsort(-1).argsort(-1) < counts
     t = mask.shape[-1]
     ar = torch.arange(t)
     want = torch.where(mask, ar, t + ar).sort(dim=-1).indices[..., :120]
