@@ -130,7 +130,8 @@ def _dp_worker(rank: int, port: int, seed: int, out: str, clip_in_adam: bool = F
     for step in range(3):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        ddp(data[step, rank * 4:(rank + 1) * 4]).pow(2).mean().backward()
+        # a target off 0: with mean(y^2) the gradient shrinks toward 0 and fell under the clip (~1 in 1,700)
+        (ddp(data[step, rank * 4:(rank + 1) * 4]) - 1).pow(2).mean().backward()
         ddp.finish_grad_sync()
         if overflow and step == 1:  # the norm's sum of squares overflows fp32: inf
             model[2].weight.main_grad.mul_(1e30)
@@ -400,7 +401,7 @@ def test_ddp_distributed_optimizer_matches_single_process_adam(tmp_path, seed, c
     for step in range(3):
         opt.zero_grad()
         # each rank averages its half; DDP averages the two means = the full-batch mean
-        model(data[step]).pow(2).mean().backward()
+        (model(data[step]) - 1).pow(2).mean().backward()
         # Megatron's OptimizerConfig clips at grad norm 1.0 by default: the same clip here
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         assert norms[-1] > clip or not clip_in_adam  # the clip acts

@@ -604,7 +604,8 @@ def test_hc_pre_weights_are_sigmoid_plus_eps_and_post_times_two(rng: Rng) -> Non
     assert_equal(u[..., n:], torch.zeros(2, 3, d - n, dtype=F64), rng.tag("u only mixes the streams"))
     post_want = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     assert_close(post, post_want, atol=1e-6, rtol=1e-5, msg=rng.tag("post = 2 sigmoid(.)"))
-    assert ((post > 0) & (post < 2)).all() and post[..., 0].min() > 1.9, rng.tag("post in (0, 2), reaches ~2")
+    # fp32 sigmoid is 1.0 exactly past ~16.6: post reaches 2 itself
+    assert ((post > 0) & (post <= 2)).all() and post[..., 0].min() > 1.9, rng.tag("post in (0, 2], reaches ~2")
     assert post.dtype == comb.dtype == torch.float32, rng.tag("post/comb stay fp32")
     assert_close(comb.sum(-2), torch.ones(2, 3, n, dtype=F64), atol=0.25, rtol=0,
                  msg=rng.tag("comb columns ~1 (eps 0.1)"))
@@ -978,8 +979,15 @@ def test_routed_experts_match_per_token_loop(rng: Rng, first: int, n_local: int,
     the second case is an EP rank holding experts 2-4 of 8); a local expert without tokens
     gets a zero gradient. fp32 (the reference dispatch; same flops, different order)."""
     n, k, d, inter, limit = 23, 3, 16, 24, 1.5
-    x, idx, wt, w1, w3, w2 = _expert_inputs(rng, n, k, d, inter, n_experts, n_local, torch.float32,
-                                            idle=first + 1)
+    for _ in range(100):  # inputs whose w1 x, w3 x stay 1e-4 off the clamp's kinks at +-limit: the two
+        # sums round differently, and a value within that of a kink can take the other side's gradient
+        x, idx, wt, w1, w3, w2 = _expert_inputs(rng, n, k, d, inter, n_experts, n_local, torch.float32,
+                                                idle=first + 1)
+        e = idx - first
+        local, e = (e >= 0) & (e < n_local), e.clamp(0, n_local - 1)
+        pre = torch.stack([torch.einsum("tjid,td->tji", w[e], x)[local] for w in (w1, w3)])
+        if ((pre.abs() - limit).abs() > 1e-4).all():
+            break
     ins = [t.requires_grad_() for t in (x, wt, w1, w3, w2)]
     out = ops.routed_experts(ins[0], idx, ins[1], *ins[2:], first, limit, all_local=n_local == n_experts)
     ref = torch.zeros(n, d)
