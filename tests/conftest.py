@@ -105,6 +105,51 @@ def random_ids(seed: int, batch: int, seq: int, vocab: int = 320) -> torch.Tenso
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor) -> float:
+    """The smallest relative gap, over a forward of `ids`, between the k-th and (k+1)-th
+    candidates of the model's learned choices: each learned router's experts (score + bias)
+    and each indexer's picks (visible scores). Two forwards that round differently (whole vs
+    token by token, batched vs alone) can choose differently where a gap is within a few ulps;
+    tests that compare such forwards draw inputs whose gaps are wider."""
+    from plugins.deepseek_v4 import model as dsv4_model
+    from plugins.deepseek_v4 import ops
+    from plugins.deepseek_v4.model import Gate
+
+    gaps = [float("inf")]
+
+    def gap(s: torch.Tensor, k: int) -> None:  # s [..., candidates], -inf where not a candidate
+        if k < 1 or s.shape[-1] <= k:
+            return
+        top = s.sort(-1, descending=True).values[..., k - 1:k + 1]
+        ok = torch.isfinite(top).all(-1)
+        if ok.any():
+            a, b = top[ok].double().unbind(-1)
+            rel = (a - b) / a.abs().clamp_min(1e-3)
+            rel = rel[(a != b) | (a != 0)]  # zeros (the indexer's relus) tie in every forward
+            if rel.numel():
+                gaps.append(float(rel.min()))
+
+    def router(m, _, out):
+        if not m.is_hash:
+            gap(out[2].float() + m.bias, m.topk)
+
+    def picks(scores, visible, k):
+        gap(scores.float().masked_fill(~visible, float("-inf")), min(k, scores.shape[-1]))
+        return select(scores, visible, k)
+
+    select = ops.topk_select
+    hooks = [m.register_forward_hook(router) for m in model.modules() if isinstance(m, Gate)]
+    dsv4_model.ops.topk_select = picks
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        dsv4_model.ops.topk_select = select
+        for h in hooks:
+            h.remove()
+    return min(gaps)
+
+
 def engine_answers(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], max_running: int, submit,
                    max_len: int = 96) -> dict[str, dict]:
     """Every prompt through one embedded Engine, submitted together (requests join a running

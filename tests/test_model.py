@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, assert_finite, random_ids, tiny_model
+from conftest import assert_close, assert_finite, choice_margin, random_ids, tiny_model
 
 from miles.train import losses
 from miles.train.batching import MicroBatch
@@ -112,9 +112,13 @@ def test_causality(seed, t):
 def test_decode_matches_full_forward(seed, prompt):
     """Incremental decoding (window ring, compressor partial blocks and overlap state,
     compressed entries, indexer keys) gives the full forward's logits within 1e-5 (fp32),
-    across several compression blocks and windows."""
+    across several compression blocks and windows. Ids whose routers' and indexers' choices
+    are not near ties (a tie decided by one ulp goes either way: ~1 seed in 5,000 failed)."""
     model = tiny_model(seed).eval()
-    ids = random_ids(seed, 2, SEQ)
+    for i in range(50):
+        ids = random_ids(seed + 1000 * i, 2, SEQ)
+        if choice_margin(model, ids) > 1e-6:
+            break
     with torch.no_grad():
         full = model(ids).logits
     cache, slots = model.new_cache(2, SEQ + 1), torch.tensor([1, 0])  # slots in another order than rows
