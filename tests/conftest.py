@@ -105,12 +105,13 @@ def random_ids(seed: int, batch: int, seq: int, vocab: int = 320) -> torch.Tenso
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
-def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor) -> float:
+def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) -> float:
     """The smallest relative gap, over a forward of `ids`, between the k-th and (k+1)-th
-    candidates of the model's learned choices: each learned router's experts (score + bias)
-    and each indexer's picks (visible scores). Two forwards that round differently (whole vs
-    token by token, batched vs alone) can choose differently where a gap is within a few ulps;
-    tests that compare such forwards draw inputs whose gaps are wider."""
+    candidates of the model's learned choices (`forward`: the forward's other arguments):
+    each learned router's experts (score + bias) and each indexer's picks (visible scores).
+    Two forwards that round differently (whole vs token by token, batched vs alone) can choose
+    differently where a gap is within a few ulps; tests that compare such forwards draw inputs
+    whose gaps are wider. Zeros (the indexer's relus) tie in every forward and do not count."""
     from plugins.deepseek_v4 import model as dsv4_model
     from plugins.deepseek_v4 import ops
     from plugins.deepseek_v4.model import Gate
@@ -142,7 +143,7 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor) -> float:
     dsv4_model.ops.topk_select = picks
     try:
         with torch.no_grad():
-            model(ids)
+            model(ids, **forward)
     finally:
         dsv4_model.ops.topk_select = select
         for h in hooks:

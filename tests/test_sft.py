@@ -233,7 +233,7 @@ def test_packed_conversations_have_the_per_token_losses_and_gradients_of_each_al
     samples (multi-turn, thinking, tools) packed into rows equal those of each conversation
     run alone, and so do the gradients of the summed loss (LM, MTP, indexer). fp32 on CPU:
     the same ops on the same rows up to reduction order, so 1e-5."""
-    from conftest import assert_close
+    from conftest import assert_close, choice_margin
 
     from miles.train import losses
     from miles.train.batching import pack, to_micro_batch
@@ -249,7 +249,13 @@ def test_packed_conversations_have_the_per_token_losses_and_gradients_of_each_al
     chosen = kinds["chat"][:3] + kinds["thinking"][:2] + kinds.get("tools", [])[:1]
     path = write_jsonl(Path(__import__("tempfile").mkdtemp()) / "c.jsonl", chosen)
     samples = source(path, seq_len=1024, reasoning_effort="low").batch(1, len(chosen))
-    model = DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(vocab_size=512), seed=seed)
+    rows_ = pack(samples, max_tokens=1024)
+    assert any(len(r) > 1 for r in rows_), "something is packed"
+    packed = to_micro_batch(rows_)
+    for i in range(20):  # a model whose routers and indexers meet no near tie on these rows (~1 in 500 did)
+        model = DeepSeekV4ForCausalLM(DeepSeekV4Config.tiny(vocab_size=512), seed=seed + 1000 * i)
+        if choice_margin(model, packed.input_ids, doc_ids=packed.doc_ids) > 1e-6:
+            break
     ones = {k: torch.tensor(1.0) for k in ("lm", "mtp", "indexer", "balance")}
 
     def run(mb):
@@ -259,9 +265,7 @@ def test_packed_conversations_have_the_per_token_losses_and_gradients_of_each_al
         lp = losses.label_logprobs(model.ctx, out.logits, mb).detach()
         return lp, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
-    rows_ = pack(samples, max_tokens=1024)
-    assert any(len(r) > 1 for r in rows_), "something is packed"
-    packed_lp, packed_grads = run(to_micro_batch(rows_))
+    packed_lp, packed_grads = run(packed)
     alone_grads: dict[str, torch.Tensor] = {}
     for b, row in enumerate(rows_):
         at = 0
