@@ -151,6 +151,17 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) ->
     return min(gaps)
 
 
+def without_near_ties(model: DeepSeekV4ForCausalLM, draw, tries: int = 20):
+    """draw() again until the model meets no near tie (choice_margin above 1e-6) on what it drew:
+    a [B, S] tensor of ids, or a list of [S] / [B, S] ones (each its own forward)."""
+    for _ in range(tries):
+        got = draw()
+        rows = got if isinstance(got, list) else [got]
+        if min(choice_margin(model, t if t.dim() == 2 else t[None]) for t in rows) > 1e-6:
+            return got
+    return got
+
+
 def engine_answers(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], max_running: int, submit,
                    max_len: int = 96) -> dict[str, dict]:
     """Every prompt through one embedded Engine, submitted together (requests join a running

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, assert_finite, choice_margin, random_ids, tiny_model
+from conftest import assert_close, assert_finite, random_ids, tiny_model, without_near_ties
 
 from miles.train import losses
 from miles.train.batching import MicroBatch
@@ -115,10 +115,8 @@ def test_decode_matches_full_forward(seed, prompt):
     across several compression blocks and windows. Ids whose routers' and indexers' choices
     are not near ties (a tie decided by one ulp goes either way: ~1 seed in 5,000 failed)."""
     model = tiny_model(seed).eval()
-    for i in range(50):
-        ids = random_ids(seed + 1000 * i, 2, SEQ)
-        if choice_margin(model, ids) > 1e-6:
-            break
+    g = torch.Generator().manual_seed(seed)
+    ids = without_near_ties(model, lambda: torch.randint(0, 320, (2, SEQ), generator=g))
     with torch.no_grad():
         full = model(ids).logits
     cache, slots = model.new_cache(2, SEQ + 1), torch.tensor([1, 0])  # slots in another order than rows
@@ -155,7 +153,7 @@ def test_chunked_prefill_matches_full_forward(seed):
 def check_chunked_prefill(model: DeepSeekV4ForCausalLM, seed: int, atol: float) -> None:
     g = torch.Generator().manual_seed(seed)
     dev = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=g).to(dev)
+    ids = without_near_ties(model, lambda: torch.randint(0, model.config.vocab_size, (2, SEQ), generator=g).to(dev))
     with torch.no_grad():
         full = model(ids).logits
     firsts = [int(torch.randint(1, 20, (1,), generator=g)) for _ in range(2)]
@@ -183,7 +181,7 @@ def test_chunked_prefill_records_the_choices_of_a_whole_prefill(seed):
     length is refused."""
     model = tiny_model(seed).eval()
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (SEQ,), generator=g)
+    ids = without_near_ties(model, lambda: torch.randint(0, model.config.vocab_size, (SEQ,), generator=g))
     cache = model.new_cache(2, SEQ + 1)
     _, whole = model.prefill([ids], cache, [0], record=("routes", "picks"))
     got = {"routes": [], "picks": []}
@@ -204,7 +202,8 @@ def test_chunked_prefill_in_a_cache_shorter_than_a_compression_block(seed):
     """max_len 14, under the HCA ratio (16): that compressor keeps no entry; chunks still give
     the full forward's logits (1e-5)."""
     model = tiny_model(seed).eval()
-    ids = random_ids(seed, 1, 13)
+    g = torch.Generator().manual_seed(seed)
+    ids = without_near_ties(model, lambda: torch.randint(0, 320, (1, 13), generator=g))
     with torch.no_grad():
         full = model(ids).logits[0]
     cache, done = model.new_cache(1, 14), 0
@@ -224,7 +223,7 @@ def test_decode_on_the_kernel_path_matches_full_forward(seed):
     model = tiny_model(seed, kernels="triton").eval()
     model.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, 320, (n,), generator=g) for n in (30, 41)]
+    seqs = without_near_ties(ref, lambda: [torch.randint(0, 320, (n,), generator=g) for n in (30, 41)])
     lens = [3, 12]  # the rows complete their compression blocks at different steps
     with torch.no_grad():
         fulls = [ref(s[None]).logits[0] for s in seqs]
@@ -250,7 +249,8 @@ def test_decode_ragged_slots_reused(seed):
         model.prefill(list(old[:, :SEQ - 1]), cache, [0, 1, 2])  # fill the slots with other sequences
         model.decode(old[:, -1], cache, torch.tensor([0, 1, 2]))
         lens = [3, 21, 37]
-        seqs = [torch.randint(0, model.config.vocab_size, (n + 10,), generator=g) for n in lens]
+        seqs = without_near_ties(model, lambda: [torch.randint(0, model.config.vocab_size, (n + 10,), generator=g)
+                                                 for n in lens])
         last = model.prefill([s[:n] for s, n in zip(seqs, lens, strict=True)], cache, [2, 0, 1])
         cache.copy_slots([0], [3])  # a second sample of the 21-token prompt
         fulls = [model(s[None]).logits[0] for s in seqs]
@@ -270,7 +270,8 @@ def test_batched_equals_unbatched_with_padding_and_packing(seed):
     documents never see each other."""
     model = tiny_model(seed).eval()
     lens = [SEQ, 41, 23]
-    seqs = [random_ids(seed + i, 1, n)[0] for i, n in enumerate(lens)]
+    g = torch.Generator().manual_seed(seed)
+    seqs = without_near_ties(model, lambda: [torch.randint(0, 320, (n,), generator=g) for n in lens])
     with torch.no_grad():
         alone = [model(s[None]) for s in seqs]
         # batch: row 1 left-padded, row 2 right-padded
