@@ -105,6 +105,9 @@ def random_ids(seed: int, batch: int, seq: int, vocab: int = 320) -> torch.Tenso
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+NEAR_TIE = 1e-6  # a choice_margin under this is a near tie: a few ulps of fp32
+
+
 def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) -> float:
     """The smallest relative gap, over a forward of `ids`, between the k-th and (k+1)-th
     candidates of the model's learned choices (`forward`: the forward's other arguments):
@@ -112,7 +115,6 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) ->
     Two forwards that round differently (whole vs token by token, batched vs alone) can choose
     differently where a gap is within a few ulps; tests that compare such forwards draw inputs
     whose gaps are wider. Zeros (the indexer's relus) tie in every forward and do not count."""
-    from plugins.deepseek_v4 import model as dsv4_model
     from plugins.deepseek_v4 import ops
     from plugins.deepseek_v4.model import Gate
 
@@ -140,24 +142,24 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) ->
 
     select = ops.topk_select
     hooks = [m.register_forward_hook(router) for m in model.modules() if isinstance(m, Gate)]
-    dsv4_model.ops.topk_select = picks
+    ops.topk_select = picks  # model.py calls it through the module
     try:
         with torch.no_grad():
             model(ids, **forward)
     finally:
-        dsv4_model.ops.topk_select = select
+        ops.topk_select = select
         for h in hooks:
             h.remove()
     return min(gaps)
 
 
 def without_near_ties(model: DeepSeekV4ForCausalLM, draw, tries: int = 20):
-    """draw() again until the model meets no near tie (choice_margin above 1e-6) on what it drew:
+    """draw() again until the model meets no near tie (choice_margin above NEAR_TIE) on what it drew:
     a [B, S] tensor of ids, or a list of [S] / [B, S] ones (each its own forward)."""
     for _ in range(tries):
         got = draw()
         rows = got if isinstance(got, list) else [got]
-        if min(choice_margin(model, t if t.dim() == 2 else t[None]) for t in rows) > 1e-6:
+        if min(choice_margin(model, t if t.dim() == 2 else t[None]) for t in rows) > NEAR_TIE:
             return got
     return got
 
