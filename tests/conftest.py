@@ -108,13 +108,16 @@ def random_ids(seed: int, batch: int, seq: int, vocab: int = 320) -> torch.Tenso
 NEAR_TIE = 1e-6  # a choice_margin under this is a near tie: a few ulps of fp32
 
 
-def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) -> float:
+def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, greedy_at: torch.Tensor | None = None,
+                  **forward) -> float:
     """The smallest relative gap, over a forward of `ids`, between the k-th and (k+1)-th
     candidates of the model's learned choices (`forward`: the forward's other arguments):
-    each learned router's experts (score + bias) and each indexer's picks (visible scores).
-    Two forwards that round differently (whole vs token by token, batched vs alone) can choose
-    differently where a gap is within a few ulps; tests that compare such forwards draw inputs
-    whose gaps are wider. Zeros (the indexer's relus) tie in every forward and do not count."""
+    each learned router's experts (score + bias) and each indexer's picks (visible scores);
+    with `greedy_at` ([B, S] bool), also the top two logits at those positions (where the next
+    token was chosen greedily). Two forwards that round differently (whole
+    vs token by token, batched vs alone) can choose differently where a gap is within a few
+    ulps; tests that compare such forwards draw inputs whose gaps are wider. Zeros (the
+    indexer's relus) tie in every forward and do not count."""
     from plugins.deepseek_v4 import ops
     from plugins.deepseek_v4.model import Gate
 
@@ -145,7 +148,9 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, **forward) ->
     ops.topk_select = picks  # model.py calls it through the module
     try:
         with torch.no_grad():
-            model(ids, **forward)
+            out = model(ids, **forward)
+            if greedy_at is not None:
+                gap(out.head.logits()[greedy_at].float(), 1)  # [positions, V]
     finally:
         ops.topk_select = select
         for h in hooks:
@@ -162,6 +167,23 @@ def without_near_ties(model: DeepSeekV4ForCausalLM, draw, tries: int = 20):
         if min(choice_margin(model, t if t.dim() == 2 else t[None]) for t in rows) > NEAR_TIE:
             return got
     return got
+
+
+def answers_margin(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], answers: list[dict],
+                   greedy: bool = True) -> float:
+    """choice_margin over each prompt + the output_ids an engine answered it with, packed as
+    documents of one forward (greedy: its tokens were argmaxes, whose top two logits count too).
+    Engine tests that compare two runs (batched vs alone, chunked vs whole prefill) check it on
+    the reference run's answers and draw again under NEAR_TIE: a near tie there can choose
+    otherwise in the other run."""
+    seqs = [p + a["output_ids"] for p, a in zip(prompts, answers, strict=True)]
+    doc = torch.cat([torch.full((len(t),), i) for i, t in enumerate(seqs)])
+    pos = torch.cat([torch.arange(len(t)) for t in seqs])
+    first = torch.tensor([len(p) for p in prompts])[doc] - 1  # each document's position that chose its first output
+    last = torch.tensor([len(t) for t in seqs])[doc] - 1  # its last token chose nothing
+    dev = next(model.parameters()).device
+    return choice_margin(model, torch.tensor(sum(seqs, []), device=dev)[None], doc_ids=doc.to(dev)[None],
+                         greedy_at=((pos >= first) & (pos < last)).to(dev)[None] if greedy else None)
 
 
 def engine_answers(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], max_running: int, submit,
