@@ -158,13 +158,14 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, greedy_at: to
     return min(gaps)
 
 
-def without_near_ties(model: DeepSeekV4ForCausalLM, draw, tries: int = 20):
+def without_near_ties(model: DeepSeekV4ForCausalLM, draw, tries: int = 20, **forward):
     """draw() again until the model meets no near tie (choice_margin above NEAR_TIE) on what it drew:
-    a [B, S] tensor of ids, or a list of [S] / [B, S] ones (each its own forward)."""
+    a [B, S] tensor of ids, or a list of [S] / [B, S] ones (each its own forward; `forward`: the
+    forwards' other arguments)."""
     for _ in range(tries):
         got = draw()
         rows = got if isinstance(got, list) else [got]
-        if min(choice_margin(model, t if t.dim() == 2 else t[None]) for t in rows) > NEAR_TIE:
+        if min(choice_margin(model, t if t.dim() == 2 else t[None], **forward) for t in rows) > NEAR_TIE:
             return got
     return got
 

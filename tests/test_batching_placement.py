@@ -129,15 +129,20 @@ def test_colocation_on_gpus_shares_each_trainer_gpu_with_one_engine():
 def test_packed_rows_compute_what_the_samples_compute_alone(seed):
     """Packing is free of cross-talk end to end: the summed token losses of packed rows
     (documents apart by doc id, padding ignored, each sample's own loss mask) equal those of
-    each sample run alone (with one document id per row instead, lm differs by ~0.5)."""
-    from conftest import assert_close, tiny_model
+    each sample run alone (with one document id per row instead, lm differs by ~0.5). Samples
+    whose packed forward meets a near tie are drawn again (conftest.choice_margin)."""
+    from conftest import NEAR_TIE, assert_close, choice_margin, tiny_model
 
     from miles.train import losses
 
     model = tiny_model(seed)
-    samples = _samples(seed, 6)
+    for draw in range(20):
+        samples = _samples(seed + 1000 * draw, 6)
+        mb = to_micro_batch(pack(samples, max_tokens=48), pad_to_multiple=2)
+        if choice_margin(model, mb.input_ids, doc_ids=mb.doc_ids) > NEAR_TIE:
+            break
     ones = {k: torch.tensor(1.0) for k in ("lm", "mtp", "indexer", "balance")}
-    packed = losses.compute(model, to_micro_batch(pack(samples, max_tokens=48), pad_to_multiple=2), norm=ones)[1]
+    packed = losses.compute(model, mb, norm=ones)[1]
     alone = {k: 0.0 for k in ("lm_loss", "mtp_loss")}
     for x in samples:
         out = losses.compute(model, to_micro_batch([[x]]), norm=ones)[1].metrics

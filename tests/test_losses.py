@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, random_ids, tiny_model
+from conftest import assert_close, random_ids, tiny_model, without_near_ties
 
 from miles.train import losses
 from miles.train.batching import MicroBatch
@@ -28,14 +28,17 @@ def ones() -> dict[str, torch.Tensor]:
 
 def test_packed_loss_equals_separate_losses(seed):
     """Token losses of packed documents equal the separate runs (summed, unnormalised),
-    including the MTP loss, whose first token of each document has no prediction."""
+    including the MTP loss, whose first token of each document has no prediction. (Documents
+    with a near tie in the packed forward are drawn again: there the rounding may choose.)"""
     model = tiny_model(seed).eval()
-    a, b = random_ids(seed, 1, 37), random_ids(seed + 1, 1, 29)
+    docs = torch.tensor([[0] * 37 + [1] * 29])
+    g = torch.Generator().manual_seed(seed + 7)
+    ab = without_near_ties(model, lambda: torch.randint(0, 320, (1, 66), generator=g), doc_ids=docs)
+    a, b = ab[:, :37], ab[:, 37:]
     with torch.no_grad():
         la = losses.compute(model, MicroBatch.lm(a, labels_of(a)), norm=ones())[1].metrics
         lb = losses.compute(model, MicroBatch.lm(b, labels_of(b)), norm=ones())[1].metrics
-        docs = torch.tensor([[0] * 37 + [1] * 29])
-        mb = MicroBatch.lm(torch.cat((a, b), 1), torch.cat((labels_of(a), labels_of(b)), 1), docs)
+        mb = MicroBatch.lm(ab, torch.cat((labels_of(a), labels_of(b)), 1), docs)
         lp = losses.compute(model, mb, norm=ones())[1].metrics
     for k in ("lm_loss", "mtp_loss"):
         assert_close(lp[k], la[k] + lb[k], atol=1e-4, what=k)
@@ -73,9 +76,11 @@ def test_loss_values_and_mask(seed):
 
 def test_micro_batches_sum_to_full_batch_gradients(seed):
     """With the global batch's counts as normalisers, 1 micro-batch of 4 equals 4
-    micro-batches of 1 in every gradient, MTP and indexer auxiliary losses included."""
+    micro-batches of 1 in every gradient, MTP and indexer auxiliary losses included. (Ids with a
+    near tie are drawn again: rows alone and together round differently.)"""
     model = tiny_model(seed).train()
-    ids = random_ids(seed, 4, 40)
+    g = torch.Generator().manual_seed(seed + 7)
+    ids = without_near_ties(model, lambda: torch.randint(0, 320, (4, 40), generator=g))
     lab = labels_of(ids)
     lab[1, :13] = IGNORE_INDEX
     full_mb = MicroBatch.lm(ids, lab)
