@@ -176,7 +176,7 @@ def random_text(rng: random.Random) -> str:
 
 
 @pytest.mark.parametrize("with_calls", [False, True])
-def test_thinking_turn_with_empty_content_closes_its_reasoning(tok, with_calls):
+def test_thinking_turn_with_empty_content_closes_its_reasoning(tok, with_calls, seed):
     """Guards a thinking-mode turn with empty content (reasoning only, or reasoning and tool
     calls) losing its `</think>`: the recipe's `prefix` continuation of such a turn leaves the
     reasoning open. Each sample (expand: one per turn, earlier and last) is the recipe's encode
@@ -184,7 +184,7 @@ def test_thinking_turn_with_empty_content_closes_its_reasoning(tok, with_calls):
     (where history keeps reasoning: with tools), `<think>` R `</think>` [calls] end of sentence;
     everything after the header is trained, as for a turn with content, and the whole
     conversation with tools supervises the same tokens."""
-    rng = random.Random()
+    rng = random.Random(seed)
     first = {"role": "assistant", "content": "", "reasoning_content": random_text(rng)}
     if with_calls:
         first["tool_calls"] = [call("add", {"a": rng.randint(0, 999), "b": rng.randint(0, 999)})]
