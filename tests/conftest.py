@@ -114,10 +114,10 @@ def choice_margin(model: DeepSeekV4ForCausalLM, ids: torch.Tensor, greedy_at: to
     candidates of the model's learned choices (`forward`: the forward's other arguments):
     each learned router's experts (score + bias) and each indexer's picks (visible scores);
     with `greedy_at` ([B, S] bool), also the top two logits at those positions (where the next
-    token was chosen greedily). Two forwards that round differently (whole
-    vs token by token, batched vs alone) can choose differently where a gap is within a few
-    ulps; tests that compare such forwards draw inputs whose gaps are wider. Zeros (the
-    indexer's relus) tie in every forward and do not count."""
+    token was chosen greedily). Two forwards that round differently (whole vs token by token,
+    batched vs alone) can choose differently where a gap is within a few ulps; tests that
+    compare such forwards draw inputs whose gaps are wider. Zeros (the indexer's relus) tie in
+    every forward and do not count."""
     from plugins.deepseek_v4 import ops
     from plugins.deepseek_v4.model import Gate
 
