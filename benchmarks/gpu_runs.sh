@@ -4,6 +4,7 @@
 # scripts/gpu_install.sh` (README: "A GPU machine without network").
 #
 #   bash benchmarks/gpu_runs.sh tests     # tests/gpu: engine, sync, jobs (two GPUs: ~8 min); SFT weights kept
+#   bash benchmarks/gpu_runs.sh cpusuite  # the CPU suite (GPUs hidden), two threads a process (needs numpy 2.3.5)
 #   bash benchmarks/gpu_runs.sh sync      # weight sync at 1b by CUDA IPC and NCCL, with the parts (two GPUs)
 #   bash benchmarks/gpu_runs.sh engine    # the FP8, expert kernel and engine tests; decode at 1b: bf16, FP8; its profile
 #   bash benchmarks/gpu_runs.sh chunked   # the engine's GPU tests (chunked prefill among them); a long prompt's stall, whole vs chunked
@@ -37,6 +38,15 @@ case "${1:-}" in
 tests)
     run engine-tests 200 python3 -m pytest -q tests/gpu/test_sync_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider
     run job-tests 380 python3 -m pytest -q -x tests/gpu/test_jobs_gpu.py --basetemp="$keep" -p no:cacheprovider
+    ;;
+cpusuite)
+    # torch takes a thread a core in every test process and rank; two each, and workers to fill
+    # the cores (676 of 720 tests in 300 s on 32 cores). -v: each result as it comes, cut or not.
+    workers=$(( $(nproc) / 2 - 2 ))
+    workers=$(( workers > 14 ? 14 : (workers < 2 ? 2 : workers) ))
+    OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 TAIL=40 run cpu-suite 560 python3 -m pytest -n "$workers" --dist loadfile \
+        --no-loadscope-reorder -v -p no:cacheprovider --junitxml="$logs/cpu-suite.xml"
+    grep -c " PASSED " "$logs/cpu-suite.log"
     ;;
 sync)
     run sync 300 python3 benchmarks/rollout.py --configs 1b --sync-only --paths shared broadcast
@@ -86,7 +96,7 @@ layouts2)
     run layouts2 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep2-sync ep2 tp2 --profile --stall-after 200
     ;;
 *)
-    sed -n 2,16p "$0"
+    sed -n '2,/^# Logs/p' "$0"
     exit 2
     ;;
 esac
