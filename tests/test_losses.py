@@ -180,7 +180,8 @@ def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
     float64 from the logits at the rollouts' temperature, log_softmax(z / T): loss, head
     gradient, clip fraction; the entropy metric is the tempered softmax's too, and the
     trainer-engine metrics (mean and largest |log-prob difference|, the k3 KL) are theirs
-    against rollout log-probs that differ from the trainer's."""
+    against rollout log-probs that differ from the trainer's. (Old log-probs that put a ratio
+    within 1e-4 of a clip edge are drawn again: there fp32 and float64 may clip otherwise.)"""
     from miles.algo.losses import response_weights
 
     model = tiny_model(seed)
@@ -193,7 +194,13 @@ def test_policy_loss_in_the_trainer_is_the_formula(seed, temperature):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         lp0 = losses.compute(model, MicroBatch(ids, lab, mask))[1].logprobs
-    old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
+        lp_t = torch.log_softmax(model(ids).head.logits().double() / temperature, -1)
+        lp_t = lp_t.gather(-1, lab.clamp_min(0)[..., None])[..., 0]  # [B, S]
+    for _ in range(20):
+        old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
+        r = torch.exp(lp_t - old.double())[mask.bool()]
+        if all(((r / edge - 1).abs() > 1e-4).all() for edge in (0.8, 1.28, 3.0)):
+            break
     roll = lp0 + 0.2 * torch.randn(lp0.shape, generator=g)  # the engine's (no TIS: only measured)
     adv = torch.tensor([1.3, -0.8, 0.4])
     weights = torch.tensor(response_weights([int(n) for n in mask.sum(1)], "seq_mean_token_mean", 24))
