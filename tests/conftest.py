@@ -183,7 +183,7 @@ def answers_margin(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], answe
     first = torch.tensor([len(p) for p in prompts])[doc] - 1  # each document's position that chose its first output
     last = torch.tensor([len(t) for t in seqs])[doc] - 1  # its last token chose nothing
     dev = next(model.parameters()).device
-    return choice_margin(model, torch.tensor(sum(seqs, []), device=dev)[None], doc_ids=doc.to(dev)[None],
+    return choice_margin(model, torch.tensor([t for s in seqs for t in s], device=dev)[None], doc_ids=doc.to(dev)[None],
                          greedy_at=((pos >= first) & (pos < last)).to(dev)[None] if greedy else None)
 
 
