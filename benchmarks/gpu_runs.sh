@@ -4,7 +4,8 @@
 # scripts/gpu_install.sh` (README: "A GPU machine without network").
 #
 #   bash benchmarks/gpu_runs.sh tests     # tests/gpu: engine, sync, jobs (two GPUs: ~8 min); SFT weights kept
-#   bash benchmarks/gpu_runs.sh cpusuite  # the CPU suite (GPUs hidden), two threads a process (needs numpy 2.3.5)
+#   bash benchmarks/gpu_runs.sh cpusuite  # the CPU suite (GPUs hidden), two threads a process (needs numpy 2.3.5;
+#                                         # CPUSUITE_S: its time limit, 540 s)
 #   bash benchmarks/gpu_runs.sh sync      # weight sync at 1b by CUDA IPC and NCCL, with the parts (two GPUs)
 #   bash benchmarks/gpu_runs.sh engine    # the FP8, expert kernel and engine tests; decode at 1b: bf16, FP8; its profile
 #   bash benchmarks/gpu_runs.sh chunked   # the engine's GPU tests (chunked prefill among them); a long prompt's stall, whole vs chunked
@@ -40,13 +41,19 @@ tests)
     run job-tests 380 python3 -m pytest -q -x tests/gpu/test_jobs_gpu.py --basetemp="$keep" -p no:cacheprovider
     ;;
 cpusuite)
-    # torch takes a thread a core in every test process and rank; two each, and workers to fill
-    # the cores (676 of 720 tests in 300 s on 32 cores). -v: each result as it comes, cut or not.
-    workers=$(( $(nproc) / 2 - 2 ))
-    workers=$(( workers > 14 ? 14 : (workers < 2 ? 2 : workers) ))
-    OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 TAIL=40 run cpu-suite 560 python3 -m pytest -n "$workers" --dist loadfile \
-        --no-loadscope-reorder -v -p no:cacheprovider --junitxml="$logs/cpu-suite.xml"
-    grep -c " PASSED " "$logs/cpu-suite.log"
+    # torch takes a thread a core in every test process and rank; two each. With a file a
+    # worker (--dist loadfile) test_rl.py ran over 535 s on one (358 s on CI): it gets three
+    # workers of its own, a test each at a time.
+    workers=$(( $(nproc) / 2 - 5 ))
+    workers=$(( workers > 11 ? 11 : (workers < 2 ? 2 : workers) ))
+    export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES=
+    limit=${CPUSUITE_S:-540}
+    TAIL=3 run cpu-suite-rl "$limit" python3 -m pytest tests/test_rl.py -n 3 --dist load -v -p no:cacheprovider \
+        --junitxml="$logs/cpu-suite-rl.xml" &
+    TAIL=40 run cpu-suite "$limit" python3 -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -v \
+        -p no:cacheprovider --ignore=tests/test_rl.py --junitxml="$logs/cpu-suite.xml"
+    wait
+    cat "$logs"/cpu-suite*.log | grep -c " PASSED "
     ;;
 sync)
     run sync 300 python3 benchmarks/rollout.py --configs 1b --sync-only --paths shared broadcast
