@@ -1,15 +1,17 @@
 """The lightning indexer's scores on one GPU: sum_h w relu(q_h . k_g) in fp32 at the ~1B
-config's CSA shape (4096 tokens, 16 heads of 128, 1024 compressed entries), forward and
-backward, the PyTorch path (`ops.indexer_scores`: chunked fp32 bmm's, relu, head sum) against
-the Triton kernel's tiles and dot precisions (`kernels.indexer.indexer_scores`: Triton's tf32x3,
-the operands split by hand, ieee). Each row checks its results against float64 (largest
-relative error of the scores and of the q, k, w gradients). dq and dk of any fp32-accurate
-dots that are not IEEE fp32 land 1e-5 to 1e-3 from float64's: a dot within rounding of 0
-flips its relu gate and adds or drops a whole term (tests/test_kernels.py checks them
-through the kernel's own gate). One row bounds the entries causally (hi = (t + 1) // ratio,
-as the model passes `SequenceLayout.entry_bound`): the tiles past the bound skipped.
+config's CSA shape (4096 tokens, 16 heads of 128, 1024 compressed entries; V4-Flash's 64 heads
+by --heads 64), forward and backward, the PyTorch path (`ops.indexer_scores`: chunked fp32 bmm's,
+relu, head sum) against the Triton kernel's tiles and dot precisions
+(`kernels.indexer.indexer_scores`: Triton's tf32x3, the operands split by hand, bf16 dots with
+the fp32 operand in three pieces, ieee). q is bf16 as the model passes it (--fp32-q: fp32).
+Each row checks its results against float64 (largest relative error of the scores and of the
+q, k, w gradients). dq and dk of any fp32-accurate dots that are not IEEE fp32 land 1e-5 to
+1e-3 from float64's: a dot within rounding of 0 flips its relu gate and adds or drops a whole
+term (tests/test_kernels.py checks them through the kernel's own gate). One row bounds the
+entries causally (hi = (t + 1) // ratio, as the model passes `SequenceLayout.entry_bound`):
+the tiles past the bound skipped.
 
-    python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--quick]
+    python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--heads 16] [--fp32-q] [--quick]
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="the defaults only")
+    ap.add_argument("--quick", action="store_true", help="the default tiles only (each precision)")
+    ap.add_argument("--fp32-q", action="store_true", help="q in fp32 (the model's is bf16)")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, a.seq, a.heads, a.dim, generator=g)
+    q = q if a.fp32_q else q.bfloat16()
     k = torch.randn(1, a.entries, a.dim, generator=g)
     w = torch.randn(1, a.seq, a.heads, generator=g) * a.heads ** -0.5
     cot = torch.randn(1, a.seq, a.entries, generator=g).cuda()
@@ -69,7 +73,7 @@ def main() -> None:
     del ref, ins64
     ins = [t.cuda() for t in (q, k, w)]
     print(f"\n{torch.cuda.get_device_name()}  indexer scores: {a.seq} tokens, {a.heads} heads of {a.dim}, "
-          f"{a.entries} entries, fp32; us (median); relative error vs float64: scores / dq / dk / dw")
+          f"{a.entries} entries, q {q.dtype}; us (median); relative error vs float64: scores / dq / dk / dw")
     print(f"{'variant':48s} {'fwd':>8s} {'bwd':>8s}   errors")
     fwd0, bwd0, errs = measure(ops.indexer_scores, ins, cot, refs)
     print(f"{'torch: chunked fp32 bmm + relu + head sum':48s} {fwd0:8.1f} {bwd0:8.1f}   "
@@ -78,11 +82,12 @@ def main() -> None:
     fwd, bwd, errs = measure(lambda *x: indexer.indexer_scores(*x, hi), ins, cot, causal_refs)
     print(f"{'kernel defaults, causal bound (tiles past it skipped)':48s} {fwd:8.1f} {bwd:8.1f}   "
           + " / ".join(f"{e:.1e}" for e in errs) + f"   {(fwd0 + bwd0) / (fwd + bwd):.2f}x")
-    rows = [("defaults", keep[1], keep[0])]  # (name, precision, tiles): the defaults first
+    precs = ["bf16x3", "split3", "tf32x3"]
+    rows = [("defaults", prec, keep[0]) for prec in precs]  # (name, precision, tiles): the default tiles first
     if not a.quick:  # every tile for both passes (the forward ignores split), each precision
         rows += [(f"BT {bt} BG {bg} split {sp} warps {wa}", prec,
                   {"fwd": dict(BT=bt, BG=bg, warps=wa), "bwd": dict(BT=bt, BG=bg, SPLIT=sp, warps=wa)})
-                 for prec, bt, bg, sp, wa in itertools.product(["tf32x3", "split3"], [32, 64], [32, 64, 128],
+                 for prec, bt, bg, sp, wa in itertools.product(precs[:2], [32, 64], [32, 64, 128],
                                                                [8, 16], [4, 8])]
         rows.append(("defaults", "ieee", keep[0]))  # for scale
     try:

@@ -27,6 +27,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --rope-inplace  # o's gradient rotated into a copy vs in place
     python3 benchmarks/train_gpu.py --ab --mixes-prefetch  # the mixes' backward: loads in their step vs prefetched
     python3 benchmarks/train_gpu.py --config flash_slice --ab --projections  # projection wgrads: hook vs main_grad
+    python3 benchmarks/train_gpu.py --config flash_slice --ab --score-prec  # the indexer's dots: split3 vs bf16x3
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
     python3 benchmarks/train_gpu.py --profile --graphs --options  # with the recipe's speed options on
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
@@ -577,6 +578,22 @@ def indexer_arms():
             ("CUDA graphs, indexer score kernels (default)", lambda on: None)]
 
 
+def score_prec_arms(w):
+    """The indexer's forward dots and dk as "split3" (three TF32 products of split fp32
+    operands, q's zero low half among them) against "bf16x3" (bf16 dots of q with the fp32
+    operand in three bf16 pieces; default), both with the head's options + bf16 moments."""
+    from plugins.deepseek_v4.kernels import indexer
+
+    options, split3 = moments_arms(w)[-1][1], _patch(indexer, "SCORE_PREC", "split3")
+
+    def both(on: bool) -> None:
+        split3(on)
+        options(on)
+
+    return [("CUDA graphs, options, indexer dots split3", both),
+            ("CUDA graphs, options, indexer dots bf16x3 (default)", options)]
+
+
 def head_arms():
     """The LM/MTP heads' chunk log-softmax and its gradient through torch against
     `kernels.cross_entropy` (one read forward, one pass backward)."""
@@ -766,13 +783,14 @@ def compile_experiment(w, mbs, mode: str, steps: int, tokens: int) -> None:
 
 
 # ---------------------------------------------------------------------------- diagnostics
-def profile_step(w, mbs, shapes: bool = False, gaps: bool = False, trace: str | None = None) -> None:
+def profile_step(w, mbs, shapes: bool = False, gaps: bool = False, trace: str | None = None, rows: int = 45) -> None:
     """Where one step's time goes (CUDA time per op, host syncs, GPU idle) and what the
     first micro-batch's forward keeps for the backward (saved tensors by module). With
     `shapes`, also the CUDA time per (op, input shapes): the shapes name the projection or
     the elementwise chain (eager only; inside CUDA graphs the profiler sees kernels, not ops).
     With `gaps`, where the GPU waits for the host (`idle_gaps`; the stacks slow the host, so the
-    gaps read longer than in an unprofiled step). `trace`: a Chrome trace of the step to that file."""
+    gaps read longer than in an unprofiled step). `trace`: a Chrome trace of the step to that file.
+    `rows`: how many of the ops and kernels to list (the longest first)."""
     w.train_step(mbs)
     w.train_step(mbs)
     torch.cuda.synchronize()
@@ -791,11 +809,12 @@ def profile_step(w, mbs, shapes: bool = False, gaps: bool = False, trace: str | 
                                                       "cuLaunchKernelEx", "cudaLaunchKernelExC")}
     print(f"\nstep wall {wall * 1e3:.1f} ms, GPU kernels {kernel_us / 1e3:.1f} ms "
           f"({kernel_us / 1e6 / wall:.0%}); {syncs}")
-    print(ev.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+    print(ev.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
     print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     if shapes:
         print(prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_device_time_total", row_limit=110, max_name_column_width=40, max_shapes_column_width=90))
+            sort_by="self_device_time_total", row_limit=max(rows, 110), max_name_column_width=40,
+            max_shapes_column_width=90))
     if gaps:
         idle_gaps(prof)
     if trace:
@@ -1011,6 +1030,7 @@ def main() -> None:
     ap.add_argument("--shapes", action="store_true", help="with --profile: CUDA time per op and input shapes")
     ap.add_argument("--gaps", action="store_true", help="with --profile: where the GPU waits for the host")
     ap.add_argument("--trace", help="with --profile: write the step's Chrome trace to this file")
+    ap.add_argument("--rows", type=int, default=45, help="with --profile: how many ops and kernels to list")
     ap.add_argument("--options", action="store_true",
                     help="with --profile: the recipe's speed options on (head logits kept, dz in 1 term, bf16 moments)")
     ap.add_argument("--host-waits", action="store_true", help="with --ab: only the step's host waits vs none")
@@ -1041,6 +1061,8 @@ def main() -> None:
                     help="with --ab: AdamW's moments in bf16 vs fp32, and with the head's options")
     ap.add_argument("--indexer", action="store_true", help="with --ab: only the indexer score kernels vs torch")
     ap.add_argument("--head", action="store_true", help="with --ab: only the head's log-softmax kernels vs torch")
+    ap.add_argument("--score-prec", action="store_true",
+                    help="with --ab: the indexer's dots split3 vs bf16x3 (with the options)")
     ap.add_argument("--norm-rope", action="store_true", help="with --ab: only q's norm+RoPE kernel vs two kernels")
     ap.add_argument("--moves", action="store_true", help="with --ab: only the MoE's row-move kernels vs torch")
     ap.add_argument("--pre", action="store_true", help="with --ab: only mHC's pre as one autograd node vs three")
@@ -1090,7 +1112,7 @@ def main() -> None:
         build("triton", graphs=a.graphs)
         if a.options:
             moments_arms(w)[-1][1](True)
-        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes, a.gaps, a.trace)
+        sync_sites(w, mbs) if a.syncs else profile_step(w, mbs, a.shapes, a.gaps, a.trace, a.rows)
         return
     if a.compile != "none":
         build("triton")
@@ -1101,6 +1123,7 @@ def main() -> None:
                "out_proj": ("grouped out-projection", out_proj_arms), "wgrad": ("expert weight gradient", wgrad_arms),
                "wgrad_tiles": ("expert weight-gradient tiles", wgrad_tiles_arms),
                "indexer": ("indexer scores", indexer_arms), "head": ("head log-softmax", head_arms),
+               "score_prec": ("indexer dots", score_prec_arms),
                "norm_rope": ("q norm and RoPE", norm_rope_arms), "moves": ("MoE row moves", moves_arms),
                "pre": ("mHC pre", pre_arms), "accum": ("weight gradient accumulation", accum_arms),
                "head_split": ("head backward", head_split_arms), "streams": ("mHC stream gradients", streams_arms),
@@ -1121,7 +1144,8 @@ def main() -> None:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            takes = {"moments": w, "head_wgrad": w, "projections": w, "accum": w.model, "head_backward": w.model}
+            takes = {"moments": w, "head_wgrad": w, "projections": w, "score_prec": w,
+                     "accum": w.model, "head_backward": w.model}
             made = arms(takes[flag]) if flag in takes else arms()
             graphed_ab(w, mbs, a.steps, tokens, title, made)
         return

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, new_output, tile_span, within_head_dim
+from .mhc import _bf16x3, _dot3
 from .sparse_attention import _mm
 
 _CONFIGS = ([triton.Config({"BT": 16, "BG": 16, "BD": 16}, num_warps=4, num_stages=1)] if INTERPRET else
@@ -139,22 +140,33 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 # per-split partials, summed once (no atomics: deterministic). Entries at or past a token's
 # bound hi[b, t] (one past its last visible entry: the causal triangle, a document's start)
 # score 0 and pass no gradient, and tiles wholly past every bound of their tokens are skipped:
-# about half the products of a causal sequence. Dots: SCORE_PREC "tf32x3"
+# about half the products of a causal sequence. Dots of two fp32 operands: SCORE_PREC "tf32x3"
 # (Triton's three TF32 products), "split3" (the same three products from operands split
-# here by masking the low 13 bits), or "ieee".
+# here by masking the low 13 bits), or "ieee". "bf16x3" (the default): those dots as split3,
+# but where q is bf16 (the model's, from the Hadamard kernel) the forward's q . k and dk's
+# dd^T q are bf16 dots with the fp32 operand in three bf16 pieces (mhc's _bf16x3 and _dot3,
+# as the mHC mixes do): every product exact (8 x 8 bits), summed in fp32, at the bf16 rate
+# (twice TF32's) and with no split of q; split3 there drops nothing either (q's low TF32
+# half is 0) but spends a third of its products on that zero half.
 # The model's kernel path (`ops.indexer_scores(fused=True)`); `benchmarks/indexer_gpu.py` times the tiles.
 # H100, benchmarks/indexer_gpu.py: the forward is fastest at 64-token tiles, the backward at 32
 # (its e and dk accumulators are [tile, 128] fp32); "split3" 15% faster than tf32x3 there.
-SCORE_PREC = "split3"
+SCORE_PREC = "bf16x3"
 SCORE_TILES = ({"fwd": dict(BT=16, BG=32, warps=4), "bwd": dict(BT=16, BG=64, SPLIT=2, warps=4)} if INTERPRET else
                {"fwd": dict(BT=64, BG=32, warps=4), "bwd": dict(BT=32, BG=32, SPLIT=16, warps=4)})
 
 
 @triton.jit
-def _q_tile(Q, b, t, h, S, H, D: tl.constexpr):
-    """q[b, t, h, :] [BT, D] fp32 of a contiguous [B, S, H, D] tensor (rows past S are 0)."""
+def _q_rows(Q, b, t, h, S, H, D: tl.constexpr):
+    """q[b, t, h, :] [BT, D] in q's dtype, of a contiguous [B, S, H, D] tensor (rows past S are 0)."""
     d = tl.arange(0, D)
-    return tl.load(Q + ((b * S + t) * H + h)[:, None] * D + d[None, :], mask=(t < S)[:, None], other=0.0).to(tl.float32)
+    return tl.load(Q + ((b * S + t) * H + h)[:, None] * D + d[None, :], mask=(t < S)[:, None], other=0.0)
+
+
+@triton.jit
+def _q_tile(Q, b, t, h, S, H, D: tl.constexpr):
+    """_q_rows in fp32."""
+    return _q_rows(Q, b, t, h, S, H, D).to(tl.float32)
 
 
 @triton.jit
@@ -205,11 +217,15 @@ def _split(x):
     return hi, x - hi
 
 
+_UPCAST = tl.constexpr(INTERPRET)  # _dot3's: the interpreter misreads bf16 dot operands
+
+
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """a [M, K] @ b [K, N] in fp32: "split3" sums hi.hi + hi.lo + lo.hi (TF32 products, the
-    one dropped lo.lo is 2^-20 of a product), otherwise tl.dot at input_precision PREC."""
-    if PREC == "split3":
+    """a [M, K] @ b [K, N] in fp32: "split3" (and "bf16x3", for two fp32 operands) sums
+    hi.hi + hi.lo + lo.hi (TF32 products, the one dropped lo.lo is 2^-20 of a product),
+    otherwise tl.dot at input_precision PREC."""
+    if PREC == "split3" or PREC == "bf16x3":
         ah, al = _split(a)
         bh, bl = _split(b)
         acc = tl.dot(al, bh, input_precision="tf32")
@@ -227,7 +243,7 @@ def _bounds(HI, b, t, S):
 
 @triton.jit
 def _scores_fwd(Q, K, W, HI, OUT, BITS, S, G, H, NW, D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, PIECES: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     g0 = tl.program_id(1) * BG
@@ -237,8 +253,14 @@ def _scores_fwd(Q, K, W, HI, OUT, BITS, S, G, H, NW, D: tl.constexpr, BT: tl.con
     acc = tl.zeros([BT, BG], tl.float32)
     if g0 < tl.max(hi, 0):  # else no token of the tile sees an entry of it: zeros, gates off
         kt = tl.trans(_k_tile(K, b, g, G, D))  # [D, BG]
+        if PIECES:
+            k0, k1, k2 = _bf16x3(kt)
         for h in range(H):
-            dots = _dot(_q_tile(Q, b, t, h, S, H, D), kt, PREC)  # [BT, BG]; 0 past G
+            if PIECES:
+                qh = _q_rows(Q, b, t, h, S, H, D)
+                dots = _dot3(qh, qh, qh, k0, k1, k2, _UPCAST)  # [BT, BG]; 0 past G
+            else:
+                dots = _dot(_q_tile(Q, b, t, h, S, H, D), kt, PREC)
             acc += _w_col(W, b, t, h, S, H)[:, None] * tl.maximum(dots, 0.0)
             at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
             tl.store(at, _pack(seen & (dots > 0), BT, BG), mask=inside)
@@ -272,7 +294,7 @@ def _scores_bwd_q(Q, K, W, HI, DS, BITS, DQ, DW, S, G, H, NW, D: tl.constexpr, B
 
 @triton.jit
 def _scores_bwd_k(Q, W, HI, DS, BITS, DK, S, G, H, NW, span, D: tl.constexpr, BT: tl.constexpr,
-                  BG: tl.constexpr, PREC: tl.constexpr):
+                  BG: tl.constexpr, PREC: tl.constexpr, PIECES: tl.constexpr):
     """This token split's share of dk[b, g] = sum_{t, h} [dot > 0] ds[t, g] w[t, h] q[t, h]
     (token tiles that see no entry of this tile skipped)."""
     b = tl.program_id(2).to(tl.int64)
@@ -289,8 +311,18 @@ def _scores_bwd_k(Q, W, HI, DS, BITS, DK, S, G, H, NW, span, D: tl.constexpr, BT
                 at, inside = _bits_at(BITS, b, t, h, g0, S, H, NW, BG)
                 on = _unpack(tl.load(at, mask=inside, other=0), BT, BG)
                 dd = tl.where(on, ds * _w_col(W, b, t, h, S, H)[:, None], 0.0)  # [BT, BG]
-                dk += _dot(tl.trans(dd), _q_tile(Q, b, t, h, S, H, D), PREC)  # [BG, D]
+                if PIECES:
+                    d0, d1, d2 = _bf16x3(tl.trans(dd))  # [BG, BT] each
+                    qh = _q_rows(Q, b, t, h, S, H, D)
+                    dk += _dot3(d0, d1, d2, qh, qh, qh, _UPCAST)  # [BG, D]
+                else:
+                    dk += _dot(tl.trans(dd), _q_tile(Q, b, t, h, S, H, D), PREC)
     tl.store(DK + ((part * tl.num_programs(2) + b) * G + g)[:, None] * D + d[None, :], dk, mask=(g < G)[:, None])
+
+
+def _pieces_apply(q: torch.Tensor) -> bool:
+    """Whether q's dots take the other operand in bf16 pieces ("bf16x3" and a bf16 q)."""
+    return SCORE_PREC == "bf16x3" and q.dtype == torch.bfloat16
 
 
 class _Scores(torch.autograd.Function):
@@ -305,7 +337,7 @@ class _Scores(torch.autograd.Function):
         if out.numel():
             _scores_fwd[(triton.cdiv(s, t["BT"]), triton.cdiv(g, t["BG"]), b)](
                 q, k, w, hi, out, bits, s, g, h, nw, D=d, BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
-                num_warps=t["warps"])
+                PIECES=_pieces_apply(q), num_warps=t["warps"])
         ctx.save_for_backward(q, k, w, bits, hi)
         return out
 
@@ -324,7 +356,7 @@ class _Scores(torch.autograd.Function):
                                                            BG=t["BG"], PREC=SCORE_PREC, num_warps=t["warps"])
             _scores_bwd_k[(triton.cdiv(g, t["BG"]), parts, b)](q, w, hi, ds, bits, dk, s, g, h, nw, span, D=d,
                                                                BT=t["BT"], BG=t["BG"], PREC=SCORE_PREC,
-                                                               num_warps=t["warps"])
+                                                               PIECES=_pieces_apply(q), num_warps=t["warps"])
         else:
             for x in (dq, dw, dk):
                 x.zero_()
