@@ -12,6 +12,8 @@ entries causally (hi = (t + 1) // ratio, as the model passes `SequenceLayout.ent
 the tiles past the bound skipped.
 
     python3 benchmarks/indexer_gpu.py [--seq 4096] [--entries 1024] [--heads 16] [--fp32-q] [--quick]
+    python3 benchmarks/indexer_gpu.py --mass   # the indexer's target (attention_mass) at V4-Flash's
+                                               # attention: 64 heads of 512
 """
 
 from __future__ import annotations
@@ -48,6 +50,31 @@ def measure(scores, ins, cot, refs) -> tuple[float, float, list[float]]:
     return fwd * 1e3, bwd * 1e3, errs
 
 
+def mass_table(seq: int, entries: int) -> None:
+    """attention_mass at V4-Flash's attention shape (64 heads of 512, bf16 q and entries, the
+    core's lse over every entry, ~half the causally visible entries chosen): the kernel's time
+    and its relative error against float64."""
+    from triton.testing import do_bench
+
+    heads, dim = 64, 512
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seq, heads, dim, generator=g).bfloat16().cuda()
+    e = torch.randn(1, entries, dim, generator=g).bfloat16().cuda()
+    scale = dim ** -0.5
+    logit = torch.einsum("bshd,bgd->bshg", q.double(), e.double()) * scale  # [1, S, H, G]
+    lse = torch.logsumexp(logit, -1).view(seq, heads)  # as the core's: every entry counted
+    ratio = max(1, seq // max(1, entries))
+    hi = ((torch.arange(seq) + 1) // ratio).clamp(max=entries).cuda()
+    chosen = (torch.rand(1, seq, entries, generator=g).cuda() < 0.5) & (torch.arange(entries).cuda() < hi[:, None])
+    want = (torch.exp(logit - lse.view(1, seq, heads, 1)).sum(2) * chosen).cpu()
+    del logit
+    print(f"\n{torch.cuda.get_device_name()}  attention_mass: {seq} tokens, {heads} heads of {dim}, {entries} "
+          "entries, bf16; us (median); relative error vs float64")
+    got = indexer.attention_mass(q, e, lse.float(), chosen, scale)
+    us = do_bench(lambda: indexer.attention_mass(q, e, lse.float(), chosen, scale), return_mode="median")
+    print(f"kernel {us * 1e3:9.1f}   {rel(got.cpu(), want):.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=4096)
@@ -56,7 +83,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="the default tiles only (each precision)")
     ap.add_argument("--fp32-q", action="store_true", help="q in fp32 (the model's is bf16)")
+    ap.add_argument("--mass", action="store_true", help="attention_mass's kernel instead")
     a = ap.parse_args()
+    if a.mass:
+        mass_table(a.seq, a.entries)
+        return
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, a.seq, a.heads, a.dim, generator=g)
     q = q if a.fp32_q else q.bfloat16()

@@ -9,8 +9,8 @@ over heads (no gradient).
 lse is the attention core's log-denominator (sink included), so this is exactly the
 probability the core gave entry g. The PyTorch path materialises the fp32 logits
 [B, H, S, G] (1 GiB per CSA layer at S = 4096, H = 64); here one program owns a
-[BT tokens, BG entries] tile and loops over heads and D chunks with bf16 tensor-core dots
-(fp32 accumulation), so only the [B, S, G] result is written.
+[BT tokens, BG entries] tile, keeps its entries and loops over heads, a bf16 tensor-core dot
+each (fp32 accumulation), so only the [B, S, G] result is written.
 """
 
 from __future__ import annotations
@@ -19,39 +19,40 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, new_output, tile_span, within_head_dim
+from . import INTERPRET, new_output, tile_span
 from .mhc import _bf16x3, _dot3
 from .sparse_attention import _mm
 
-_CONFIGS = ([triton.Config({"BT": 16, "BG": 16, "BD": 16}, num_warps=4, num_stages=1)] if INTERPRET else
-            [triton.Config({"BT": bt, "BG": bg, "BD": bd}, num_warps=w, num_stages=st)
-             for bt, bg, bd, w, st in [(64, 64, 64, 4, 2), (64, 64, 128, 4, 2), (64, 128, 64, 8, 2),
-                                       (128, 64, 64, 8, 2), (128, 128, 64, 8, 2), (64, 64, 32, 4, 3),
-                                       (32, 64, 64, 4, 2), (16, 32, 16, 4, 2)]])
+# A program's entries [BG, D] are loaded once and each head's q tile [BT, D] is one dot with
+# them. (Loading both for every head and D chunk of 64 doubled the L2 traffic at V4's 64
+# heads of 512: 875 against 794 us on an H200, benchmarks/indexer_gpu.py --mass.) Configs past
+# the shared memory at D = 512 fail to compile and the autotuner passes them over.
+_CONFIGS = ([triton.Config({"BT": 16, "BG": 16}, num_warps=4, num_stages=1)] if INTERPRET else
+            [triton.Config({"BT": bt, "BG": bg}, num_warps=w, num_stages=st)
+             for bt, bg, w, st in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2),
+                                   (32, 32, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (16, 32, 4, 2)]])
 
 
-@triton.autotune(_CONFIGS, key=["H", "D"], prune_configs_by={"early_config_prune": within_head_dim("BD")})
+@triton.autotune(_CONFIGS, key=["H", "D"])
 @triton.jit
 def _mass(Q, E, LSE, CH, OUT, scale, S, G, H, sq_b, sq_s, sq_h, se_b, se_g, sc_b, sc_s, so_b, so_s,
-          D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+          D: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # t * stride can pass 2^31
     g = tl.program_id(1) * BG + tl.arange(0, BG)
+    d = tl.arange(0, D)
     tmask, gmask = t < S, g < G
     tile = tmask[:, None] & gmask[None, :]
     chosen = tl.load(CH + b * sc_b + t[:, None] * sc_s + g[None, :], mask=tile, other=0) != 0  # [BT, BG]
     acc = tl.zeros([BT, BG], tl.float32)
-    # a tile with no chosen entry (past the causal triangle: half the tiles) stores its zeros
-    for h in range(tl.where(tl.max(tl.max(chosen.to(tl.int32), 1), 0) > 0, H, 0)):
-        s = tl.zeros([BT, BG], tl.float32)
-        for d0 in range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
+    if tl.max(tl.max(chosen.to(tl.int32), 1), 0) > 0:  # else (past the causal triangle: half the tiles) zeros
+        et = tl.trans(tl.load(E + b * se_b + g[:, None] * se_g + d[None, :], mask=gmask[:, None], other=0.0))
+        for h in range(H):
             qh = tl.load(Q + b * sq_b + t[:, None] * sq_s + h * sq_h + d[None, :], mask=tmask[:, None], other=0.0)
-            e = tl.load(E + b * se_b + g[:, None] * se_g + d[None, :], mask=gmask[:, None], other=0.0)
-            s += _mm(qh, tl.trans(e), IEEE)
-        lse = tl.load(LSE + (b * S + t) * H + h, mask=tmask, other=0.0)
-        # unchosen entries may exceed lse (overflow to inf): masked before they are summed
-        acc += tl.where(chosen, tl.exp(s * scale - lse[:, None]), 0.0)
+            s = _mm(qh, et, IEEE)  # [BT, BG] over all D
+            lse = tl.load(LSE + (b * S + t) * H + h, mask=tmask, other=0.0)
+            # unchosen entries may exceed lse (overflow to inf): masked before they are summed
+            acc += tl.where(chosen, tl.exp(s * scale - lse[:, None]), 0.0)
     tl.store(OUT + b * so_b + t[:, None] * so_s + g[None, :], acc, mask=tile)
 
 
