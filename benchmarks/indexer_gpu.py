@@ -113,9 +113,9 @@ def main() -> None:
     fwd, bwd, errs = measure(lambda *x: indexer.indexer_scores(*x, hi), ins, cot, causal_refs)
     print(f"{'kernel defaults, causal bound (tiles past it skipped)':48s} {fwd:8.1f} {bwd:8.1f}   "
           + " / ".join(f"{e:.1e}" for e in errs) + f"   {(fwd0 + bwd0) / (fwd + bwd):.2f}x")
-    precs = ["bf16x3", "split3", "tf32x3"]
+    precs = ["split3", "tf32x3"] if a.fp32_q else ["bf16x3", "split3", "tf32x3"]  # bf16x3 is split3 for fp32 q
     rows = [("defaults", prec, keep[0]) for prec in precs]  # (name, precision, tiles): the default tiles first
-    if not a.quick:  # every tile for both passes (the forward ignores split), each precision
+    if not a.quick:  # every tile for both passes (the forward ignores split), the first two precisions
         rows += [(f"BT {bt} BG {bg} split {sp} warps {wa}", prec,
                   {"fwd": dict(BT=bt, BG=bg, warps=wa), "bwd": dict(BT=bt, BG=bg, SPLIT=sp, warps=wa)})
                  for prec, bt, bg, sp, wa in itertools.product(precs[:2], [32, 64], [32, 64, 128],

@@ -28,7 +28,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --mixes-prefetch  # the mixes' backward: loads in their step vs prefetched
     python3 benchmarks/train_gpu.py --config flash_slice --ab --projections  # projection wgrads: hook vs main_grad
     python3 benchmarks/train_gpu.py --config flash_slice --ab --score-prec  # the indexer's dots: split3 vs bf16x3
-    python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes]  # CUDA time per op, host syncs, saved activations
+    python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes] [--rows N]  # time per op, syncs, activations
     python3 benchmarks/train_gpu.py --profile --graphs --options  # with the recipe's speed options on
     python3 benchmarks/train_gpu.py --profile --graphs --gaps [--trace FILE]  # and where the GPU waits for the host
     python3 benchmarks/train_gpu.py --memory [--graphs]  # what sets the peak memory (allocator history)

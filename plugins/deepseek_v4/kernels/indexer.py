@@ -147,8 +147,8 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 # but where q is bf16 (the model's, from the Hadamard kernel) the forward's q . k and dk's
 # dd^T q are bf16 dots with the fp32 operand in three bf16 pieces (mhc's _bf16x3 and _dot3,
 # as the mHC mixes do): every product exact (8 x 8 bits), summed in fp32, at the bf16 rate
-# (twice TF32's) and with no split of q; split3 there drops nothing either (q's low TF32
-# half is 0) but spends a third of its products on that zero half.
+# (twice TF32's) and with no split of q; split3 there spends a third of its products on q's
+# zero low half and keeps 11 of the up to 13 bits of k's low half (~2^-21 of k).
 # The model's kernel path (`ops.indexer_scores(fused=True)`); `benchmarks/indexer_gpu.py` times the tiles.
 # H100, benchmarks/indexer_gpu.py: the forward is fastest at 64-token tiles, the backward at 32
 # (its e and dk accumulators are [tile, 128] fp32); "split3" 15% faster than tf32x3 there.
@@ -332,7 +332,7 @@ class _Scores(torch.autograd.Function):
         b, s, h, d = q.shape
         g, t = k.shape[1], SCORE_TILES["fwd"]
         nw = triton.cdiv(g, 32)
-        q, k, w = (x.contiguous() for x in (q, k, w))  # as they come (bf16 q): the kernels load fp32
+        q, k, w = (x.contiguous() for x in (q, k, w))  # as they come: bf16 q read as such (bf16x3) or widened
         out = new_output((b, s, g), q, torch.float32)
         bits = new_output((b, s, h, nw), q, torch.int32)  # every word written (tiles past the bounds: zeros)
         if out.numel():
