@@ -70,8 +70,9 @@ def mass_table(seq: int, entries: int) -> None:
     del logit
     print(f"\n{torch.cuda.get_device_name()}  attention_mass: {seq} tokens, {heads} heads of {dim}, {entries} "
           "entries, bf16; us (median); relative error vs float64")
-    got = indexer.attention_mass(q, e, lse.float(), chosen, scale)
-    us = do_bench(lambda: indexer.attention_mass(q, e, lse.float(), chosen, scale), return_mode="median")
+    lse32 = lse.float()  # the core's dtype
+    got = indexer.attention_mass(q, e, lse32, chosen, scale)
+    us = do_bench(lambda: indexer.attention_mass(q, e, lse32, chosen, scale), return_mode="median")
     print(f"kernel {us * 1e3:9.1f}   {rel(got.cpu(), want):.1e}")
 
 

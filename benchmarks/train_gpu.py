@@ -316,6 +316,14 @@ def _patch(module, attr: str, value):
     return lambda on: setattr(module, attr, value if on else original)
 
 
+def _together(*switches):
+    """One switch(on) that turns all of `switches` on or off, in order."""
+    def switch(on: bool) -> None:
+        for sw in switches:
+            sw(on)
+    return switch
+
+
 def mixes_arms():
     """mHC's gate inputs through torch's projection and norm against the mixes kernel, both
     as separate autograd nodes (the one-node pre is `--pre`'s change)."""
@@ -539,13 +547,9 @@ def head_backward_arms(model):
     def one_term(on: bool) -> None:
         c.head_grad_terms = 1 if on else 2
 
-    def both(on: bool) -> None:
-        keep(on)
-        one_term(on)
-
     return [("CUDA graphs, head recomputes, dz in 2 terms (default)", lambda on: None),
             ("CUDA graphs, head logits kept", keep), ("CUDA graphs, head dz in 1 bf16 term", one_term),
-            ("CUDA graphs, head logits kept, dz in 1 term", both)]
+            ("CUDA graphs, head logits kept, dz in 1 term", _together(keep, one_term))]
 
 
 def moments_arms(w):
@@ -560,13 +564,8 @@ def moments_arms(w):
             adamw.set_moments(o.optimizer, "bfloat16" if on else "float32")  # converted at the next step
 
     head_both = head_backward_arms(w.model)[-1][1]
-
-    def all_three(on: bool) -> None:
-        bf16(on)
-        head_both(on)
-
     return [("CUDA graphs, fp32 moments (default)", lambda on: None), ("CUDA graphs, bf16 moments", bf16),
-            ("CUDA graphs, head options + bf16 moments", all_three)]
+            ("CUDA graphs, head options + bf16 moments", _together(bf16, head_both))]
 
 
 def indexer_arms():
@@ -585,12 +584,7 @@ def score_prec_arms(w):
     from plugins.deepseek_v4.kernels import indexer
 
     options, split3 = moments_arms(w)[-1][1], _patch(indexer, "SCORE_PREC", "split3")
-
-    def both(on: bool) -> None:
-        split3(on)
-        options(on)
-
-    return [("CUDA graphs, options, indexer dots split3", both),
+    return [("CUDA graphs, options, indexer dots split3", _together(split3, options)),
             ("CUDA graphs, options, indexer dots bf16x3 (default)", options)]
 
 
@@ -684,19 +678,12 @@ def head_wgrad_arms(w):
 
     per_chunk, wider = _patch(parallel, "HEAD_WGRAD_BYTES", 0), _patch(parallel, "HEAD_WGRAD_BYTES", 1 << 30)
     options = moments_arms(w)[-1][1]
-
-    def also(switch):
-        def both(on: bool) -> None:
-            switch(on)
-            options(on)
-        return both
-
     return [("CUDA graphs, head wgrad a chunk a GEMM", per_chunk),
             ("CUDA graphs, head wgrad over chunks (default)", lambda on: None),
             ("CUDA graphs, head wgrad over chunks, 1 GiB", wider),
-            ("CUDA graphs, options + bf16 moments, a chunk a GEMM", also(per_chunk)),
+            ("CUDA graphs, options + bf16 moments, a chunk a GEMM", _together(per_chunk, options)),
             ("CUDA graphs, options + bf16 moments, over chunks", options),
-            ("CUDA graphs, options + bf16 moments, over chunks, 1 GiB", also(wider))]
+            ("CUDA graphs, options + bf16 moments, over chunks, 1 GiB", _together(wider, options))]
 
 
 def add_cast_arms():
