@@ -672,18 +672,34 @@ def embedding_arms():
 
 def head_wgrad_arms(w):
     """The heads' weight-gradient GEMM a chunk at a time (each reads and writes the whole fp32
-    main_grad [V, d]) against over chunks gathered up to parallel.HEAD_WGRAD_BYTES (default),
-    with the default head and with the head's options + bf16 moments (moments_arms' last)."""
+    main_grad [V, d]) against over chunks gathered into a buffer of parallel.HEAD_WGRAD_BYTES
+    (default 1 GiB) and of half and twice that, with the head's options + bf16 moments
+    (moments_arms' last, the recipe's speed path)."""
     from plugins.deepseek_v4 import parallel
 
-    per_chunk, wider = _patch(parallel, "HEAD_WGRAD_BYTES", 0), _patch(parallel, "HEAD_WGRAD_BYTES", 1 << 30)
     options = moments_arms(w)[-1][1]
-    return [("CUDA graphs, head wgrad a chunk a GEMM", per_chunk),
-            ("CUDA graphs, head wgrad over chunks (default)", lambda on: None),
-            ("CUDA graphs, head wgrad over chunks, 1 GiB", wider),
-            ("CUDA graphs, options + bf16 moments, a chunk a GEMM", _together(per_chunk, options)),
-            ("CUDA graphs, options + bf16 moments, over chunks", options),
-            ("CUDA graphs, options + bf16 moments, over chunks, 1 GiB", _together(wider, options))]
+    size = lambda n: _together(_patch(parallel, "HEAD_WGRAD_BYTES", n), options)  # noqa: E731
+    return [("CUDA graphs, options, head wgrad a chunk a GEMM", size(0)),
+            ("CUDA graphs, options, head wgrad over 512 MiB", size(1 << 29)),
+            ("CUDA graphs, options, head wgrad over 1 GiB (default)", options),
+            ("CUDA graphs, options, head wgrad over 2 GiB", size(1 << 31))]
+
+
+def unrope_arms(w):
+    """o's inverse RoPE into a rotated copy of the whole of o for each of the out-projection's
+    two passes against its RoPE columns rotated in place and put back (ops._unroped), with the
+    head's options + bf16 moments."""
+    from contextlib import contextmanager
+
+    from plugins.deepseek_v4 import ops
+
+    @contextmanager
+    def copied(o, cos, sin, fused):
+        yield ops.apply_rope(o, cos, sin, inverse=True, fused=fused)
+
+    options = moments_arms(w)[-1][1]
+    return [("CUDA graphs, options, o rotated into a copy", _together(_patch(ops, "_unroped", copied), options)),
+            ("CUDA graphs, options, o rotated in place (default)", options)]
 
 
 def add_cast_arms():
@@ -1058,7 +1074,9 @@ def main() -> None:
     ap.add_argument("--add-cast", action="store_true", help="with --ab: only the MoE's one-pass sum vs add then cast")
     ap.add_argument("--embedding", action="store_true", help="with --ab: the embedding's gradient dense vs by rows")
     ap.add_argument("--head-wgrad", action="store_true",
-                    help="with --ab: the heads' weight gradient a chunk a GEMM vs over chunks")
+                    help="with --ab: the heads' weight gradient a chunk a GEMM vs over buffers of 0.5, 1, 2 GiB")
+    ap.add_argument("--unrope", action="store_true",
+                    help="with --ab: o's inverse RoPE into a copy vs in place and put back (with the options)")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
                     help="experiment: torch.compile each block's forward, or the elementwise ops")
     a = ap.parse_args()
@@ -1119,6 +1137,7 @@ def main() -> None:
                "add_cast": ("MoE output sum", add_cast_arms),
                "embedding": ("embedding gradient", embedding_arms),
                "head_wgrad": ("head weight gradient", head_wgrad_arms),
+               "unrope": ("o's inverse RoPE", unrope_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
                "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),
@@ -1131,7 +1150,7 @@ def main() -> None:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            takes = {"moments": w, "head_wgrad": w, "projections": w, "score_prec": w,
+            takes = {"moments": w, "head_wgrad": w, "unrope": w, "projections": w, "score_prec": w,
                      "accum": w.model, "head_backward": w.model}
             made = arms(takes[flag]) if flag in takes else arms()
             graphed_ab(w, mbs, a.steps, tokens, title, made)

@@ -880,7 +880,8 @@ ROPE_CASES = ([((2, 300, 16, 512), (2, 300, 1, 32)), ((2, 77, 512), (2, 77, 32))
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
     """The fused RoPE against float64 autograd of ops.apply_rope: output (NaN-poisoned first),
-    the unrotated columns copied bit for bit, the input gradient; cos/sin broadcast over heads."""
+    the unrotated columns copied bit for bit, the input gradient; cos/sin broadcast over heads.
+    In place the same bits, and with its columns kept and put back, x as it was."""
     from plugins.deepseek_v4.kernels import elementwise as ew
 
     g = torch.Generator().manual_seed(seed)
@@ -900,6 +901,13 @@ def test_rope_kernel_matches_float64_reference(seed, xs, cs, inverse):
     y = x.to(DEV, DTYPE, copy=True)
     assert ew.apply_rope_(y, cos.to(DEV), sin.to(DEV), inverse) is y
     assert torch.equal(y.cpu(), out.detach().cpu())
+    # in place with the rotated columns kept (ops._unroped, the attention output's way out): the
+    # same bits, the columns as they were (into a NaN-poisoned buffer), and put back bit for bit
+    z = x.to(DEV, DTYPE, copy=True)
+    kept = ew.rope_kept_(z, cos.to(DEV), sin.to(DEV), inverse)
+    assert torch.equal(z.cpu(), out.detach().cpu())
+    assert kept.shape == (*xs[:-1], 2 * cs[-1]) and torch.equal(kept.cpu(), x[..., keep:].to(DTYPE))
+    assert ew.put_rotated_(z, kept) is z and torch.equal(z.cpu(), x.to(DTYPE))
 
 
 @pytest.mark.parametrize("xs,cs", [c for c in ROPE_CASES if len(c[0]) == 4])  # queries [B, S, H, D]

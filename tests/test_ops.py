@@ -927,6 +927,45 @@ def test_unrope_out_proj_matches_the_rotation_then_the_projection(rng: Rng) -> N
                          [o, wo_a], ["o", "wo_a"])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_unrope_out_proj_puts_o_back_as_it_was(rng: Rng, dev: str, fused: bool) -> None:
+    """Guards o's RoPE columns rotated in place for the projection's GEMMs and put back after
+    (ops._unroped): o, which the attention core keeps for its own backward, holds its bits after
+    the forward and after the backward; an op upstream that kept o (exp keeps its output)
+    takes its gradient from those bits without autograd's version check tripping; and output
+    and gradients equal the rotated copy's composition. Planted, once each: no put-back (o's
+    rope columns stay rotated, the upstream gradient off by O(1)); the put-back through o, not
+    o.data (the version check trips). fused: the rope kernel (Triton's interpreter on CPU)."""
+    if fused:
+        pytest.importorskip("triton")
+        if dev == "cpu" and torch.cuda.is_available():
+            pytest.skip("a GPU is visible: Triton compiles for it, no interpreter for CPU tensors")
+    b, s, h, d, rd, groups, r = 2, 5, 4, 10, 4, 2, 3
+    ang = random_angles(rng, b, s, 1, half=rd // 2)
+    cos, sin = ang.cos().float().to(dev), ang.sin().float().to(dev)
+    a = rng.randn(b, s, h, d, std=0.5, dtype=torch.float32).to(dev)
+    w0 = rng.randn(groups * r, h * d // groups, dtype=torch.float32).to(dev)
+    cot = rng.randn(b, s, groups * r, dtype=torch.float32).to(dev)
+    grads, outs = [], []
+    for way in ("in place", "rotated copy"):
+        x, w = a.clone().requires_grad_(), w0.clone().requires_grad_()
+        o = torch.exp(x)  # keeps o for its backward
+        bits = o.detach().clone()
+        if way == "in place":
+            y = ops.unrope_out_proj(o, cos, sin, w, groups, fused)
+            assert_equal(o.detach(), bits, rng.tag("o after the forward"))
+        else:
+            y = ops.grouped_out_proj(ops.apply_rope(o, cos, sin, inverse=True, fused=fused), w, groups)
+        (y * cot).sum().backward()
+        assert_equal(o.detach(), bits, rng.tag(f"{way}: o after the backward"))
+        outs.append(y.detach())
+        grads.append((x.grad, w.grad))
+    assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5, msg=rng.tag("output"))
+    for name, g, g_ref in zip(("x (through exp's kept o)", "wo_a"), grads[0], grads[1], strict=True):
+        assert_close(g, g_ref, atol=1e-5 * g_ref.abs().max().item(), rtol=1e-5, msg=rng.tag(f"grad {name}"))
+
+
 def test_norm_rope_matches_the_norm_then_the_rotation(rng: Rng) -> None:
     """Guards the attention's q way in (weightless RMSNorm, then RoPE) as one function that keeps
     its output and rstd, not the norm's input: output and the input gradient against the float64

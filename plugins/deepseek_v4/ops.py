@@ -988,33 +988,68 @@ def _group_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@contextmanager
+def _unroped(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool):
+    """o [B, S, H, D] as apply_rope(o, inverse=True) for the block: its RoPE columns rotated in
+    place, then put back bit for bit from their copy (a rotation in bf16 is not undone by the
+    opposite one): its rd columns (V4: 64 of 512) read once and written twice (rotated, and
+    copied out in the same pass), then put back: 5/8 of o's bytes once, where a rotated copy
+    read all of o and wrote all of it. Through o.data, whose version counter is its own: the
+    attention core keeps o for its backward and finds it as it was. o not contiguous (the
+    in-place kernel takes contiguous rows): a rotated copy."""
+    if not o.is_contiguous():
+        yield apply_rope(o, cos, sin, inverse=True, fused=fused)
+        return
+    od = o.data
+    if fused:  # the copy from the rotation's own pass, put back by a kernel (torch's strided copy of the
+        # columns and back took 44 us each at V4's [4096, 64, 64] on an H200)
+        from .kernels.elementwise import put_rotated_, rope_kept_
+
+        kept = rope_kept_(od, cos, sin, inverse=True)  # [B, S, H, rd]
+        try:
+            yield od
+        finally:
+            put_rotated_(od, kept)
+        return
+    rot = od[..., od.shape[-1] - 2 * cos.shape[-1]:]  # [B, S, H, rd]
+    kept = rot.clone()
+    apply_rope_(od, cos, sin, inverse=True)
+    try:
+        yield od
+    finally:
+        rot.copy_(kept)
+
+
 class _UnropeOutProj(torch.autograd.Function):
     """apply_rope(o, inverse) then grouped_out_proj, keeping o itself for the backward (the
-    attention core keeps it anyway) instead of its rotated copy, which the backward rebuilds."""
+    attention core keeps it anyway) instead of its rotated copy; both passes rotate o's RoPE
+    columns in place for their GEMMs and put them back (_unroped)."""
 
     @staticmethod
     def forward(ctx, o, wo_a, cos, sin, groups: int, fused: bool):
         ctx.save_for_backward(o, wo_a, cos, sin)
         ctx.groups, ctx.fused, ctx.weight = groups, fused, wo_a
-        og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=fused), wo_a, groups)  # [B, S, G, K]
-        y = _group_mm(og.flatten(0, 1), w.transpose(1, 2))  # [B*S, G, R]
+        with _unroped(o, cos, sin, fused) as unroped:
+            og, w = _grouped(unroped, wo_a, groups)  # [B, S, G, K]
+            y = _group_mm(og.flatten(0, 1), w.transpose(1, 2))  # [B*S, G, R]
         return y.reshape(*o.shape[:2], -1)  # a view of the strided bmm's output
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         o, wo_a, cos, sin = ctx.saved_tensors
-        og, w = _grouped(apply_rope(o, cos, sin, inverse=True, fused=ctx.fused), wo_a, ctx.groups)
-        og = og.flatten(0, 1)  # [T, G, K]
-        dyg = dy.reshape(og.shape[0], ctx.groups, -1)  # [T, G, R]
         main = projection_main_grad(ctx.weight)
-        if main is None:
-            dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
-            dw = dw.reshape(wo_a.shape).to(wo_a.dtype)
-        else:  # each group's [R, K] block of main_grad += dy_g^T og_g, summed in fp32 by its GEMM
-            for g, block in enumerate(main.view(ctx.groups, -1, og.shape[-1])):
-                accumulate_wgrad(block, dyg[:, g], og[:, g])
-            main_grad_written(ctx.weight)
-            dw = None
+        with _unroped(o, cos, sin, ctx.fused) as unroped:
+            og, w = _grouped(unroped, wo_a, ctx.groups)
+            og = og.flatten(0, 1)  # [T, G, K]
+            dyg = dy.reshape(og.shape[0], ctx.groups, -1)  # [T, G, R]
+            if main is None:
+                dw = torch.bmm(dyg.permute(1, 2, 0), og.transpose(0, 1))  # [G, R, T] @ [G, T, K], strided views
+                dw = dw.reshape(wo_a.shape).to(wo_a.dtype)
+            else:  # each group's [R, K] block of main_grad += dy_g^T og_g, summed in fp32 by its GEMM
+                for g, block in enumerate(main.view(ctx.groups, -1, og.shape[-1])):
+                    accumulate_wgrad(block, dyg[:, g], og[:, g])
+                main_grad_written(ctx.weight)
+                dw = None
         do = _group_mm(dyg, w).reshape(o.shape)  # a fresh tensor: rotated in place
         # the inverse rotation's adjoint is the forward rotation
         return apply_rope_(do, cos, sin, fused=ctx.fused), dw, None, None, None, None

@@ -39,7 +39,7 @@ HEAD_CHUNK_ELEMENTS = 1 << 26
 # bytes of the logit gradient's bf16 GEMM operand (dz's rows) the head's backward gathers over
 # chunks for one weight-gradient GEMM: each such GEMM reads and writes the whole fp32 main_grad
 # [V/tp, d] (2 GiB at V4's vocabulary), which a GEMM per chunk did 8 times a sequence of 4096
-HEAD_WGRAD_BYTES = 1 << 29
+HEAD_WGRAD_BYTES = 1 << 30
 
 
 @dataclass

@@ -162,23 +162,38 @@ def _rotation(COS, SIN, r, R, H, HALF, sign, HP: tl.constexpr):
 
 
 @triton.jit
-def _rope(X, COS, SIN, Y, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
-          COPY: tl.constexpr):
+def _rope(X, COS, SIN, Y, KEEP, R, H, D, HALF, sign, BR: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
+          COPY: tl.constexpr, KEPT: tl.constexpr):
     """Y = X with its last 2*HALF columns rotated (the others copied where COPY; Y is X
-    otherwise: a rotation in place, which touches only the rotated columns)."""
+    otherwise: a rotation in place, which touches only the rotated columns). KEPT: those
+    columns as they were also go to KEEP [R, 2*HALF] (a rotation in place to be undone)."""
     r, c, start, row, m = _row_tile(R, D, HALF, BR, DP)
     if COPY:
         keep = m & (c < start)[None, :]
         tl.store(Y + row + c[None, :], tl.load(X + row + c[None, :], mask=keep), mask=keep)
     k, mk, cs, sn = _rotation(COS, SIN, r, R, H, HALF, sign, HP)
     a, b = _pair_tiles(X, row, start, k, mk, BR, HP)
+    if KEPT:  # a and b are the loaded values upcast: cast back, the same bits
+        was = tl.reshape(tl.join(a, b), [BR, 2 * HP])
+        tl.store(KEEP + r.to(tl.int64)[:, None] * (2 * HALF) + k[None, :], was.to(KEEP.dtype.element_ty), mask=mk)
     _store_rotated(Y, row, start, k, mk, a, b, cs, sn, BR, HP)
 
 
+@triton.jit
+def _put_rotated(KEEP, X, R, D, HALF, BR: tl.constexpr, HP: tl.constexpr):
+    """X's last 2*HALF columns of each of its R rows set to KEEP's row [R, 2*HALF]."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    k = tl.arange(0, 2 * HP)
+    mk = (r < R)[:, None] & (k < 2 * HALF)[None, :]
+    was = tl.load(KEEP + r.to(tl.int64)[:, None] * (2 * HALF) + k[None, :], mask=mk)
+    tl.store(X + r.to(tl.int64)[:, None] * D + (D - 2 * HALF) + k[None, :], was, mask=mk)
+
+
 def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, sign: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """x rotated into a new tensor, or into out = x (in place: the tile spans the rotated
-    columns only, so a row costs its 2*half columns, not d)."""
+    columns only, so a row costs its 2*half columns, not d), the rotated columns as they were
+    into keep [rows, 2*half] where given."""
     d, half = x.shape[-1], cos.shape[-1]
     r = x.numel() // d if d else 0
     y = new_output(x.shape, x, x.dtype) if out is None else out
@@ -186,7 +201,8 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
         hp = triton.next_power_of_2(max(half, 1))
         dp = triton.next_power_of_2(d) if out is None else 2 * hp
         br = _tile_rows(dp)
-        _rope[(triton.cdiv(r, br),)](x, cos, sin, y, r, heads, d, half, sign, BR=br, DP=dp, HP=hp, COPY=out is None)
+        _rope[(triton.cdiv(r, br),)](x, cos, sin, y, y if keep is None else keep, r, heads, d, half, sign, BR=br,
+                                     DP=dp, HP=hp, COPY=out is None, KEPT=keep is not None)
     return y
 
 
@@ -240,6 +256,31 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
         raise ValueError("apply_rope_: x must be contiguous")
     cos_t, sin_t, heads = rope_tables(x, cos, sin)
     return _rope_launch(x, cos_t, sin_t, heads, -1.0 if inverse else 1.0, out=x)
+
+
+def rope_kept_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """apply_rope_, and the rotated columns as they were [..., rd] (x's dtype, contiguous) from
+    the same pass, for put_rotated_ to undo the rotation bit for bit."""
+    if not x.is_contiguous():
+        raise ValueError("rope_kept_: x must be contiguous")
+    cos_t, sin_t, heads = rope_tables(x, cos, sin)
+    kept = new_output((*x.shape[:-1], 2 * cos.shape[-1]), x, x.dtype)
+    _rope_launch(x, cos_t, sin_t, heads, -1.0 if inverse else 1.0, out=x, keep=kept)
+    return kept
+
+
+def put_rotated_(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """x's last kept.shape[-1] columns set to kept (rope_kept_'s), in place; x contiguous."""
+    if not x.is_contiguous() or not kept.is_contiguous() or kept.shape[:-1] != x.shape[:-1] or kept.shape[-1] % 2:
+        raise ValueError(f"put_rotated_: x {list(x.shape)} and kept {list(kept.shape)} must be contiguous, "
+                         "with the same rows, kept an even width")
+    d, w = x.shape[-1], kept.shape[-1]
+    r = x.numel() // d if d else 0
+    if r and w:
+        hp = triton.next_power_of_2(max(w // 2, 1))
+        br = _tile_rows(2 * hp)
+        _put_rotated[(triton.cdiv(r, br),)](kept, x, r, d, w // 2, BR=br, HP=hp)
+    return x
 
 
 # --------------------------------------------------------------------------- RMSNorm then RoPE
