@@ -702,6 +702,22 @@ def unrope_arms(w):
             ("CUDA graphs, options, o rotated in place (default)", options)]
 
 
+def experts_in_arms(w):
+    """The routed experts' gather and both up-projections as three autograd nodes (autograd adds
+    the two GEMMs' [M, d] input gradients, then the gather's backward sums each token's rows)
+    against one node summing both in the gather's backward (ops._ExpertsIn), with the head's
+    options + bf16 moments."""
+    from plugins.deepseek_v4 import ops
+
+    def three(x, w1, w3, token_of_row, row_of_pair, offs, counts, k, fused, fused_elementwise):
+        xg = ops._Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)
+        return ops.grouped_matmul(xg, w1, offs, counts, fused), ops.grouped_matmul(xg, w3, offs, counts, fused)
+
+    options = moments_arms(w)[-1][1]
+    return [("CUDA graphs, options, experts' way in: 3 nodes", _together(_patch(ops, "experts_in", three), options)),
+            ("CUDA graphs, options, one node (default)", options)]
+
+
 def add_cast_arms():
     """The MoE's fp32 routed sum plus the shared expert, then a cast (two passes each way)
     against `ops.add_cast` (one forward pass, one backward cast)."""
@@ -1075,6 +1091,8 @@ def main() -> None:
     ap.add_argument("--embedding", action="store_true", help="with --ab: the embedding's gradient dense vs by rows")
     ap.add_argument("--head-wgrad", action="store_true",
                     help="with --ab: the heads' weight gradient a chunk a GEMM vs over buffers of 0.5, 1, 2 GiB")
+    ap.add_argument("--experts-in", action="store_true",
+                    help="with --ab: the experts' gather and w1/w3 GEMMs as three nodes vs one (with the options)")
     ap.add_argument("--unrope", action="store_true",
                     help="with --ab: o's inverse RoPE into a copy vs in place and put back (with the options)")
     ap.add_argument("--compile", choices=["none", "blocks", "ops"], default="none",
@@ -1138,6 +1156,7 @@ def main() -> None:
                "embedding": ("embedding gradient", embedding_arms),
                "head_wgrad": ("head weight gradient", head_wgrad_arms),
                "unrope": ("o's inverse RoPE", unrope_arms),
+               "experts_in": ("experts' way in", experts_in_arms),
                "host_waits": ("host waits", host_wait_arms),
                "adamw": ("AdamW", adamw_arms),
                "mixes_prec": ("mHC mixes' dots", mixes_prec_arms),
@@ -1150,7 +1169,7 @@ def main() -> None:
         build("triton", graphs=True)
         for flag in chosen:
             title, arms = graphed[flag]
-            takes = {"moments": w, "head_wgrad": w, "unrope": w, "projections": w, "score_prec": w,
+            takes = {"moments": w, "head_wgrad": w, "unrope": w, "experts_in": w, "projections": w, "score_prec": w,
                      "accum": w.model, "head_backward": w.model}
             made = arms(takes[flag]) if flag in takes else arms()
             graphed_ab(w, mbs, a.steps, tokens, title, made)

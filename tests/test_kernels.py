@@ -544,8 +544,9 @@ def test_pre_streams_of_non_contiguous_streams_match_and_free_their_graph(seed):
 @pytest.mark.parametrize("n,d,k", [(300, 1536 + 40, 6), (37, 64, 2)] if CUDA else [(9, 40, 3), (5, 8, 1)])
 def test_moe_row_moves_match_the_reference(seed, n, d, k):
     """kernels.moe against ops.take_rows and float64 sums: rows gathered bit for bit (zeros at
-    -1, into another dtype too), each token's k slots summed in fp32 (-1 slots add nothing;
-    a token with none gives zeros); NaN-poisoned outputs, d not a multiple of the tile."""
+    -1, into another dtype too), each token's k slots summed in fp32, of one [M, d] tensor or of
+    two (-1 slots add nothing; a token with none gives zeros); NaN-poisoned outputs, d not a
+    multiple of the tile."""
     from plugins.deepseek_v4.kernels import moe
 
     g = torch.Generator().manual_seed(seed)
@@ -560,12 +561,15 @@ def test_moe_row_moves_match_the_reference(seed, n, d, k):
     rows = torch.randperm(m, generator=g)[:n * k].to(DEV)
     rows[torch.rand(n * k, generator=g).to(DEV) < 0.3] = -1
     rows[:k] = -1  # token 0 has no slot here
+    y2 = torch.randn(m, d, generator=g).to(DEV, DTYPE)
     for dtype in (torch.float32, DTYPE):
-        s = moe.sum_rows(y, rows, k, dtype)
-        assert s.dtype == dtype
-        want = ops.take_rows(y.double(), rows).view(n, k, d).sum(1)
-        assert rel(s.cpu(), want.cpu()) < (1e-6 if dtype == torch.float32 else TOL)
-        assert not s[0].any()
+        for also in (None, y2):  # two gradients of one [M, d] tensor, summed here
+            s = moe.sum_rows(y, rows, k, dtype, also=also)
+            assert s.dtype == dtype
+            both = y.double() + (0 if also is None else also.double())
+            want = ops.take_rows(both, rows).view(n, k, d).sum(1)
+            assert rel(s.cpu(), want.cpu()) < (1e-6 if dtype == torch.float32 else TOL)
+            assert not s[0].any()
 
 
 @pytest.mark.parametrize("n,k,n_experts,first,align", [(64, 4, 32, 0, 16), (37, 6, 5, 10, 16), (1, 2, 3, 0, 16),
@@ -652,6 +656,65 @@ def test_grouped_expert_gemms_match_float64_reference(seed, n, k, n_experts):
                                [r.grad for r in ref_in], ["x", "weight", "w1", "w3", "w2"], strict=True):
         assert rel(got.float().cpu(), want) < 2e-2, name
     assert not ins[1].grad[1].any() and not ins[3].grad[1].any()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_experts_way_in_as_one_node_sums_both_input_gradients_in_the_gather(seed, recompute):
+    """ops._ExpertsIn (the gather into expert groups and both up-projections as one node, the
+    two input gradients summed per slot inside the gather's backward) against the three nodes
+    it replaces (_Dispatch, grouped_matmul twice: autograd adds the two [M, d] gradients): the
+    same outputs bit for bit; x's gradient the float64 sum of the same bf16 GEMM gradients to
+    bf16 rounding (a dropped w3 term is O(1) off, ~0.5 of the norm); w1's and w3's gradients added into their
+    main_grad (float64 to fp32 rounding), w.grad None, each weight announced once a backward;
+    under recompute too (the weights' main_grad found on the forward's weights)."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, e, d, inter = (300, 4, 8, 64, 96) if CUDA else (37, 3, 5, 24, 40)
+    x0 = torch.randn(n, d, generator=g).to(DEV, torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(DEV)
+    w0 = [(torch.randn(e, inter, d, generator=g) * 0.2).to(DEV, torch.bfloat16) for _ in range(2)]
+    cot = [torch.randn(n * k + 16 * e, inter, generator=g).to(DEV, torch.bfloat16) for _ in range(2)]
+    main0 = [torch.randn(e, inter, d, generator=g).to(DEV) for _ in range(2)]
+    pairs, rows, offs, counts, m = ops.expert_rows(idx, 0, e, True)
+    pair_of_row = torch.full((m,), -1, dtype=torch.long, device=DEV).index_copy_(0, rows, pairs)
+    row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=DEV).index_copy_(0, pairs, rows)
+    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // k, -1)
+    dg, du = (c[:m] for c in cot)
+
+    def one(x, w1, w3):
+        return ops._ExpertsIn.apply(x, w1, w3, token_of_row, row_of_pair, offs, k)
+
+    def three(x, w1, w3):
+        xg = ops._Dispatch.apply(x, token_of_row, row_of_pair, k, True)
+        return (ops.grouped_matmul(xg, w1, offs, counts, True), ops.grouped_matmul(xg, w3, offs, counts, True))
+
+    runs = {}
+    for name, fn in (("one", one), ("three", three)):
+        x = x0.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in w0]
+        announced = [0, 0]
+        for i, w in enumerate(ws):
+            w.main_grad = main0[i].clone()
+            w.main_grad_ready = (lambda i=i, seen=announced: seen.__setitem__(i, seen[i] + 1))
+        outs = (torch.utils.checkpoint.checkpoint(fn, x, *ws, use_reentrant=False) if recompute else fn(x, *ws))
+        torch.autograd.backward(outs, [dg, du])
+        assert all(w.grad is None for w in ws) and announced == [1, 1], (name, announced)
+        runs[name] = (outs, x.grad, [w.main_grad for w in ws])
+    (o1, gx1, mg1), (o3, gx3, _) = runs["one"], runs["three"]
+    for a, b in zip(o1, o3, strict=True):
+        assert_finite(a)
+        assert torch.equal(a, b)
+    xg = ops.take_rows(x0, token_of_row).double()
+    da = (torch._grouped_mm(dg, w0[0], offs=offs).double() + torch._grouped_mm(du, w0[1], offs=offs).double())
+    want = ops.take_rows(da, row_of_pair).view(n, k, d).sum(1)
+    assert_finite(gx1)
+    # bf16 gradients: each the float64 sum rounded once to bf16 (the three nodes: twice), 2^-9 of an
+    # entry; Triton's interpreter casts fp32 to bf16 less closely than torch (2.9e-3 here against 1.6e-3)
+    assert rel(gx1.float().cpu(), want.cpu()) < 2 ** -7 and rel(gx3.float().cpu(), want.cpu()) < 2 ** -7
+    start = torch.cat((torch.zeros(1, dtype=torch.long, device=DEV), offs[:-1].long()))
+    for i, dy in enumerate((dg, du)):
+        ref = torch.stack([dy[s:t].double().t() @ xg[s:t] for s, t in zip(start.tolist(), offs.tolist(), strict=True)])
+        assert_finite(mg1[i])
+        assert rel((mg1[i] - main0[i]).cpu(), ref.cpu()) < 1e-5, i
 
 
 # (M rows, G groups, N, K): ragged tiles everywhere; CUDA also at the ~1B expert shape

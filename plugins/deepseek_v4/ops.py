@@ -815,12 +815,59 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         a, w, offs = ctx.saved_tensors
-        da = dw = None
-        if ctx.needs_input_grad[0]:
-            da = torch._grouped_mm(dy, w, offs=offs)  # [M, N] by [G, N, K] -> [M, K]
-        if ctx.needs_input_grad[1] and not wgrad_into_main_grad(dy, a, offs, ctx.weight):
-            dw = torch._grouped_mm(dy.t(), a, offs=offs)  # [N, M] by [M, K] -> [G, N, K]
-        return da, dw, None
+        da = torch._grouped_mm(dy, w, offs=offs) if ctx.needs_input_grad[0] else None  # [M, N] by [G, N, K] -> [M, K]
+        return da, _grouped_wgrad(dy, a, offs, ctx.weight) if ctx.needs_input_grad[1] else None, None
+
+
+def _grouped_wgrad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The grouped GEMM's weight gradient [G, N, K] of dy [M, N] and a [M, K]: added into
+    w.main_grad where w has one (None returned), else returned."""
+    if wgrad_into_main_grad(dy, a, offs, w):
+        return None
+    return torch._grouped_mm(dy.t(), a, offs=offs)  # [N, M] by [M, K] -> [G, N, K]
+
+
+class _ExpertsIn(torch.autograd.Function):
+    """The routed experts' way in as one node, on the kernels: x [N, d]'s rows in expert groups
+    (xg = x[token_of_row] [M, d]), then both up-projections, g = xg w1^T and u = xg w3^T [M, I].
+    Its backward sums the two GEMMs' input gradients inside the gather's backward (sum_rows of
+    both, fp32 per slot), where as three nodes autograd first added them into a third [M, d]
+    tensor (1.6 ms of flash_slice's two micro-batches, eager). Weight gradients as _GroupedMM's."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, token_of_row, row_of_pair, offs, k: int):
+        from .kernels.moe import gather_rows
+
+        xg = gather_rows(x, token_of_row, x.dtype)  # [M, d]
+        ctx.save_for_backward(xg, w1, w3, offs, row_of_pair)
+        ctx.k, ctx.weights = k, (w1, w3)
+        return torch._grouped_mm(xg, w1.transpose(-2, -1), offs=offs), torch._grouped_mm(xg, w3.transpose(-2, -1),
+                                                                                          offs=offs)
+
+    @staticmethod
+    def backward(ctx, dg: torch.Tensor, du: torch.Tensor):
+        from .kernels.moe import sum_rows
+
+        xg, w1, w3, offs, row_of_pair = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:  # [M, I] by [G, I, d] -> [M, d], each token's rows of both summed
+            dx = sum_rows(torch._grouped_mm(dg, w1, offs=offs), row_of_pair, ctx.k, xg.dtype,
+                          also=torch._grouped_mm(du, w3, offs=offs))
+        dw1 = _grouped_wgrad(dg, xg, offs, ctx.weights[0]) if ctx.needs_input_grad[1] else None
+        dw3 = _grouped_wgrad(du, xg, offs, ctx.weights[1]) if ctx.needs_input_grad[2] else None
+        return dx, dw1, dw3, None, None, None, None
+
+
+def experts_in(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, token_of_row: torch.Tensor,
+               row_of_pair: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, k: int, fused: bool,
+               fused_elementwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, d]'s rows in expert groups times w1 and w3 [E, I, d]: (g, u) [M, I]. On the kernels
+    (fused GEMMs and row moves) one node (_ExpertsIn); otherwise the gather and two
+    grouped_matmul. Callers look it up here at call time (the A/B swaps it)."""
+    if fused and fused_elementwise:
+        return _ExpertsIn.apply(x, w1, w3, token_of_row, row_of_pair, offs, k)
+    xg = _Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)  # [M, d]
+    return grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused)
 
 
 def wgrad_into_main_grad(dy: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> bool:
@@ -876,9 +923,8 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
         row_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=idx.device).index_copy_(0, pairs, rows)
         token_of_row = torch.where(pair_of_row >= 0, pair_of_row // k, -1)  # [M], -1: a padding row
         wg = take_rows(weight.flatten().float(), pair_of_row)  # [M]
-    xg = _Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)  # [M, d]
-    h = swiglu(grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused),
-               limit, wg, x.dtype, fused_elementwise)  # [M, I]
+    g, u = experts_in(x, w1, w3, token_of_row, row_of_pair, offs, counts, k, fused, fused_elementwise)  # [M, I]
+    h = swiglu(g, u, limit, wg, x.dtype, fused_elementwise)  # [M, I]
     y = grouped_matmul(h, w2, offs, counts, fused)  # [M, d]
     return _Combine.apply(y, row_of_pair, token_of_row, k, fused_elementwise)  # [N, d] fp32; n may be 0 (EP)
 

@@ -31,16 +31,19 @@ def _gather_rows(X, IDX, OUT, M, D, BR: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _sum_rows(Y, ROWS, OUT, N, D, K: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """OUT[t] = sum over slots s of Y[ROWS[t * K + s]] in fp32 (slot order; -1 adds nothing)."""
+def _sum_rows(Y, Y2, ROWS, OUT, N, D, K: tl.constexpr, TWO: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """OUT[t] = sum over slots s of Y[ROWS[t * K + s]] (+ Y2's same row where TWO) in fp32
+    (slot order, Y before Y2; -1 adds nothing)."""
     t = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = (c < D)[None, :]
     acc = tl.zeros([BR, BD], tl.float32)
     for s in tl.static_range(K):
         src = tl.load(ROWS + t.to(tl.int64) * K + s, mask=t < N, other=-1)
-        acc += tl.load(Y + src.to(tl.int64)[:, None] * D + c[None, :], mask=(src >= 0)[:, None] & cm,
-                       other=0.0).to(tl.float32)
+        at, m = src.to(tl.int64)[:, None] * D + c[None, :], (src >= 0)[:, None] & cm
+        acc += tl.load(Y + at, mask=m, other=0.0).to(tl.float32)
+        if TWO:
+            acc += tl.load(Y2 + at, mask=m, other=0.0).to(tl.float32)
     tl.store(OUT + t.to(tl.int64)[:, None] * D + c[None, :], acc.to(OUT.dtype.element_ty), mask=(t < N)[:, None] & cm)
 
 
@@ -54,13 +57,19 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype | None = 
     return out
 
 
-def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype,
+             also: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, d], rows [N * k] (int, -1: no row) -> [N, d] in `dtype`: row t is the fp32 sum of
-    y[rows[t * k + s]] over its k slots."""
+    y[rows[t * k + s]] over its k slots, plus also's same rows where given (also [M, d]: two
+    gradients of one [M, d] tensor summed here, not added into a third first)."""
     n, d = rows.numel() // k, y.shape[1]
+    if also is not None and also.shape != y.shape:
+        raise ValueError(f"sum_rows: also {list(also.shape)} is not y's shape {list(y.shape)}")
     out = new_output((n, d), y, dtype)
     if n and d:
-        _sum_rows[(triton.cdiv(n, BR), triton.cdiv(d, BD))](y.contiguous(), rows.contiguous(), out, n, d, K=k,
+        y = y.contiguous()
+        _sum_rows[(triton.cdiv(n, BR), triton.cdiv(d, BD))](y, y if also is None else also.contiguous(),
+                                                           rows.contiguous(), out, n, d, K=k, TWO=also is not None,
                                                            BR=BR, BD=BD)
     return out
 
