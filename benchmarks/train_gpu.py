@@ -618,7 +618,8 @@ def norm_rope_arms():
 
 def moves_arms():
     """The MoE's token <-> expert-row moves through torch (take_rows: a zero row appended by a
-    copy, index_select, a [N, k, d] sum, casts) against `kernels.moe` (one pass each)."""
+    copy, index_select, a [N, k, d] sum, casts) against `kernels.moe` (one pass each). The
+    torch arm takes the experts' way in as three nodes (ops._ExpertsIn calls the kernels)."""
     from plugins.deepseek_v4 import ops
 
     rows_of, sum_slots = ops._rows_of, ops._sum_slots
@@ -627,8 +628,18 @@ def moves_arms():
         ops._rows_of = (lambda x, idx, dtype, fused: rows_of(x, idx, dtype, False)) if on else rows_of
         ops._sum_slots = (lambda y, rop, k, dtype, fused: sum_slots(y, rop, k, dtype, False)) if on else sum_slots
 
-    return [("CUDA graphs, MoE row moves through torch", torch_rows),
+    return [("CUDA graphs, MoE row moves through torch",
+             _together(torch_rows, _patch(ops, "experts_in", _three_node_experts_in))),
             ("CUDA graphs, MoE row-move kernels (default)", lambda on: None)]
+
+
+def _three_node_experts_in(x, w1, w3, token_of_row, row_of_pair, offs, counts, k, fused, fused_elementwise):
+    """`ops.experts_in` as it was before ops._ExpertsIn: the gather and the two grouped GEMMs as
+    three autograd nodes (autograd adds the GEMMs' [M, d] input gradients)."""
+    from plugins.deepseek_v4 import ops
+
+    xg = ops._Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)
+    return ops.grouped_matmul(xg, w1, offs, counts, fused), ops.grouped_matmul(xg, w3, offs, counts, fused)
 
 
 def _one_node_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
@@ -709,12 +720,9 @@ def experts_in_arms(w):
     options + bf16 moments."""
     from plugins.deepseek_v4 import ops
 
-    def three(x, w1, w3, token_of_row, row_of_pair, offs, counts, k, fused, fused_elementwise):
-        xg = ops._Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)
-        return ops.grouped_matmul(xg, w1, offs, counts, fused), ops.grouped_matmul(xg, w3, offs, counts, fused)
-
     options = moments_arms(w)[-1][1]
-    return [("CUDA graphs, options, experts' way in: 3 nodes", _together(_patch(ops, "experts_in", three), options)),
+    three = _patch(ops, "experts_in", _three_node_experts_in)
+    return [("CUDA graphs, options, experts' way in: 3 nodes", _together(three, options)),
             ("CUDA graphs, options, one node (default)", options)]
 
 

@@ -666,7 +666,8 @@ def test_experts_way_in_as_one_node_sums_both_input_gradients_in_the_gather(seed
     same outputs bit for bit; x's gradient the float64 sum of the same bf16 GEMM gradients to
     bf16 rounding (a dropped w3 term is O(1) off, ~0.5 of the norm); w1's and w3's gradients added into their
     main_grad (float64 to fp32 rounding), w.grad None, each weight announced once a backward;
-    under recompute too (the weights' main_grad found on the forward's weights)."""
+    under recompute too (the weights' main_grad found on the forward's weights); with x and w3
+    needing none, w1's gradient alone, the same bits."""
     g = torch.Generator().manual_seed(seed)
     n, k, e, d, inter = (300, 4, 8, 64, 96) if CUDA else (37, 3, 5, 24, 40)
     x0 = torch.randn(n, d, generator=g).to(DEV, torch.bfloat16)
@@ -699,6 +700,11 @@ def test_experts_way_in_as_one_node_sums_both_input_gradients_in_the_gather(seed
         torch.autograd.backward(outs, [dg, du])
         assert all(w.grad is None for w in ws) and announced == [1, 1], (name, announced)
         runs[name] = (outs, x.grad, [w.main_grad for w in ws])
+    # x without a gradient and w3 frozen: w1's alone, into its main_grad
+    w1 = w0[0].clone().requires_grad_()
+    w1.main_grad = main0[0].clone()
+    torch.autograd.backward(one(x0, w1, w0[1]), [dg, du])
+    assert w1.grad is None and torch.equal(w1.main_grad, runs["one"][2][0])
     (o1, gx1, mg1), (o3, gx3, _) = runs["one"], runs["three"]
     for a, b in zip(o1, o3, strict=True):
         assert_finite(a)

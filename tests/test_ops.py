@@ -927,16 +927,18 @@ def test_unrope_out_proj_matches_the_rotation_then_the_projection(rng: Rng) -> N
                          [o, wo_a], ["o", "wo_a"])
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_unrope_out_proj_puts_o_back_as_it_was(rng: Rng, dev: str, fused: bool) -> None:
+def test_unrope_out_proj_puts_o_back_as_it_was(rng: Rng, dev: str, fused: bool, strided: bool) -> None:
     """Guards o's RoPE columns rotated in place for the projection's GEMMs and put back after
     (ops._unroped): o, which the attention core keeps for its own backward, holds its bits after
     the forward and after the backward; an op upstream that kept o (exp keeps its output)
     takes its gradient from those bits without autograd's version check tripping; and output
     and gradients equal the rotated copy's composition. Planted, once each: no put-back (o's
     rope columns stay rotated, the upstream gradient off by O(1)); the put-back through o, not
-    o.data (the version check trips). fused: the rope kernel (Triton's interpreter on CPU)."""
+    o.data (the version check trips). fused: the rope kernel (Triton's interpreter on CPU).
+    strided: o a transposed view (no in-place kernel for it: a rotated copy, o untouched)."""
     if fused:
         pytest.importorskip("triton")
         if dev == "cpu" and torch.cuda.is_available():
@@ -951,6 +953,9 @@ def test_unrope_out_proj_puts_o_back_as_it_was(rng: Rng, dev: str, fused: bool) 
     for way in ("in place", "rotated copy"):
         x, w = a.clone().requires_grad_(), w0.clone().requires_grad_()
         o = torch.exp(x)  # keeps o for its backward
+        if strided:  # the same values as a [B, S, H, D] view of a [B, S, D, H] tensor
+            o = torch.exp(x.transpose(-1, -2).contiguous()).transpose(-1, -2)
+            assert not o.is_contiguous()
         bits = o.detach().clone()
         if way == "in place":
             y = ops.unrope_out_proj(o, cos, sin, w, groups, fused)
@@ -1123,7 +1128,8 @@ def test_bf16_inputs_give_bf16_outputs(rng: Rng) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# no in-place writes into inputs or saved tensors (DSV4.md pitfall 2)
+# no in-place writes into inputs or saved tensors (DSV4.md pitfall 2) that outlive the op (unrope_out_proj
+# rotates o's RoPE columns for its GEMMs and puts their bits back: its own test above)
 
 
 def _op_cases(rng: Rng) -> dict[str, tuple[Callable, list[torch.Tensor]]]:

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .config import YarnScaling
 from .layout import sort_key_dtype
@@ -412,8 +413,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
                 fused: bool = False) -> torch.Tensor:
-    """apply_rope in place, for a tensor outside autograd (a gradient inside a backward): its
-    rotated columns only, where apply_rope copies the whole of x. x contiguous."""
+    """apply_rope in place, for a tensor outside autograd (a gradient inside a backward, or
+    _unroped's o.data): its rotated columns only, where apply_rope copies the whole of x. x
+    contiguous."""
     if fused:
         from .kernels.elementwise import apply_rope_ as kernel
 
@@ -1081,6 +1083,7 @@ class _UnropeOutProj(torch.autograd.Function):
         return y.reshape(*o.shape[:2], -1)  # a view of the strided bmm's output
 
     @staticmethod
+    @once_differentiable  # the backward's GEMMs take o.data: no graph of their own
     def backward(ctx, dy: torch.Tensor):
         o, wo_a, cos, sin = ctx.saved_tensors
         main = projection_main_grad(ctx.weight)

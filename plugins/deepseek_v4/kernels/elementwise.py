@@ -251,7 +251,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """apply_rope in place on a contiguous x outside autograd (a gradient a backward has just
-    made): only the rotated columns are read and written."""
+    made, or rope_kept_'s x): only the rotated columns are read and written."""
     if not x.is_contiguous():
         raise ValueError("apply_rope_: x must be contiguous")
     cos_t, sin_t, heads = rope_tables(x, cos, sin)
@@ -261,8 +261,9 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 def rope_kept_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """apply_rope_, and the rotated columns as they were [..., rd] (x's dtype, contiguous) from
     the same pass, for put_rotated_ to undo the rotation bit for bit."""
-    if not x.is_contiguous():
-        raise ValueError("rope_kept_: x must be contiguous")
+    if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"rope_kept_: x must be contiguous fp32, bf16 or fp16 (the kernel holds the columns "
+                         f"in fp32 registers: wider ones would come back rounded), not {x.dtype}")
     cos_t, sin_t, heads = rope_tables(x, cos, sin)
     kept = new_output((*x.shape[:-1], 2 * cos.shape[-1]), x, x.dtype)
     _rope_launch(x, cos_t, sin_t, heads, -1.0 if inverse else 1.0, out=x, keep=kept)
@@ -271,9 +272,10 @@ def rope_kept_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 def put_rotated_(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """x's last kept.shape[-1] columns set to kept (rope_kept_'s), in place; x contiguous."""
-    if not x.is_contiguous() or not kept.is_contiguous() or kept.shape[:-1] != x.shape[:-1] or kept.shape[-1] % 2:
-        raise ValueError(f"put_rotated_: x {list(x.shape)} and kept {list(kept.shape)} must be contiguous, "
-                         "with the same rows, kept an even width")
+    if (not x.is_contiguous() or not kept.is_contiguous() or kept.shape[:-1] != x.shape[:-1] or kept.shape[-1] % 2
+            or kept.shape[-1] > x.shape[-1] or kept.dtype != x.dtype or kept.device != x.device):
+        raise ValueError(f"put_rotated_: x {list(x.shape)} {x.dtype} and kept {list(kept.shape)} {kept.dtype} must be "
+                         "contiguous on one device, of one dtype, with the same rows, kept an even width within x's")
     d, w = x.shape[-1], kept.shape[-1]
     r = x.numel() // d if d else 0
     if r and w:
