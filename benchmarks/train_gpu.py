@@ -629,17 +629,8 @@ def moves_arms():
         ops._sum_slots = (lambda y, rop, k, dtype, fused: sum_slots(y, rop, k, dtype, False)) if on else sum_slots
 
     return [("CUDA graphs, MoE row moves through torch",
-             _together(torch_rows, _patch(ops, "experts_in", _three_node_experts_in))),
+             _together(torch_rows, _patch(ops, "experts_in", ops.experts_in_nodes))),
             ("CUDA graphs, MoE row-move kernels (default)", lambda on: None)]
-
-
-def _three_node_experts_in(x, w1, w3, token_of_row, row_of_pair, offs, counts, k, fused, fused_elementwise):
-    """`ops.experts_in` as it was before ops._ExpertsIn: the gather and the two grouped GEMMs as
-    three autograd nodes (autograd adds the GEMMs' [M, d] input gradients)."""
-    from plugins.deepseek_v4 import ops
-
-    xg = ops._Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)
-    return ops.grouped_matmul(xg, w1, offs, counts, fused), ops.grouped_matmul(xg, w3, offs, counts, fused)
 
 
 def _one_node_pre(x, fn, base, scale, norm_eps, hc_eps, iters):
@@ -721,7 +712,7 @@ def experts_in_arms(w):
     from plugins.deepseek_v4 import ops
 
     options = moments_arms(w)[-1][1]
-    three = _patch(ops, "experts_in", _three_node_experts_in)
+    three = _patch(ops, "experts_in", ops.experts_in_nodes)
     return [("CUDA graphs, options, experts' way in: 3 nodes", _together(three, options)),
             ("CUDA graphs, options, one node (default)", options)]
 

@@ -868,6 +868,14 @@ def experts_in(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, token_of_row
     grouped_matmul. Callers look it up here at call time (the A/B swaps it)."""
     if fused and fused_elementwise:
         return _ExpertsIn.apply(x, w1, w3, token_of_row, row_of_pair, offs, k)
+    return experts_in_nodes(x, w1, w3, token_of_row, row_of_pair, offs, counts, k, fused, fused_elementwise)
+
+
+def experts_in_nodes(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, token_of_row: torch.Tensor,
+                     row_of_pair: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, k: int, fused: bool,
+                     fused_elementwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts_in as three autograd nodes: the gather, then two grouped_matmul (autograd adds
+    their [M, d] input gradients)."""
     xg = _Dispatch.apply(x, token_of_row, row_of_pair, k, fused_elementwise)  # [M, d]
     return grouped_matmul(xg, w1, offs, counts, fused), grouped_matmul(xg, w3, offs, counts, fused)
 
@@ -1054,18 +1062,16 @@ def _unroped(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool)
         from .kernels.elementwise import put_rotated_, rope_kept_
 
         kept = rope_kept_(od, cos, sin, inverse=True)  # [B, S, H, rd]
-        try:
-            yield od
-        finally:
-            put_rotated_(od, kept)
-        return
-    rot = od[..., od.shape[-1] - 2 * cos.shape[-1]:]  # [B, S, H, rd]
-    kept = rot.clone()
-    apply_rope_(od, cos, sin, inverse=True)
+        put_back = lambda: put_rotated_(od, kept)  # noqa: E731
+    else:
+        rot = od[..., od.shape[-1] - 2 * cos.shape[-1]:]  # [B, S, H, rd]
+        kept = rot.clone()
+        apply_rope_(od, cos, sin, inverse=True)
+        put_back = lambda: rot.copy_(kept)  # noqa: E731
     try:
         yield od
     finally:
-        rot.copy_(kept)
+        put_back()
 
 
 class _UnropeOutProj(torch.autograd.Function):
