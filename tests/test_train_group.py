@@ -1,8 +1,11 @@
-"""On a node with GPUs, actors that asked for none (train ranks, rollout engines) see none."""
+"""On a node with GPUs, actors that asked for none (train ranks, rollout engines) see none; a
+group's rendezvous port is held from its publication on."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 
 import pytest
 
@@ -41,6 +44,51 @@ def test_ranks_without_a_gpu_see_none_on_a_node_with_gpus(gpu_node):
     finally:
         g.shutdown()
     assert seen == ["", ""], f"CUDA_VISIBLE_DEVICES in the ranks: {seen}"
+
+
+def _port_taken(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def test_a_published_rendezvous_port_stays_held_until_the_group_takes_it(gpu_node):
+    """Rank 0 publishes a port its store already listens on: a port found free, closed and
+    bound only when the group starts was taken in between once in CI (EADDRINUSE in
+    init_distributed). Held from rendezvous_address on, by the rank's actor (the training group)
+    and for a broadcast group (open_group: rank 0 takes the store, a member connects to it)."""
+    import threading
+
+    import torch
+
+    from miles.cluster.train_group import TrainGroup
+    from miles.rollout.weights import listening_store, open_group
+
+    g = TrainGroup(2, tp=2)  # its group met through rank 0's store
+    try:
+        host, port = gpu_node.get(g.workers[0].rendezvous_address.remote())  # as a broadcast group asks
+        assert _port_taken(host, port), f"rank 0 published {host}:{port} without holding it"
+    finally:
+        g.shutdown()
+
+    store = listening_store("127.0.0.1")
+    assert _port_taken("127.0.0.1", store.port)
+    sums = {}
+
+    def member(rank: int, listening=None):
+        pg = open_group("127.0.0.1", store.port, rank, 2, "gloo", timeout_s=30, listening=listening)
+        t = torch.tensor([float(rank + 1)])
+        pg.allreduce([t]).wait()
+        sums[rank] = t.item()
+
+    other = threading.Thread(target=member, args=(1,))
+    other.start()
+    member(0, store)
+    other.join(30)
+    assert sums == {0: 3.0, 1: 3.0}, sums
 
 
 def test_engines_without_a_gpu_see_none_on_a_node_with_gpus(gpu_node):

@@ -180,10 +180,30 @@ def decode_tensors(blob: str) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- broadcast group
-def open_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float = 300):
+def listening_store(host: str, timeout_s: float = 300) -> dist.TCPStore:
+    """A group's rendezvous store, already listening at `host` on a port the OS picked: its
+    address can be published with nothing able to take the port first. (A port found free,
+    closed and bound later by rank 0 was taken in between once in CI: EADDRINUSE.)"""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def group_store(host: str, port: int, rank: int, size: int, timeout_s: float = 300,
+                listening: dist.TCPStore | None = None) -> dist.TCPStore:
+    """The store a rank of a group meets the others through: rank 0's `listening` store (from
+    listening_store) when it is the one at host:port, else a client of host:port (rank 0
+    without one listens there itself)."""
+    if rank == 0 and listening is not None and listening.port == port:
+        return listening
+    return dist.TCPStore(host, port, size, is_master=rank == 0, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def open_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float = 300,
+               listening: dist.TCPStore | None = None):
     """A process group of its own between the trainer's sending ranks and the engines (not
-    the default group: trainers and engines live in different worlds). gloo on CPU, nccl on GPU."""
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    the default group: trainers and engines live in different worlds). gloo on CPU, nccl on GPU.
+    `listening`: rank 0's store (group_store)."""
+    store = group_store(host, port, rank, size, timeout_s, listening)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, size)
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))

@@ -59,8 +59,8 @@ class WeightSender:
     def plan(self, bucket_bytes: int) -> list:
         return weight_export.plan(self.model, bucket_bytes)
 
-    def open_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
-        self.group = open_group(host, port, rank, size, backend)
+    def open_group(self, host: str, port: int, rank: int, size: int, backend: str, listening=None) -> None:
+        self.group = open_group(host, port, rank, size, backend, listening=listening)
 
     def broadcast(self, plan: list[dict], bucket_bytes: int, me: int | None) -> dict[str, str]:
         """Send this rank's buckets over the group (`me`: this rank's index in it, None when it

@@ -14,7 +14,6 @@ peers) receives the same micro-batches.
 from __future__ import annotations
 
 import gc
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +37,7 @@ from miles.cluster.node import node_address
 from miles.memory import device_memory, offload, restore, to_device, unique_storages
 from miles.observe.alignment import grad_checksums
 from miles.observe.profiler import Profile
+from miles.rollout.weights import group_store, listening_store
 from miles.train import adamw, inspect, losses
 from miles.train.batching import MicroBatch
 from miles.train.ddp import OverlappedDDP, overlap_wanted
@@ -111,14 +111,18 @@ class TrainWorker:
         self.weights: WeightSender | None = None  # every path of the weights out (after build_model)
         self._reference: dict[str, torch.Tensor] | None = None  # RL's KL reference weights (host)
         self.freeze_router_bias = False  # set_router
+        self._listening = None  # rank 0's rendezvous store, from rendezvous_address until a group takes it
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the others connect: its Ray node's address (other nodes reach
-        it there) and a free port."""
-        host = node_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        it there) and the port of a store it already listens on, which the next group it joins
+        as rank 0 (init_distributed, open_sync_group) takes."""
+        self._listening = listening_store(node_address())
+        return self._listening.host, self._listening.port
+
+    def _take_listening(self):
+        listening, self._listening = self._listening, None
+        return listening
 
     # ------------------------------------------------------------------ set-up
     def init_distributed(self, host: str, port: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> dict:
@@ -132,8 +136,10 @@ class TrainWorker:
             from miles.train import megatron_cpu
 
             megatron_cpu.apply()
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(minutes=5))
+        timeout = timedelta(minutes=5)
+        store = group_store(host, port, self.rank, self.world_size, timeout.total_seconds(), self._take_listening())
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep, context_parallel_size=cp)
         return self.layout()
@@ -538,7 +544,7 @@ class TrainWorker:
         return self.weights.plan(bucket_bytes)
 
     def open_sync_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
-        self.weights.open_group(host, port, rank, size, backend)
+        self.weights.open_group(host, port, rank, size, backend, self._take_listening())
 
     def broadcast_weights(self, plan: list[dict], bucket_bytes: int, me: int | None) -> dict[str, str]:
         return self.weights.broadcast(plan, bucket_bytes, me)
