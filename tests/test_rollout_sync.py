@@ -64,8 +64,9 @@ def _engine_logprobs(results: list[dict]) -> list[torch.Tensor]:
 def _local_logprobs(group: TrainGroup, reqs: list[dict], results: list[dict],
                     directory) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The same log-probs from the weights the trainer exports (DeepSeek's HF layout) in a
-    single-process model here, whole sequences: in fp32 and in float64 (the truth the fp32
-    evaluations are held to)."""
+    single-process model here, whole sequences: with fp32 parameters, then float64 ones (the
+    reference; the ops that compute in fp32 whatever their input, e.g. the attention core and
+    the head, still round there, so it is a differently rounded evaluation, not exact)."""
     path, _ = write_version(group, directory, CFG, 0)
     model = DeepSeekV4ForCausalLM(CFG).eval()
     targets = update_targets(model)
@@ -74,12 +75,14 @@ def _local_logprobs(group: TrainGroup, reqs: list[dict], results: list[dict],
     for k, v in weights.items():
         targets[k].copy_(v)
     out = []
-    for m in (model, model.double()):
+    for dtype in (torch.float32, torch.float64):
+        model.to(dtype)  # in place: the fp32 pass runs before the conversion
+        assert next(model.parameters()).dtype == dtype
         out.append([])
         for q, r in zip(reqs, results, strict=True):
             ids = torch.tensor(q["input_ids"] + r["output_ids"])[None]
             p = len(q["input_ids"])
-            lp = m(ids).head.logits()[0, p - 1:-1].double().log_softmax(-1)  # [T, V]
+            lp = model(ids).head.logits()[0, p - 1:-1].double().log_softmax(-1)  # [T, V]
             out[-1].append(lp.gather(1, ids[0, p:, None])[:, 0])
     return out[0], out[1]
 
@@ -87,16 +90,18 @@ def _local_logprobs(group: TrainGroup, reqs: list[dict], results: list[dict],
 def _agree(group, reqs, results, what: str, spread_dir=None) -> float:
     """Each sampled token's log-prob from the engine equals the trainer's to 1e-5.
 
-    With `spread_dir` (after training) all are held to the float64 evaluation of the weights
-    the trainer exports (_local_logprobs): the trainer and a whole-sequence fp32 evaluation of
-    the export to 5e-5, and the engine to 1e-5 plus twice the larger of those two fp32
-    evaluations' distances from float64 at that token. Why: after training at lr 1e-2 a few
-    tokens are ill-conditioned, e.g. one whose sliding-window attention output nearly cancels
-    (seed 1853276993, step 5: the last layer's attention multiplies its input's rounding
-    ~75x). There every fp32 evaluation is ~1e-5 off float64 (engine 2.6e-6 and 1.4e-5, the
-    trainer 1.2e-5 and 8.9e-6, the local fp32 model 1.6e-5 and 6.1e-6, on two tokens whose
-    neighbours sit at <= 5e-7), so a flat 1e-5 between two of them fails on some seeds. A
-    stale or half-applied sync moves log-probs by 0.1-2, four orders above either bound."""
+    With `spread_dir` (after training) all are held to a third evaluation, the weights the
+    trainer exports as float64 parameters in a single-process model here (_local_logprobs): the
+    trainer and the same model with fp32 parameters to 5e-5, and the engine to 1e-5 plus twice
+    the larger of those two evaluations' distances from it at that token (how far rounding
+    moves that token). Why: after training at lr 1e-2 a few tokens are ill-conditioned, e.g. one
+    whose sliding-window attention output nearly cancels (seed 1853276993, step 5: the last
+    layer's attention multiplies its input's rounding ~75x). There every evaluation lands ~1e-5
+    from the others (engine, trainer and local fp32 model 2.6e-6 / 1.2e-5 / 1.6e-5 from a
+    float64 one on one token, 1.4e-5 / 8.9e-6 / 6.1e-6 on another, their neighbours <= 5e-7),
+    so a flat 1e-5 between two of them fails on some seeds. A stale or half-applied sync moves
+    log-probs by 0.1-2, four orders above either bound; a skipped hc_head_scale, 2e-5, fails
+    on the well-conditioned tokens."""
     worst = 0.0
     engine, trainer = _engine_logprobs(results), _trainer_logprobs(group, reqs, results)
     if spread_dir is not None:
@@ -105,12 +110,12 @@ def _agree(group, reqs, results, what: str, spread_dir=None) -> float:
         if spread_dir is None:
             assert_close(a, b.float(), atol=1e-5, what=f"{what}: sample {i}")
         else:
-            truth = local64[i]
-            assert_close(b, truth, atol=5e-5, what=f"{what}: sample {i}, trainer against its export in float64")
-            assert_close(local32[i], truth, atol=5e-5, what=f"{what}: sample {i}, its export in fp32 against float64")
-            # [T]: how far fp32 rounding moves each token here (its conditioning)
-            noise = torch.maximum((b.double() - truth).abs(), (local32[i] - truth).abs())
-            assert_close(a, truth, atol=1e-5 + 2 * noise,
+            ref = local64[i]
+            assert_close(b, ref, atol=5e-5, what=f"{what}: sample {i}, trainer against its export in float64")
+            assert_close(local32[i], ref, atol=5e-5, what=f"{what}: sample {i}, its export in fp32 against float64")
+            # [T]: how far rounding moves each token here (its conditioning)
+            noise = torch.maximum((b.double() - ref).abs(), (local32[i] - ref).abs())
+            assert_close(a, ref, atol=1e-5 + 2 * noise,
                          what=f"{what}: sample {i}, engine against the trainer's export in float64")
         worst = max(worst, (a - b).abs().max().item())
     return worst

@@ -84,7 +84,7 @@ def test_a_published_rendezvous_port_stays_held_until_the_group_takes_it(gpu_nod
         pg.allreduce([t]).wait()
         sums[rank] = t.item()
 
-    other = threading.Thread(target=member, args=(1,))
+    other = threading.Thread(target=member, args=(1,), daemon=True)
     other.start()
     member(0, store)
     other.join(30)

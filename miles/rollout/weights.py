@@ -193,6 +193,7 @@ def group_store(host: str, port: int, rank: int, size: int, timeout_s: float = 3
     listening_store) when it is the one at host:port, else a client of host:port (rank 0
     without one listens there itself)."""
     if rank == 0 and listening is not None and listening.port == port:
+        listening.set_timeout(timedelta(seconds=timeout_s))
         return listening
     return dist.TCPStore(host, port, size, is_master=rank == 0, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s))
