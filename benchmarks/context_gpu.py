@@ -25,16 +25,16 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _run(rank: int, world: int, port: int, seq: int, steps: int, out: dict) -> None:
+def _run(rank: int, world: int, seq: int, steps: int, out: dict) -> None:
     # Before any import that may touch CUDA: TrainWorker takes device 0, as under Ray.
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    from benchmarks.train_gpu import config_1b
+    from benchmarks.train_gpu import config_1b, spawned_rendezvous
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
 
     cfg = config_1b(seq)
     w = TrainWorker(rank, world)
-    w.init_distributed("127.0.0.1", port, cp=world)
+    w.init_distributed(*spawned_rendezvous(w, rank, out, ("rendezvous", world)), cp=world)
     w.build_model({**cfg.to_dict(), "kernels": "triton", "recompute": True}, seed=0, dtype="bfloat16")
     w.setup_training(lr=1e-4, warmup_steps=0, total_steps=1000)
     ids = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -65,9 +65,7 @@ def main() -> None:
         if cp > gpus:
             print(f"cp={cp}: needs {cp} GPUs, {gpus} here: skipped")
             continue
-        from miles.cluster.node import free_port
-
-        mp.spawn(_run, args=(cp, free_port(), a.seq, a.steps, out), nprocs=cp)
+        mp.spawn(_run, args=(cp, a.seq, a.steps, out), nprocs=cp)
         t, mem = out[cp]
         base = out.get(1, (None,))[0]
         ratio = f"{base / t:.2f}x" if base else "-"

@@ -49,7 +49,7 @@ def parse_layout(name: str) -> tuple[int, int, int, bool]:
     return int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(3) or 1), m.group(4) is None
 
 
-def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, out: dict) -> None:
+def _run(rank: int, world: int, a: argparse.Namespace, layout: str, out: dict) -> None:
     cuda = a.device == "gpu"
     t0 = time.perf_counter()
 
@@ -63,14 +63,14 @@ def _run(rank: int, world: int, port: int, a: argparse.Namespace, layout: str, o
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     else:
         torch.set_num_threads(1)
-    from benchmarks.train_gpu import CONFIGS
+    from benchmarks.train_gpu import CONFIGS, spawned_rendezvous
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
 
     tp, ep, _, overlap = parse_layout(layout)
     cfg = CONFIGS[a.config](a.seq)
     w = TrainWorker(rank, world)
-    me = w.init_distributed("127.0.0.1", port, tp=tp, ep=ep)
+    me = w.init_distributed(*spawned_rendezvous(w, rank, out, ("rendezvous", layout)), tp=tp, ep=ep)
     note(f"process groups up: {me}")
     arch = {**cfg.to_dict(), "n_routed_experts": EXPERTS_PER_GPU * ep, "kernels": "triton" if cuda else "torch",
             "cuda_graphs": cuda and tp == 1 and ep == 1 and a.graphs}
@@ -153,8 +153,6 @@ def main() -> None:
     ap.add_argument("--stall-after", type=float, default=400,
                     help="seconds after which a rank prints its threads' stacks and exits")
     a = ap.parse_args()
-    from miles.cluster.node import free_port
-
     have = torch.cuda.device_count() if a.device == "gpu" else os.cpu_count()
     out = mp.Manager().dict()
     where = torch.cuda.get_device_name() if a.device == "gpu" else "CPU"
@@ -170,7 +168,7 @@ def main() -> None:
             print(f"{layout:>11s} {world:5d}  needs {world} devices, {have} here: skipped", flush=True)
             continue
         try:
-            mp.spawn(_run, args=(world, free_port(), a, layout, out), nprocs=world)
+            mp.spawn(_run, args=(world, a, layout, out), nprocs=world)
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a stalled rank's stacks are above
             print(f"{layout:>11s} {world:5d}  failed: {e}", flush=True)
             continue

@@ -59,6 +59,21 @@ from plugins.deepseek_v4 import DeepSeekV4Config  # noqa: E402
 from plugins.deepseek_v4.config import YarnScaling  # noqa: E402
 
 
+def spawned_rendezvous(w, rank: int, box, key, timeout_s: float = 300) -> tuple[str, int]:
+    """Where the ranks of one `mp.spawn` meet: rank 0 puts the address of the store it already
+    listens on (TrainWorker.rendezvous_address) into `box` (a Manager dict) under `key`, and
+    every rank takes it from there. (A port found free in the parent and bound later by rank 0
+    can be taken in between.)"""
+    if rank == 0:
+        box[key] = w.rendezvous_address()
+    deadline = time.monotonic() + timeout_s
+    while key not in box:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 published no rendezvous address in {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return box[key]
+
+
 def config_1b(seq: int) -> DeepSeekV4Config:
     return DeepSeekV4Config.tiny(
         vocab_size=32768, hidden_size=1536, num_hidden_layers=8, num_attention_heads=16, head_dim=512,
