@@ -57,7 +57,7 @@ def _port_taken(host: str, port: int) -> bool:
 
 def test_a_published_rendezvous_port_stays_held_until_the_group_takes_it(gpu_node):
     """Rank 0 publishes a port its store already listens on: a port found free, closed and
-    bound only when the group starts was taken in between once in CI (EADDRINUSE in
+    bound only when the group starts was taken in between in a suite run (EADDRINUSE in
     init_distributed). Held from rendezvous_address on, by the rank's actor (the training group)
     and for a broadcast group (open_group: rank 0 takes the store, a member connects to it)."""
     import threading

@@ -183,7 +183,7 @@ def decode_tensors(blob: str) -> dict[str, torch.Tensor]:
 def listening_store(host: str, timeout_s: float = 300) -> dist.TCPStore:
     """A group's rendezvous store, already listening at `host` on a port the OS picked: its
     address can be published with nothing able to take the port first. (A port found free,
-    closed and bound later by rank 0 was taken in between once in CI: EADDRINUSE.)"""
+    closed and bound later by rank 0 was taken in between in a suite run: EADDRINUSE.)"""
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
