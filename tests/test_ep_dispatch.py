@@ -8,7 +8,6 @@ expert in two of its slots (a loaded hash table may: each slot is its own pair).
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
@@ -19,16 +18,11 @@ from conftest import assert_close
 
 pytest.importorskip("megatron.core")
 
+from miles.cluster.node import free_port  # noqa: E402
 from plugins.deepseek_v4 import ops  # noqa: E402
 
 E, K, D, INTER, LIMIT = 4, 2, 6, 5, 7.0
 TOKENS = (7, 5)  # rank 0 and rank 1 hold different numbers of tokens
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(seed: int, routing: str) -> dict:
@@ -106,7 +100,7 @@ def test_ep_all_to_all_moves_routed_pairs_and_matches_one_process(tmp_path, seed
     routing weight lost or applied twice, a token's slots summed in the wrong place, the
     backward collectives diverging when a rank's experts get no pair, and an expert id out of
     range lost without a word."""
-    mp.spawn(_worker, args=(_port(), seed, routing, str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), seed, routing, str(tmp_path)), nprocs=2)
     r = [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in range(2)]
     inp = _inputs(seed, routing)
     per = E // 2

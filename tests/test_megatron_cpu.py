@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 
 import pytest
@@ -18,13 +17,8 @@ from conftest import assert_close, assert_finite
 
 megatron_core = pytest.importorskip("megatron.core")
 
+from miles.cluster.node import free_port  # noqa: E402
 from miles.train import megatron_cpu  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, port: int, **parallel) -> None:
@@ -323,7 +317,7 @@ def _spawn(worker, tmp_path, seed, *extra) -> list[dict]:
     saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
     os.environ.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     try:
-        mp.spawn(worker, args=(_port(), seed, str(tmp_path), *extra), nprocs=2)
+        mp.spawn(worker, args=(free_port(), seed, str(tmp_path), *extra), nprocs=2)
     finally:
         for k, v in saved.items():
             if v is None:
