@@ -84,6 +84,33 @@ def prefetch_rows(x, fn, cots, refs, extra, keep) -> None:
         mhc.MIX_BWD = keep[2]
 
 
+def ablate_rows(x, fn, cots, refs, extra, keep) -> None:
+    """The backward at the default tile with a stage left out (no fn-gradient dots, no dx
+    dot, neither) and with dx's dot as bf16 pieces (g0 w0 + g0 w1 + g1 w0 + g1 w1) instead of
+    tf32x3; the forward with fn's pieces split once per call instead of in every step."""
+    rows = [("default", {}, {}), ("bwd: dx dot bf16 pieces", {}, dict(dx_bf16=True)),
+            ("bwd: dx fp32 outer products", {}, dict(dx_fma=True)),
+            ("bwd: no fn-gradient dots (wrong dfn)", {}, dict(skip=1)),
+            ("bwd: no dx dot (wrong dx)", {}, dict(skip=2)),
+            ("bwd: neither dot (loads, stores)", {}, dict(skip=3))]
+    for bs, bk, gr, wp, pf, fma in [(16, 128, 8, 4, True, False), (16, 128, 4, 4, True, False),
+                                    (16, 128, 16, 4, True, False), (16, 256, 8, 4, True, False),
+                                    (16, 128, 8, 2, True, False), (32, 128, 8, 8, True, False),
+                                    (16, 64, 8, 2, True, False), (16, 128, 8, 4, True, True),
+                                    (32, 128, 8, 4, True, True), (16, 256, 8, 8, True, True)]:
+        rows.append((f"bwd dx {'fma' if fma else 'bf16'}, BS {bs} BK {bk} groups {gr} w{wp}"
+                     + (" prefetch" if pf else ""), {},
+                     dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=1, prefetch=pf, dx_bf16=not fma, dx_fma=fma)))
+    try:
+        for name, f, b in rows:
+            mhc.MIX_FWD, mhc.MIX_BWD = dict(keep[1], **f), dict(keep[2], **b)
+            errs = errors(mhc.stream_mixes, x, fn, cots, refs)
+            fwd, bwd = kernel_times(x, fn, cots, extra)
+            print(f"{name:80s} {fwd:7.1f} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs))
+    finally:
+        mhc.MIX_FWD, mhc.MIX_BWD = keep[1], keep[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=4096)
@@ -91,6 +118,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the defaults and the old tf32x3 tiles only")
     ap.add_argument("--prefetch", action="store_true",
                     help="only the backward's tiles with the next row step's loads issued early and not")
+    ap.add_argument("--ablate", action="store_true", help="the default tile with stages left out or changed")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     old = ("tf32x3", dict(BS=16, BK=64, SPLIT=1, warps=4), dict(BS=16, BK=64, GROUPS=8, warps=4))
@@ -113,6 +141,9 @@ def main() -> None:
         print(f"{'variant':80s} {'fwd':>7s} {'bwd':>7s}   errors")
         if a.prefetch:
             prefetch_rows(x, fn, cots, refs, extra, keep)
+            continue
+        if a.ablate:
+            ablate_rows(x, fn, cots, refs, extra, keep)
             continue
         fwd0, bwd0 = torch_times(x, fn, cots)
         errs = errors(torch_mixes, x, fn, cots, refs)

@@ -773,6 +773,17 @@ def mixes_prefetch_arms():
             ("CUDA graphs, mixes backward: prefetched (default)", lambda on: None)]
 
 
+def mixes_dx_arms(w):
+    """The mHC mixes as now against dx's dot in bf16 pieces (backward) and fn's pieces split
+    once per call (forward), with the head's options + bf16 moments."""
+    from plugins.deepseek_v4.kernels import mhc
+
+    options = moments_arms(w)[-1][1]
+    new = _patch(mhc, "MIX_BWD", dict(BS=16, BK=128, GROUPS=8, warps=4, stages=1, prefetch=True, dx_bf16=True))
+    return [("CUDA graphs, options, mixes as now", options),
+            ("CUDA graphs, options, mixes dx bf16 BS16 BK128", _together(new, options))]
+
+
 def rope_inplace_arms():
     """The out-projection's backward rotating the gradient of o into a copy (all D columns
     read and written) against in place (its 2 x 32 rotated columns only)."""
@@ -1074,6 +1085,8 @@ def main() -> None:
                     help="with --ab: only mHC pre's partial sums and norm factor by torch vs in its kernels")
     ap.add_argument("--mixes-prefetch", action="store_true",
                     help="with --ab: only the mixes' backward with its loads in their step vs prefetched")
+    ap.add_argument("--mixes-dx", action="store_true",
+                    help="with --ab: only the mixes as now vs dx's dot in bf16 pieces and fn's split once")
     ap.add_argument("--rope-inplace", action="store_true",
                     help="with --ab: only o's gradient rotated into a copy vs in place")
     ap.add_argument("--projections", action="store_true",
@@ -1177,6 +1190,7 @@ def main() -> None:
                "pre_launches": ("mHC pre's small launches", pre_launches_arms),
                "rope_inplace": ("o's gradient rotation", rope_inplace_arms),
                "mixes_prefetch": ("mHC mixes' backward loads", mixes_prefetch_arms),
+               "mixes_dx": ("mHC mixes' dot pieces", mixes_dx_arms),
                "projections": ("projection weight gradients", projections_arms)}  # --ab --FLAG: its arms, graphs on
     chosen = [flag for flag in graphed if getattr(a, flag)]
     if a.ab and chosen:
@@ -1184,7 +1198,7 @@ def main() -> None:
         for flag in chosen:
             title, arms = graphed[flag]
             takes = {"moments": w, "head_wgrad": w, "unrope": w, "experts_in": w, "projections": w, "score_prec": w,
-                     "accum": w.model, "head_backward": w.model}
+                     "mixes_dx": w, "accum": w.model, "head_backward": w.model}
             made = arms(takes[flag]) if flag in takes else arms()
             graphed_ab(w, mbs, a.steps, tokens, title, made)
         return

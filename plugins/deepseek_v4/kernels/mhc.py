@@ -413,7 +413,7 @@ def _dot3(a0, a1, a2, b0, b1, b2, UPCAST: tl.constexpr):
 
 @triton.jit
 def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, UPCAST: tl.constexpr):
+               PREC: tl.constexpr, UPCAST: tl.constexpr, PIECES: tl.constexpr = False):
     """Program (row block, K split): partial mm [BS, m] and sum of squares [BS] of its slab."""
     r = tl.program_id(0) * BS + tl.arange(0, BS)
     part = tl.program_id(1)
@@ -425,12 +425,20 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
         c = k0 + tl.arange(0, BK)
         x = tl.load(X + r.to(tl.int64)[:, None] * K + c[None, :], mask=rows[:, None] & (c < K)[None, :],
                     other=0.0)  # [BS, BK]
-        w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
         xf = x.to(tl.float32)
-        if PREC == "bf16x3":
+        if PIECES:  # FN [3, m, K] bf16: fn's three pieces, split once per call
+            wm = (j < m)[None, :] & (c < K)[:, None]
+            wt = j[None, :] * K + c[:, None]  # [BK, MP]
+            hi = tl.load(FN + wt, mask=wm, other=0.0)
+            mid = tl.load(FN + m * K + wt, mask=wm, other=0.0)
+            lo = tl.load(FN + 2 * m * K + wt, mask=wm, other=0.0)
+            acc += _dot3(x, x, x, hi, mid, lo, UPCAST)  # [BS, MP]
+        elif PREC == "bf16x3":
+            w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
             hi, mid, lo = _bf16x3(tl.trans(w))  # [BK, MP] each
             acc += _dot3(x, x, x, hi, mid, lo, UPCAST)  # [BS, MP]
         else:
+            w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
             acc += tl.dot(xf, tl.trans(w), input_precision=PREC)  # [BS, MP]
         sq += tl.sum(xf * xf, 1)
     tl.store(MM + (part * R + r)[:, None] * m + j[None, :], acc, mask=rows[:, None] & (j < m)[None, :])
@@ -468,7 +476,8 @@ def _bwd_loads(X, DMM, C, W, DU, DXP, r0, hi, K, m, n, d, c, cols, j, e, stream,
 @triton.jit
 def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ADD_WDU: tl.constexpr,
-               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr, PREFETCH: tl.constexpr):
+               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr, PREFETCH: tl.constexpr, DX_BF16: tl.constexpr = False,
+               SKIP: tl.constexpr = 0, DX_FMA: tl.constexpr = False):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
     dx's dmm @ fn runs tf32x3 under "bf16x3" too. Its bf16 pieces (g0 w0 + g0 w1 + g1 w0, w's
     split out of the loop) tied on the H100 at BS 64 without PREFETCH (150 us either way);
@@ -485,6 +494,8 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
     j = tl.arange(0, MP)
     cols, fm = c < K, (j < m)[:, None] & (c < K)[None, :]
     w = tl.load(FN + j[:, None] * K + c[None, :], mask=fm, other=0.0)  # [MP, BK]
+    w0 = w.to(tl.bfloat16)
+    w1 = (w - w0.to(tl.float32)).to(tl.bfloat16)
     dw = tl.zeros([MP, BK], tl.float32)
     if IN_STREAM:
         stream = tl.program_id(0) * BK // d
@@ -508,15 +519,37 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
         offs = r.to(tl.int64)[:, None] * K + c[None, :]
         mask = (r < hi)[:, None] & cols[None, :]
         x = xs.to(tl.float32)
-        dx = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC) + s[:, None] * x  # [BS, BK]
+        if DX_FMA:  # fp32 outer products, one mix column at a time (L1-resident rows of dmm and fn)
+            prod = tl.zeros([BS, BK], tl.float32)
+            for jj in range(0, m):
+                gc = tl.load(DMM + r * m + jj, mask=r < hi, other=0.0)  # [BS]
+                wr = tl.load(FN + jj * K + c, mask=cols, other=0.0)  # [BK]
+                prod += gc[:, None] * wr[None, :]
+        elif DX_BF16:
+            g0, g1, g2 = _bf16x3(g)  # [BS, MP] each
+            if UPCAST:
+                prod = tl.dot(g0.to(tl.float32), w0.to(tl.float32), tl.dot(g0.to(tl.float32), w1.to(tl.float32),
+                              tl.dot(g1.to(tl.float32), w0.to(tl.float32))))
+            else:
+                prod = tl.dot(g0, w0, tl.dot(g0, w1, tl.dot(g1, w0, tl.dot(g1, w1))))
+        else:
+            prod = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC)
+        if SKIP >= 2:
+            prod = tl.zeros([BS, BK], tl.float32)
+        dx = prod + s[:, None] * x  # [BS, BK]
         if ADD_WDU:
             dx += wi * du.to(tl.float32)
         if ADD_DXP:
             dx += dxp.to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        if PREC == "bf16x3":
-            h0, h1, h2 = _bf16x3(tl.trans(g))  # [MP, BS] each
-            dw += _dot3(h0, h1, h2, xs, xs, xs, UPCAST)  # [MP, BK]
+        if SKIP % 2 == 1:
+            dw += 0.0
+        elif PREC == "bf16x3":
+            if DX_BF16 and not DX_FMA:
+                dw += _dot3(tl.trans(g0), tl.trans(g1), tl.trans(g2), xs, xs, xs, UPCAST)  # [MP, BK]
+            else:
+                h0, h1, h2 = _bf16x3(tl.trans(g))  # [MP, BS] each
+                dw += _dot3(h0, h1, h2, xs, xs, xs, UPCAST)  # [MP, BK]
         else:
             dw += tl.dot(tl.trans(g), x, input_precision=PREC)  # [MP, BK]
         if PREFETCH:
@@ -543,10 +576,17 @@ def _mixes_partials(x: torch.Tensor, fn: torch.Tensor):
     kspan = tile_span(k, t["SPLIT"], t["BK"])
     parts = triton.cdiv(max(k, 1), kspan)
     mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
+    pieces = t.get("pieces", False) and _precision(x2) == "bf16x3"
     if r:
-        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
+        fn_in = fn32
+        if pieces:
+            hi = fn32.to(torch.bfloat16)
+            rest = fn32 - hi.float()
+            mid = rest.to(torch.bfloat16)
+            fn_in = torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
+        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn_in, mm, sq, r, k, m, kspan,
                                                      MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                     BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET,
+                                                     BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, PIECES=pieces,
                                                      num_warps=t["warps"], num_stages=t.get("stages", 3))
     return mm, sq, x2, fn32
 
@@ -588,7 +628,10 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
                                                       BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, ADD_WDU=add,
                                                       ADD_DXP=dxp is not None,
                                                       IN_STREAM=_in_stream(k // n, t["BK"]),
-                                                      PREFETCH=t.get("prefetch", False), num_warps=t["warps"],
+                                                      PREFETCH=t.get("prefetch", False),
+                                                      DX_BF16=t.get("dx_bf16", False), SKIP=t.get("skip", 0),
+                                                      DX_FMA=t.get("dx_fma", False),
+                                                      num_warps=t["warps"],
                                                       num_stages=t.get("stages", 3))
     else:
         dfn.zero_()
