@@ -8,7 +8,7 @@ kernels are timed alone, replayed in a CUDA graph (no host time), the backward a
 torch's row includes its autograd call's host time. Each row also checks its results against
 float64 (largest relative error of mm, nrm, the streams' gradient and fn's).
 
-    python3 benchmarks/mixes_gpu.py [--rows 4096] [--width 6144] [--quick | --prefetch]
+    python3 benchmarks/mixes_gpu.py [--rows 4096] [--width 6144] [--quick | --prefetch | --dx]
 """
 
 from __future__ import annotations
@@ -84,31 +84,24 @@ def prefetch_rows(x, fn, cots, refs, extra, keep) -> None:
         mhc.MIX_BWD = keep[2]
 
 
-def ablate_rows(x, fn, cots, refs, extra, keep) -> None:
-    """The backward at the default tile with a stage left out (no fn-gradient dots, no dx
-    dot, neither) and with dx's dot as bf16 pieces (g0 w0 + g0 w1 + g1 w0 + g1 w1) instead of
-    tf32x3; the forward with fn's pieces split once per call instead of in every step."""
-    rows = [("default", {}, {}), ("bwd: dx dot bf16 pieces", {}, dict(dx_bf16=True)),
-            ("bwd: dx fp32 outer products", {}, dict(dx_fma=True)),
-            ("bwd: no fn-gradient dots (wrong dfn)", {}, dict(skip=1)),
-            ("bwd: no dx dot (wrong dx)", {}, dict(skip=2)),
-            ("bwd: neither dot (loads, stores)", {}, dict(skip=3))]
-    for bs, bk, gr, wp, pf, fma in [(16, 128, 8, 4, True, False), (16, 128, 4, 4, True, False),
-                                    (16, 128, 16, 4, True, False), (16, 256, 8, 4, True, False),
-                                    (16, 128, 8, 2, True, False), (32, 128, 8, 8, True, False),
-                                    (16, 64, 8, 2, True, False), (16, 128, 8, 4, True, True),
-                                    (32, 128, 8, 4, True, True), (16, 256, 8, 8, True, True)]:
-        rows.append((f"bwd dx {'fma' if fma else 'bf16'}, BS {bs} BK {bk} groups {gr} w{wp}"
-                     + (" prefetch" if pf else ""), {},
-                     dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=1, prefetch=pf, dx_bf16=not fma, dx_fma=fma)))
+def dx_rows(x, fn, cots, refs, extra, keep) -> None:
+    """The backward's dx dot as tf32x3 on the tile before (32-row steps, 64 columns) against
+    the bf16 pieces of dmm and fn (`dx_pieces`) over tiles."""
+    rows = [("dx tf32x3, BS 32 BK 64 groups 8 w4 prefetch (before)",
+             dict(BS=32, BK=64, GROUPS=8, warps=4, stages=1, prefetch=True, dx_pieces=False))]
+    for bs, bk, gr, wp in [(32, 64, 8, 4), (16, 128, 8, 4), (16, 128, 4, 4), (16, 128, 16, 4), (16, 256, 8, 4),
+                           (16, 128, 8, 2), (32, 128, 8, 4), (64, 64, 8, 4), (16, 64, 8, 2)]:
+        rows.append((f"dx pieces, BS {bs} BK {bk} groups {gr} w{wp} prefetch",
+                     dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=1, prefetch=True, dx_pieces=True)))
     try:
-        for name, f, b in rows:
-            mhc.MIX_FWD, mhc.MIX_BWD = dict(keep[1], **f), dict(keep[2], **b)
+        for name, b in rows:
+            mhc.MIX_BWD = b
             errs = errors(mhc.stream_mixes, x, fn, cots, refs)
-            fwd, bwd = kernel_times(x, fn, cots, extra)
-            print(f"{name:80s} {fwd:7.1f} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs))
+            _, bwd = kernel_times(x, fn, cots, extra)
+            print(f"{name:80s} {'':7s} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
+                  + ("   (default)" if b == keep[2] else ""))
     finally:
-        mhc.MIX_FWD, mhc.MIX_BWD = keep[1], keep[2]
+        mhc.MIX_BWD = keep[2]
 
 
 def main() -> None:
@@ -118,7 +111,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the defaults and the old tf32x3 tiles only")
     ap.add_argument("--prefetch", action="store_true",
                     help="only the backward's tiles with the next row step's loads issued early and not")
-    ap.add_argument("--ablate", action="store_true", help="the default tile with stages left out or changed")
+    ap.add_argument("--dx", action="store_true",
+                    help="only the backward's dx dot: tf32x3 on the tile before vs bf16 pieces over tiles")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     old = ("tf32x3", dict(BS=16, BK=64, SPLIT=1, warps=4), dict(BS=16, BK=64, GROUPS=8, warps=4))
@@ -142,8 +136,8 @@ def main() -> None:
         if a.prefetch:
             prefetch_rows(x, fn, cots, refs, extra, keep)
             continue
-        if a.ablate:
-            ablate_rows(x, fn, cots, refs, extra, keep)
+        if a.dx:
+            dx_rows(x, fn, cots, refs, extra, keep)
             continue
         fwd0, bwd0 = torch_times(x, fn, cots)
         errs = errors(torch_mixes, x, fn, cots, refs)

@@ -26,6 +26,7 @@ active MLP width (causal SDPA / flash attention, torch AdamW), all in the same p
     python3 benchmarks/train_gpu.py --ab --pre-launches  # mHC pre's partial sums, norm factor: torch vs its kernels
     python3 benchmarks/train_gpu.py --ab --rope-inplace  # o's gradient rotated into a copy vs in place
     python3 benchmarks/train_gpu.py --ab --mixes-prefetch  # the mixes' backward: loads in their step vs prefetched
+    python3 benchmarks/train_gpu.py --config flash_slice --ab --mixes-dx  # the mixes' dx dot: tf32x3 vs bf16 pieces
     python3 benchmarks/train_gpu.py --config flash_slice --ab --projections  # projection wgrads: hook vs main_grad
     python3 benchmarks/train_gpu.py --config flash_slice --ab --score-prec  # the indexer's dots: split3 vs bf16x3
     python3 benchmarks/train_gpu.py --profile [--graphs] [--shapes] [--rows N]  # time per op, syncs, activations
@@ -774,14 +775,15 @@ def mixes_prefetch_arms():
 
 
 def mixes_dx_arms(w):
-    """The mHC mixes as now against dx's dot in bf16 pieces (backward) and fn's pieces split
-    once per call (forward), with the head's options + bf16 moments."""
+    """The mHC mixes' backward with dx's dot as tf32x3 on the tile before (32-row steps, 64
+    columns) against the bf16 pieces on its tile now (`mhc.MIX_BWD`), with the head's options
+    + bf16 moments."""
     from plugins.deepseek_v4.kernels import mhc
 
     options = moments_arms(w)[-1][1]
-    new = _patch(mhc, "MIX_BWD", dict(BS=16, BK=128, GROUPS=8, warps=4, stages=1, prefetch=True, dx_bf16=True))
-    return [("CUDA graphs, options, mixes as now", options),
-            ("CUDA graphs, options, mixes dx bf16 BS16 BK128", _together(new, options))]
+    old = _patch(mhc, "MIX_BWD", dict(BS=32, BK=64, GROUPS=8, warps=4, stages=1, prefetch=True, dx_pieces=False))
+    return [("CUDA graphs, options, mixes dx tf32x3", _together(old, options)),
+            ("CUDA graphs, options, mixes dx pieces (default)", options)]
 
 
 def rope_inplace_arms():
@@ -1086,7 +1088,7 @@ def main() -> None:
     ap.add_argument("--mixes-prefetch", action="store_true",
                     help="with --ab: only the mixes' backward with its loads in their step vs prefetched")
     ap.add_argument("--mixes-dx", action="store_true",
-                    help="with --ab: only the mixes as now vs dx's dot in bf16 pieces and fn's split once")
+                    help="with --ab: only the mixes' backward with dx's dot as tf32x3 vs bf16 pieces")
     ap.add_argument("--rope-inplace", action="store_true",
                     help="with --ab: only o's gradient rotated into a copy vs in place")
     ap.add_argument("--projections", action="store_true",

@@ -368,21 +368,17 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # The dots: bf16 streams are exact in bf16, so "bf16x3" splits only the fp32 operand (fn
 # forward, dmm in fn's gradient) into three bf16 pieces that sum to it exactly and runs three
 # bf16 dots: exact products summed in fp32, at the bf16 tensor-core rate. The streams'
-# gradient dmm @ fn (both fp32, an inner dimension of m) runs "tf32x3" (three TF32 products:
-# 2.4e-7 relative on the H100 against the TF32 projection's 2.1e-4), as fp32 streams do.
-# "ieee" FMA dots measured 4x slower forward.
-# Tiles (H100, [4096, 6144] bf16 streams, m = 24, `benchmarks/mixes_gpu.py`, the kernels alone
-# in CUDA graphs, the backward with hc_pre's extra gradients): tf32x3 at BS 16 BK 64 (8 row
-# groups backward) 99 us forward / 189 backward; bf16x3 there 79 / 190; bf16x3 at these tiles
-# 34 / 114 (151 with the stream sum's gradient loaded per element: see IN_STREAM; 131 at BS 64
-# stages 2 without PREFETCH, the best tile without it; m = 4: 90 against 115). Bounds: the
-# forward ~17 (a 50 MB read), the backward ~55 (~165 MB).
+# gradient dmm @ fn (both fp32, an inner dimension of m) takes the first two pieces of each
+# (`dx_pieces`: four bf16 dots, ~2^-16 relative, for a gradient stored in bf16); fp32 streams
+# take "tf32x3" for every dot (three TF32 products). "ieee" FMA dots measured 4x slower.
+# The tiles are `benchmarks/mixes_gpu.py`'s fastest at V4's widths ([4096, 16384] bf16, m = 24
+# and 4; docs/performance.md has the sweep and the backward's floor without its dots).
 # The forward may split K over SPLIT programs a row block (per-split partials, summed by the
 # gates kernel); each backward program owns a column block of a row group (GROUPS groups;
 # fn's partials per group).
 MIX_FWD = dict(BS=16, BK=16, SPLIT=1, warps=4) if INTERPRET else dict(BS=64, BK=64, SPLIT=8, warps=4)
-MIX_BWD = (dict(BS=16, BK=16, GROUPS=2, warps=4, prefetch=True) if INTERPRET else
-           dict(BS=32, BK=64, GROUPS=8, warps=4, stages=1, prefetch=True))
+MIX_BWD = (dict(BS=16, BK=16, GROUPS=2, warps=4, prefetch=True, dx_pieces=True) if INTERPRET else
+           dict(BS=16, BK=128, GROUPS=8, warps=4, stages=1, prefetch=True, dx_pieces=True))
 MIX_PREC = "bf16x3"
 
 
@@ -413,7 +409,7 @@ def _dot3(a0, a1, a2, b0, b1, b2, UPCAST: tl.constexpr):
 
 @triton.jit
 def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, UPCAST: tl.constexpr, PIECES: tl.constexpr = False):
+               PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Program (row block, K split): partial mm [BS, m] and sum of squares [BS] of its slab."""
     r = tl.program_id(0) * BS + tl.arange(0, BS)
     part = tl.program_id(1)
@@ -425,20 +421,12 @@ def _mixes_fwd(X, FN, MM, SQ, R, K, m, kspan, MP: tl.constexpr, BS: tl.constexpr
         c = k0 + tl.arange(0, BK)
         x = tl.load(X + r.to(tl.int64)[:, None] * K + c[None, :], mask=rows[:, None] & (c < K)[None, :],
                     other=0.0)  # [BS, BK]
+        w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
         xf = x.to(tl.float32)
-        if PIECES:  # FN [3, m, K] bf16: fn's three pieces, split once per call
-            wm = (j < m)[None, :] & (c < K)[:, None]
-            wt = j[None, :] * K + c[:, None]  # [BK, MP]
-            hi = tl.load(FN + wt, mask=wm, other=0.0)
-            mid = tl.load(FN + m * K + wt, mask=wm, other=0.0)
-            lo = tl.load(FN + 2 * m * K + wt, mask=wm, other=0.0)
-            acc += _dot3(x, x, x, hi, mid, lo, UPCAST)  # [BS, MP]
-        elif PREC == "bf16x3":
-            w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
+        if PREC == "bf16x3":
             hi, mid, lo = _bf16x3(tl.trans(w))  # [BK, MP] each
             acc += _dot3(x, x, x, hi, mid, lo, UPCAST)  # [BS, MP]
         else:
-            w = tl.load(FN + j[:, None] * K + c[None, :], mask=(j < m)[:, None] & (c < K)[None, :], other=0.0)
             acc += tl.dot(xf, tl.trans(w), input_precision=PREC)  # [BS, MP]
         sq += tl.sum(xf * xf, 1)
     tl.store(MM + (part * R + r)[:, None] * m + j[None, :], acc, mask=rows[:, None] & (j < m)[None, :])
@@ -474,14 +462,26 @@ def _bwd_loads(X, DMM, C, W, DU, DXP, r0, hi, K, m, n, d, c, cols, j, e, stream,
 
 
 @triton.jit
+def _dot2x2(a0, a1, b0, b1, UPCAST: tl.constexpr):
+    """(a0 + a1) @ (b0 + b1) of bf16 pieces: the four products, the small ones first from a zero
+    accumulator (exact products, fp32 sums). With a and b each the first two pieces of
+    `_bf16x3`, that is a @ b to ~2^-16 relative (the third pieces' terms left out). UPCAST: as
+    `_dot3`'s."""
+    if UPCAST:
+        a0, a1, b0, b1 = a0.to(tl.float32), a1.to(tl.float32), b0.to(tl.float32), b1.to(tl.float32)
+    return tl.dot(a0, b0, tl.dot(a0, b1, tl.dot(a1, b0, tl.dot(a1, b1))))
+
+
+@triton.jit
 def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ADD_WDU: tl.constexpr,
-               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr, PREFETCH: tl.constexpr, DX_BF16: tl.constexpr = False,
-               SKIP: tl.constexpr = 0, DX_FMA: tl.constexpr = False):
+               ADD_DXP: tl.constexpr, IN_STREAM: tl.constexpr, PREFETCH: tl.constexpr, DX_PIECES: tl.constexpr):
     """Program (column block, row group): dx of its [span, BK] slab, fn's partial gradient.
-    dx's dmm @ fn runs tf32x3 under "bf16x3" too. Its bf16 pieces (g0 w0 + g0 w1 + g1 w0, w's
-    split out of the loop) tied on the H100 at BS 64 without PREFETCH (150 us either way);
-    they were faster only at BS 32 BK 128 (135 us, where tf32x3 took 274), not kept for 10%.
+    dx's dmm @ fn: DX_PIECES (bf16 streams) as the four bf16 products of dmm's and fn's first
+    two pieces (fn's split once, out of the loop), ~2^-16 relative, far below dx's bf16 store;
+    otherwise tf32x3. At V4's widths ([4096, 16384], m = 24, H200) the tf32x3 dot was half of
+    this kernel's 281 us (the kernel without it: 143; without any dot: 125); as pieces on a
+    16 x 128 tile, 214 (benchmarks/mixes_gpu.py, docs/performance.md).
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
     n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre; IN_STREAM: each column
     block lies in one stream (BK divides d), so W is one column and DU's columns are a
@@ -519,33 +519,19 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
         offs = r.to(tl.int64)[:, None] * K + c[None, :]
         mask = (r < hi)[:, None] & cols[None, :]
         x = xs.to(tl.float32)
-        if DX_FMA:  # fp32 outer products, one mix column at a time (L1-resident rows of dmm and fn)
-            prod = tl.zeros([BS, BK], tl.float32)
-            for jj in range(0, m):
-                gc = tl.load(DMM + r * m + jj, mask=r < hi, other=0.0)  # [BS]
-                wr = tl.load(FN + jj * K + c, mask=cols, other=0.0)  # [BK]
-                prod += gc[:, None] * wr[None, :]
-        elif DX_BF16:
+        if DX_PIECES:
             g0, g1, g2 = _bf16x3(g)  # [BS, MP] each
-            if UPCAST:
-                prod = tl.dot(g0.to(tl.float32), w0.to(tl.float32), tl.dot(g0.to(tl.float32), w1.to(tl.float32),
-                              tl.dot(g1.to(tl.float32), w0.to(tl.float32))))
-            else:
-                prod = tl.dot(g0, w0, tl.dot(g0, w1, tl.dot(g1, w0, tl.dot(g1, w1))))
+            dx = _dot2x2(g0, g1, w0, w1, UPCAST)  # [BS, BK]
         else:
-            prod = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC)
-        if SKIP >= 2:
-            prod = tl.zeros([BS, BK], tl.float32)
-        dx = prod + s[:, None] * x  # [BS, BK]
+            dx = tl.dot(g, w, input_precision="tf32x3" if PREC == "bf16x3" else PREC)  # [BS, BK]
+        dx += s[:, None] * x
         if ADD_WDU:
             dx += wi * du.to(tl.float32)
         if ADD_DXP:
             dx += dxp.to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        if SKIP % 2 == 1:
-            dw += 0.0
-        elif PREC == "bf16x3":
-            if DX_BF16 and not DX_FMA:
+        if PREC == "bf16x3":
+            if DX_PIECES:  # the same pieces, transposed
                 dw += _dot3(tl.trans(g0), tl.trans(g1), tl.trans(g2), xs, xs, xs, UPCAST)  # [MP, BK]
             else:
                 h0, h1, h2 = _bf16x3(tl.trans(g))  # [MP, BS] each
@@ -576,17 +562,10 @@ def _mixes_partials(x: torch.Tensor, fn: torch.Tensor):
     kspan = tile_span(k, t["SPLIT"], t["BK"])
     parts = triton.cdiv(max(k, 1), kspan)
     mm, sq = new_output((parts, r, m), x2, torch.float32), new_output((parts, r), x2, torch.float32)
-    pieces = t.get("pieces", False) and _precision(x2) == "bf16x3"
     if r:
-        fn_in = fn32
-        if pieces:
-            hi = fn32.to(torch.bfloat16)
-            rest = fn32 - hi.float()
-            mid = rest.to(torch.bfloat16)
-            fn_in = torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
-        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn_in, mm, sq, r, k, m, kspan,
+        _mixes_fwd[(triton.cdiv(r, t["BS"]), parts)](x2, fn32, mm, sq, r, k, m, kspan,
                                                      MP=max(16, triton.next_power_of_2(m)), BS=t["BS"],
-                                                     BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, PIECES=pieces,
+                                                     BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET,
                                                      num_warps=t["warps"], num_stages=t.get("stages", 3))
     return mm, sq, x2, fn32
 
@@ -619,6 +598,7 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
     dfn = new_output((groups, m, k), x2, torch.float32)
     add = w is not None
     n = w.shape[-1] if add else 1
+    pieces = t.get("dx_pieces", False) and _precision(x2) == "bf16x3"
     if r:
         _mixes_bwd[(triton.cdiv(k, t["BK"]), groups)](x2, fn32, dmm, c, dx, dfn, w if add else c,
                                                       du.contiguous() if add else c,
@@ -629,8 +609,7 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
                                                       ADD_DXP=dxp is not None,
                                                       IN_STREAM=_in_stream(k // n, t["BK"]),
                                                       PREFETCH=t.get("prefetch", False),
-                                                      DX_BF16=t.get("dx_bf16", False), SKIP=t.get("skip", 0),
-                                                      DX_FMA=t.get("dx_fma", False),
+                                                      DX_PIECES=pieces,
                                                       num_warps=t["warps"],
                                                       num_stages=t.get("stages", 3))
     else:
