@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_runs.sh wgrad     # the expert wgrad kernel: its tests, its tiles at flash_slice's shapes, the step A/B
 #   bash benchmarks/gpu_runs.sh embedding # flash_slice: the embedding's gradient by rows vs dense, and the step with all options
 #   bash benchmarks/gpu_runs.sh headwgrad # the head tests; flash_slice: the heads' weight gradient per chunk vs gathered
+#   bash benchmarks/gpu_runs.sh mfu       # the mixes tests; flash_slice's MFU goal row: 16 and 8 micro-batches a step
+#                                         # (the --mixes-dx A/B: its default arm is the goal's number)
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs; the last lines of each show here.
 set -uo pipefail
@@ -95,6 +97,11 @@ embedding)
 headwgrad)
     run head-tests 200 python3 -m pytest -q tests/test_kernels.py -k "head or split" -p no:cacheprovider
     run head-wgrad-ab 330 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 2 --steps 4 --ab --head-wgrad
+    ;;
+mfu)
+    run mixes-tests 120 python3 -m pytest -q tests/test_kernels.py -k "mixes or hc_ or pre_streams" -p no:cacheprovider
+    run mfu-16 220 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 16 --steps 3 --ab --mixes-dx
+    run mfu-8 170 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 8 --steps 3 --ab --mixes-dx
     ;;
 layouts)
     run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep4-sync ep4 tp2ep2 --profile --stall-after 240
