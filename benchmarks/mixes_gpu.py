@@ -74,7 +74,7 @@ def prefetch_rows(x, fn, cots, refs, extra, keep) -> None:
     try:
         for t in tiles:
             for pf in (False, True):
-                mhc.MIX_BWD = dict(t, prefetch=pf)
+                mhc.MIX_BWD = dict(t, prefetch=pf, dx_pieces=True)
                 errs = errors(mhc.stream_mixes, x, fn, cots, refs)
                 _, bwd = kernel_times(x, fn, cots, extra)
                 name = (f"bwd BS {t['BS']} BK {t['BK']} groups {t['GROUPS']} w{t['warps']} s{t['stages']}"
@@ -147,7 +147,7 @@ def main() -> None:
         if not a.quick and m == 24:  # the sweep at hc_pre's width; hc_head's m = 4 on the defaults
             fwds = [dict(BS=bs, BK=bk, SPLIT=sp, warps=wp) for bs, bk, sp, wp in
                     itertools.product([64, 128], [64, 128], [4, 8], [4, 8])]
-            bwds = [dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=st) for bs, bk, gr, wp, st in
+            bwds = [dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=st, dx_pieces=True) for bs, bk, gr, wp, st in
                     itertools.product([32, 64, 128], [64, 128], [8, 16], [4, 8], [1, 2, 3])]
             rows += [("bf16x3", f, keep[2], False) for f in fwds] + [("bf16x3", keep[1], b, False) for b in bwds]
         base, best_f, best_b, in_stream = None, None, None, mhc._in_stream

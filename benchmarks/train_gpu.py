@@ -528,7 +528,7 @@ def projections_arms(w):
 
     options = moments_arms(w)[-1][1]
     returned = _patch(ops, "projection_main_grad", lambda _w: None)
-    wide = _patch(mhc, "MIX_BWD", dict(BS=32, BK=128, GROUPS=8, warps=4, stages=3, prefetch=False))
+    wide = _patch(mhc, "MIX_BWD", dict(BS=32, BK=128, GROUPS=8, warps=4, stages=3, prefetch=False, dx_pieces=True))
 
     def with_options(*switches):
         def on_off(on: bool) -> None:
@@ -769,7 +769,7 @@ def mixes_prefetch_arms():
     loads waited for in the step) against the next step's loads issued first (32-row steps)."""
     from plugins.deepseek_v4.kernels import mhc
 
-    old = dict(BS=64, BK=64, GROUPS=8, warps=4, stages=2, prefetch=False)
+    old = dict(BS=64, BK=64, GROUPS=8, warps=4, stages=2, prefetch=False, dx_pieces=True)
     return [("CUDA graphs, mixes backward: loads in their step", _patch(mhc, "MIX_BWD", old)),
             ("CUDA graphs, mixes backward: prefetched (default)", lambda on: None)]
 

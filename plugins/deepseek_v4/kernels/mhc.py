@@ -371,8 +371,9 @@ def hc_gates(mm: torch.Tensor, nrm: torch.Tensor, base: torch.Tensor, scale: tor
 # gradient dmm @ fn (both fp32, an inner dimension of m) takes the first two pieces of each
 # (`dx_pieces`: four bf16 dots, ~2^-16 relative, for a gradient stored in bf16); fp32 streams
 # take "tf32x3" for every dot (three TF32 products). "ieee" FMA dots measured 4x slower.
-# The tiles are `benchmarks/mixes_gpu.py`'s fastest at V4's widths ([4096, 16384] bf16, m = 24
-# and 4; docs/performance.md has the sweep and the backward's floor without its dots).
+# The tiles: `benchmarks/mixes_gpu.py`'s fastest over the model's calls at V4's widths
+# ([4096, 16384] bf16; a block's two hc_pre at m = 24, the heads' hc_head at m = 4; alone, each
+# m has a slightly faster backward tile); docs/performance.md has the sweep and the floor.
 # The forward may split K over SPLIT programs a row block (per-split partials, summed by the
 # gates kernel); each backward program owns a column block of a row group (GROUPS groups;
 # fn's partials per group).
@@ -480,8 +481,8 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
     dx's dmm @ fn: DX_PIECES (bf16 streams) as the four bf16 products of dmm's and fn's first
     two pieces (fn's split once, out of the loop), ~2^-16 relative, far below dx's bf16 store;
     otherwise tf32x3. At V4's widths ([4096, 16384], m = 24, H200) the tf32x3 dot was half of
-    this kernel's 281 us (the kernel without it: 143; without any dot: 125); as pieces on a
-    16 x 128 tile, 214 (benchmarks/mixes_gpu.py, docs/performance.md).
+    this kernel's 281 us (the kernel without it: 144; without any dot: 132); as pieces on a
+    16 x 128 tile, 211 (benchmarks/mixes_gpu.py, docs/performance.md).
     ADD_WDU: dx also takes the stream sum's gradient W[r, i] DU[r, e] at column i d + e (X [R,
     n d] flat, W [R, n], DU [R, d]), the other use of X in hc_pre; IN_STREAM: each column
     block lies in one stream (BK divides d), so W is one column and DU's columns are a
