@@ -104,7 +104,7 @@ mfu)
     run mfu-8 170 python3 benchmarks/train_gpu.py --config flash_slice --seq 4096 --batch 8 --steps 3 --ab --mixes-dx
     ;;
 layouts)
-    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep4-sync ep4 tp2ep2 --profile --stall-after 240
+    run layouts 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep4-sync ep4 tp2ep2 --profile --groups --stall-after 240
     ;;
 layouts2)
     run layouts2 560 python3 benchmarks/layouts_gpu.py --layouts 1 ep2-sync ep2 tp2 --profile --stall-after 200

@@ -6,6 +6,7 @@ work per token stays EP=32's; tokens/s per GPU against the first layout, peak me
     python3 benchmarks/layouts_gpu.py [--layouts 1 ep4 tp2ep2] [--seq 4096] [--batch 2] [--steps 4]
     python3 benchmarks/layouts_gpu.py --layouts 1 dp2-sync dp2 ep2-sync ep2 --graphs  # reduction after/in backward
     .venv/bin/python benchmarks/layouts_gpu.py --device cpu --config small_50m --seq 128 --layouts 1 ep2  # the path
+    python3 benchmarks/layouts_gpu.py --layouts tp2ep2 --groups  # and each rank's first use of each process group
 
 Each layout runs in processes of its own (a GPU each, nccl; gloo on CPU). Every data-parallel
 rank trains --batch sequences of its own a step (the ranks of a TP group share theirs), so a
@@ -49,6 +50,35 @@ def parse_layout(name: str) -> tuple[int, int, int, bool]:
     return int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(3) or 1), m.group(4) is None
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+               "all_to_all", "broadcast", "barrier", "all_gather_object", "send", "recv", "isend", "irecv")
+
+
+def note_first_uses(note) -> None:
+    """note() each process group's first collective on this rank (its ranks, the call, where).
+    NCCL makes a group's communicator at its first collective and the host waits there until
+    every member arrives: ranks that first use two shared groups in opposite orders wait on
+    each other outside NCCL's watchdog; the last line a stalled rank printed names its group."""
+    import torch.distributed as dist
+
+    seen = set()
+
+    def noting(name: str, fn):
+        def first_use(*args, **kw):
+            group = kw.get("group") or next((x for x in args if isinstance(x, dist.ProcessGroup)), None)
+            group = group or dist.group.WORLD
+            if id(group) not in seen:  # a group object, not its ranks: each has its own communicator
+                seen.add(id(group))
+                frame = traceback.extract_stack()[-2]
+                note(f"first use of group {getattr(group, 'group_name', '?')} {dist.get_process_group_ranks(group)}: "
+                     f"{name} at {Path(frame.filename).name}:{frame.lineno}")
+            return fn(*args, **kw)
+        return first_use
+
+    for name in COLLECTIVES:
+        setattr(dist, name, noting(name, getattr(dist, name)))
+
+
 def _run(rank: int, world: int, a: argparse.Namespace, layout: str, out: dict) -> None:
     cuda = a.device == "gpu"
     t0 = time.perf_counter()
@@ -63,6 +93,8 @@ def _run(rank: int, world: int, a: argparse.Namespace, layout: str, out: dict) -
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     else:
         torch.set_num_threads(1)
+    if a.groups:  # before the modules that call the collectives are imported
+        note_first_uses(note)
     from benchmarks.train_gpu import CONFIGS, spawned_rendezvous
     from miles.train.batching import MicroBatch
     from miles.train.worker import TrainWorker
@@ -152,8 +184,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="rank 0's top kernels over one more step, a layout each")
     ap.add_argument("--stall-after", type=float, default=400,
                     help="seconds after which a rank prints its threads' stacks and exits")
+    ap.add_argument("--groups", action="store_true", help="each rank notes its first collective on each group")
     a = ap.parse_args()
-    have = torch.cuda.device_count() if a.device == "gpu" else os.cpu_count()
+    have = torch.cuda.device_count() if a.device == "gpu" else 8  # gloo ranks share the cores: slow, but they run
     out = mp.Manager().dict()
     where = torch.cuda.get_device_name() if a.device == "gpu" else "CPU"
     print(f"{where}  {a.config} ({EXPERTS_PER_GPU} routed experts a GPU), seq={a.seq}, {a.batch} sequences a "
