@@ -66,22 +66,29 @@ def kernel_times(x, fn, cots, extra) -> tuple[float, float]:
     return fwd * 1e3, bwd * 1e3
 
 
-def prefetch_rows(x, fn, cots, refs, extra, keep) -> None:
-    """The backward with and without the next row step's loads issued before its work."""
-    tiles = [dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=st) for bs, bk, gr, wp, st in
-             [(64, 64, 8, 4, 2), (64, 64, 8, 4, 1), (32, 64, 8, 4, 1), (32, 64, 8, 4, 2), (32, 64, 16, 4, 1),
-              (32, 64, 4, 4, 1), (32, 128, 8, 4, 1), (32, 64, 8, 2, 1), (16, 64, 8, 4, 1), (64, 64, 16, 4, 1)]]
+def backward_rows(rows, x, fn, cots, refs, extra, keep) -> None:
+    """Each (name, MIX_BWD tile) of `rows`: the backward's time alone and its errors; the
+    default tile marked."""
     try:
-        for t in tiles:
-            for pf in (False, True):
-                mhc.MIX_BWD = dict(t, prefetch=pf, dx_pieces=True)
-                errs = errors(mhc.stream_mixes, x, fn, cots, refs)
-                _, bwd = kernel_times(x, fn, cots, extra)
-                name = (f"bwd BS {t['BS']} BK {t['BK']} groups {t['GROUPS']} w{t['warps']} s{t['stages']}"
-                        + (" prefetch" if pf else ""))
-                print(f"{name:80s} {'':7s} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs))
+        for name, tile in rows:
+            mhc.MIX_BWD = tile
+            errs = errors(mhc.stream_mixes, x, fn, cots, refs)
+            _, bwd = kernel_times(x, fn, cots, extra)
+            print(f"{name:80s} {'':7s} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
+                  + ("   (default)" if tile == keep[2] else ""))
     finally:
         mhc.MIX_BWD = keep[2]
+
+
+def prefetch_rows(x, fn, cots, refs, extra, keep) -> None:
+    """The backward with and without the next row step's loads issued before its work."""
+    rows = [(f"bwd BS {bs} BK {bk} groups {gr} w{wp} s{st}" + (" prefetch" if pf else ""),
+             dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=st, prefetch=pf, dx_pieces=True))
+            for bs, bk, gr, wp, st in [(64, 64, 8, 4, 2), (64, 64, 8, 4, 1), (32, 64, 8, 4, 1), (32, 64, 8, 4, 2),
+                                       (32, 64, 16, 4, 1), (32, 64, 4, 4, 1), (32, 128, 8, 4, 1), (32, 64, 8, 2, 1),
+                                       (16, 64, 8, 4, 1), (64, 64, 16, 4, 1)]
+            for pf in (False, True)]
+    backward_rows(rows, x, fn, cots, refs, extra, keep)
 
 
 def dx_rows(x, fn, cots, refs, extra, keep) -> None:
@@ -89,19 +96,11 @@ def dx_rows(x, fn, cots, refs, extra, keep) -> None:
     the bf16 pieces of dmm and fn (`dx_pieces`) over tiles."""
     rows = [("dx tf32x3, BS 32 BK 64 groups 8 w4 prefetch (before)",
              dict(BS=32, BK=64, GROUPS=8, warps=4, stages=1, prefetch=True, dx_pieces=False))]
-    for bs, bk, gr, wp in [(32, 64, 8, 4), (16, 128, 8, 4), (16, 128, 4, 4), (16, 128, 16, 4), (16, 256, 8, 4),
-                           (16, 128, 8, 2), (32, 128, 8, 4), (64, 64, 8, 4), (16, 64, 8, 2)]:
-        rows.append((f"dx pieces, BS {bs} BK {bk} groups {gr} w{wp} prefetch",
-                     dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=1, prefetch=True, dx_pieces=True)))
-    try:
-        for name, b in rows:
-            mhc.MIX_BWD = b
-            errs = errors(mhc.stream_mixes, x, fn, cots, refs)
-            _, bwd = kernel_times(x, fn, cots, extra)
-            print(f"{name:80s} {'':7s} {bwd:7.1f}   " + " / ".join(f"{e:.1e}" for e in errs)
-                  + ("   (default)" if b == keep[2] else ""))
-    finally:
-        mhc.MIX_BWD = keep[2]
+    rows += [(f"dx pieces, BS {bs} BK {bk} groups {gr} w{wp} prefetch",
+              dict(BS=bs, BK=bk, GROUPS=gr, warps=wp, stages=1, prefetch=True, dx_pieces=True))
+             for bs, bk, gr, wp in [(32, 64, 8, 4), (16, 128, 8, 4), (16, 128, 4, 4), (16, 128, 16, 4),
+                                    (16, 256, 8, 4), (16, 128, 8, 2), (32, 128, 8, 4), (64, 64, 8, 4), (16, 64, 8, 2)]]
+    backward_rows(rows, x, fn, cots, refs, extra, keep)
 
 
 def main() -> None:

@@ -495,8 +495,9 @@ def _mixes_bwd(X, FN, DMM, C, DX, DFN, W, DU, DXP, R, K, m, span, n, d, MP: tl.c
     j = tl.arange(0, MP)
     cols, fm = c < K, (j < m)[:, None] & (c < K)[None, :]
     w = tl.load(FN + j[:, None] * K + c[None, :], mask=fm, other=0.0)  # [MP, BK]
-    w0 = w.to(tl.bfloat16)
-    w1 = (w - w0.to(tl.float32)).to(tl.bfloat16)
+    if DX_PIECES:  # fn's first two bf16 pieces, once
+        w0 = w.to(tl.bfloat16)
+        w1 = (w - w0.to(tl.float32)).to(tl.bfloat16)
     dw = tl.zeros([MP, BK], tl.float32)
     if IN_STREAM:
         stream = tl.program_id(0) * BK // d
@@ -609,8 +610,7 @@ def _mixes_backward(kept, dmm, dnrm, fn_dtype: torch.dtype, w: torch.Tensor | No
                                                       BK=t["BK"], PREC=_precision(x2), UPCAST=INTERPRET, ADD_WDU=add,
                                                       ADD_DXP=dxp is not None,
                                                       IN_STREAM=_in_stream(k // n, t["BK"]),
-                                                      PREFETCH=t.get("prefetch", False),
-                                                      DX_PIECES=pieces,
+                                                      PREFETCH=t.get("prefetch", False), DX_PIECES=pieces,
                                                       num_warps=t["warps"],
                                                       num_stages=t.get("stages", 3))
     else:
